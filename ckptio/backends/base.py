@@ -1,0 +1,284 @@
+"""The small backend interface every storage implements, and everything derived from it.
+
+A backend must provide six operations (ranged read, streaming write with a mode, stat, list,
+delete) and may override the derived ones (``readinto``, ``write``, ``copy``...) when the storage
+can do them faster. Backends take and return full URIs (after alias resolution), so their errors
+name the object. They raise only the exceptions in :mod:`ckptio.errors` (and built-ins they
+subclass); client-specific errors are translated here at the boundary.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, ClassVar, Iterable, Iterator, Literal, Union
+
+from .. import uri as _uri
+from ..errors import NotFoundError
+
+WriteMode = Literal["overwrite", "create"]
+Buffer = Union[bytes, bytearray, memoryview]
+
+DEFAULT_PART_SIZE = 32 * 1024 * 1024
+DEFAULT_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What ``stat``/``list`` return. ``version`` is an etag, a generation or ``mtime_ns:size``."""
+
+    uri: str
+    size: int
+    mtime: float | None = None
+    version: str | None = None
+    is_dir: bool = False
+
+
+def check_mode(mode: str) -> None:
+    if mode not in ("overwrite", "create"):
+        raise ValueError(f"write mode must be 'overwrite' or 'create', got {mode!r}")
+
+
+class Writer(abc.ABC):
+    """A streaming writer. Nothing is visible under the final URI until ``close`` commits.
+
+    Used as a context manager: leaving the block with an exception calls ``abort``, which
+    discards everything written (temporary files, multipart uploads).
+    """
+
+    uri: str
+
+    @abc.abstractmethod
+    def write(self, data: Buffer) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Commit: make the object visible under its URI (atomically where the storage can)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard what was written. Safe to call more than once and after a failed close."""
+
+    def writelines(self, chunks: Iterable[Buffer]) -> None:
+        for c in chunks:
+            self.write(c)
+
+    # file-like conveniences so formats can hand the writer to pickle/torch/json
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class BufferedWriter(Writer):
+    """Collects everything in memory and commits with one call. For small objects and simple backends."""
+
+    def __init__(self, uri: str, commit: Callable[[bytes], None]) -> None:
+        self.uri = uri
+        self._buf: io.BytesIO | None = io.BytesIO()
+        self._commit = commit
+
+    def write(self, data: Buffer) -> int:
+        if self._buf is None:
+            raise ValueError(f"write to a closed writer: {self.uri}")
+        return self._buf.write(data)
+
+    def close(self) -> None:
+        if self._buf is None:
+            return
+        data = self._buf.getvalue()
+        self._buf = None
+        self._commit(data)
+
+    def abort(self) -> None:
+        self._buf = None
+
+
+class RangeReader(io.RawIOBase):
+    """A seekable, read-only file over any backend, built on ``Backend.readinto``.
+
+    Wrap in ``io.BufferedReader`` for many small reads; large ``readinto`` calls go straight to
+    the backend (which may split them into parallel ranged requests).
+    """
+
+    def __init__(self, backend: "Backend", uri: str, size: int) -> None:
+        super().__init__()
+        self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        pos = base + offset
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos} in {self.uri}")
+        self._pos = pos
+        return pos
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        mv = memoryview(b).cast("B")
+        n = min(len(mv), max(0, self.size - self._pos))
+        if n == 0:
+            return 0
+        got = self._backend.readinto(self.uri, mv[:n], self._pos)
+        self._pos += got
+        return got
+
+    def readall(self) -> bytes:
+        out = bytearray(max(0, self.size - self._pos))
+        n = self.readinto(out)
+        return bytes(out[:n])
+
+
+class Backend(abc.ABC):
+    """Base class of all storage backends. Subclass, implement the abstract methods, register.
+
+    ``name`` is the registry name; ``prefixes`` are filled in by :func:`ckptio.register_backend`.
+    Options come from settings or arguments; unknown options raise ``TypeError``.
+    """
+
+    name: ClassVar[str] = "base"
+    prefixes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        if int(part_size) <= 0:
+            raise ValueError(f"part_size must be > 0, got {part_size!r}")
+        if int(concurrency) <= 0:
+            raise ValueError(f"concurrency must be > 0, got {concurrency!r}")
+        self.part_size = int(part_size)
+        self.concurrency = int(concurrency)
+
+    def __repr__(self) -> str:  # never includes options: they may hold secrets
+        return f"<{type(self).__name__} backend {self.name!r}>"
+
+    # ---- the required core -------------------------------------------------------------
+    @abc.abstractmethod
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the object (``end=None``: to the end). Short at EOF."""
+
+    @abc.abstractmethod
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        """A streaming writer; ``mode="create"`` makes ``close`` fail with FileExistsError if the object exists."""
+
+    @abc.abstractmethod
+    def stat(self, uri: str) -> ObjectInfo:
+        """Size, mtime and version token of an object (FileNotFoundError if missing)."""
+
+    @abc.abstractmethod
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        """Entries under the directory/prefix ``uri``. One level yields ``is_dir`` entries for sub-prefixes."""
+
+    @abc.abstractmethod
+    def delete(self, uri: str) -> None:
+        """Delete one object (FileNotFoundError if missing)."""
+
+    # ---- derived; override when the storage does better ----------------------------------
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        """Fill ``buf`` with bytes starting at ``offset``; returns the count (short at EOF)."""
+        mv = memoryview(buf).cast("B")
+        data = self.read_range(uri, offset, offset + len(mv))
+        mv[: len(data)] = data
+        return len(data)
+
+    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        """Write a whole object in one call."""
+        with self.open_writer(uri, mode=mode, durable=durable) as w:
+            w.write(data)
+
+    def open_reader(self, uri: str, *, size: int | None = None) -> BinaryIO:
+        """A seekable binary file over the object, buffered with ``part_size``-free small-read buffering."""
+        if size is None:
+            size = self.stat(uri).size
+        return io.BufferedReader(RangeReader(self, uri, size), buffer_size=1024 * 1024)  # type: ignore[return-value]
+
+    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
+        """Copy within this backend. Default streams through this process in ``part_size`` pieces."""
+        copy_between(self, src, self, dst, mode=mode)
+
+    def exists(self, uri: str) -> bool:
+        return self.isfile(uri) or self.isdir(uri)
+
+    def isfile(self, uri: str) -> bool:
+        try:
+            return not self.stat(uri).is_dir
+        except FileNotFoundError:
+            return False
+
+    def isdir(self, uri: str) -> bool:
+        try:
+            next(iter(self.list(uri, recursive=False)))
+            return True
+        except (StopIteration, FileNotFoundError, NotADirectoryError):
+            return False
+
+    def read(self, uri: str) -> bytes:
+        """The whole object. Uses ``readinto`` so large objects are fetched in parallel where supported."""
+        size = self.stat(uri).size
+        buf = bytearray(size)
+        n = self.readinto(uri, buf, 0)
+        return bytes(buf) if n == size else bytes(buf[:n])
+
+    def rmtree(self, uri: str) -> None:
+        """Delete everything under ``uri`` (missing: no error)."""
+        for info in list(self.list(uri, recursive=True)):
+            if not info.is_dir:
+                with contextlib.suppress(FileNotFoundError):
+                    self.delete(info.uri)
+
+    @contextlib.contextmanager
+    def get_local_path(self, uri: str) -> Iterator[str]:
+        """A local file holding the object's bytes for the duration of the block (a temporary copy)."""
+        tmpdir = tempfile.mkdtemp(prefix="ckptio-")
+        path = os.path.join(tmpdir, _uri.basename(uri) or "object")
+        try:
+            with open(path, "wb") as f:
+                copy_to_file(self, uri, f)
+            yield path
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Release clients and pools. The backend may be used again afterwards (it reconnects)."""
+
+
+def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
+    """Stream an object into an open binary file in ``part_size`` pieces; returns bytes copied."""
+    size = backend.stat(uri).size
+    chunk = bytearray(min(max(size, 1), backend.part_size * backend.concurrency))
+    mv, pos = memoryview(chunk), 0
+    while pos < size:
+        n = backend.readinto(uri, mv[: min(len(mv), size - pos)], pos)
+        if n <= 0:
+            raise NotFoundError(uri, f"object shrank while reading at byte {pos} of {size}")
+        f.write(mv[:n])
+        pos += n
+    return pos
+
+
+def copy_between(src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite") -> None:
+    """Stream one object from any backend to any backend with bounded memory."""
+    with dst_backend.open_writer(dst, mode=mode) as w:
+        copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
+

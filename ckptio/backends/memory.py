@@ -1,0 +1,96 @@
+"""``memory://``: objects in a dict, for tests and examples.
+
+The store belongs to the backend instance, which the default context caches, so objects persist
+across calls in one process and disappear with :func:`ckptio.reset`. It never outlives the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+from ..errors import AlreadyExistsError, NotFoundError
+from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode
+
+
+def _key(uri: str) -> str:
+    return uri.split("://", 1)[-1].strip("/")
+
+
+class MemoryBackend(Backend):
+    name = "memory"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._objects: dict[str, tuple[bytes, float, int]] = {}
+        self._lock = threading.Lock()
+        self._generation = 0
+        self.bytes_read = 0  # counted so tests can check that partial loads read only what they need
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        data = self._get(uri)[0]
+        out = data[start:end]
+        self.bytes_read += len(out)
+        return out
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        data = self._get(uri)[0]
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), len(data) - offset))
+        mv[:n] = memoryview(data)[offset: offset + n]
+        self.bytes_read += n
+        return n
+
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        check_mode(mode)
+        if mode == "create" and _key(uri) in self._objects:
+            raise AlreadyExistsError(uri)
+        return BufferedWriter(uri, lambda data: self._put(uri, data, mode))
+
+    def _put(self, uri: str, data: bytes, mode: WriteMode) -> None:
+        k = _key(uri)
+        with self._lock:
+            if mode == "create" and k in self._objects:
+                raise AlreadyExistsError(uri)
+            self._generation += 1
+            self._objects[k] = (bytes(data), time.time(), self._generation)
+
+    def _get(self, uri: str) -> tuple[bytes, float, int]:
+        try:
+            return self._objects[_key(uri)]
+        except KeyError:
+            raise NotFoundError(uri) from None
+
+    def stat(self, uri: str) -> ObjectInfo:
+        k = _key(uri)
+        if k not in self._objects:
+            if self.isdir(uri):
+                return ObjectInfo(uri, 0, None, None, is_dir=True)
+            raise NotFoundError(uri)
+        data, mtime, gen = self._objects[k]
+        return ObjectInfo(uri, len(data), mtime, str(gen))
+
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        scheme = uri.split("://", 1)[0] if "://" in uri else "memory"
+        prefix = _key(uri)
+        prefix = prefix + "/" if prefix else ""
+        with self._lock:
+            items = sorted(self._objects.items())
+        seen_dirs: set[str] = set()
+        for k, (data, mtime, gen) in items:
+            if not k.startswith(prefix):
+                continue
+            rest = k[len(prefix):]
+            if not recursive and "/" in rest:
+                d = rest.split("/", 1)[0]
+                if d not in seen_dirs:
+                    seen_dirs.add(d)
+                    yield ObjectInfo(f"{scheme}://{prefix}{d}", 0, None, None, is_dir=True)
+                continue
+            yield ObjectInfo(f"{scheme}://{k}", len(data), mtime, str(gen))
+
+    def delete(self, uri: str) -> None:
+        with self._lock:
+            if self._objects.pop(_key(uri), None) is None:
+                raise NotFoundError(uri)

@@ -1,0 +1,115 @@
+"""The one place that turns a URI into (backend instance, resolved URI).
+
+A :class:`Context` layers settings (defaults < file < environment < ``configure`` arguments),
+applies path mapping and alias schemes, picks the backend from the registry and caches backend
+instances per (backend, options). The process has one default context; :func:`reset` drops its
+cached settings and clients, and tests call it between cases so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Mapping
+
+from . import config as _config
+from . import registry as _registry
+from .backends.base import Backend
+from .config import Settings
+from .errors import SettingsError
+
+
+def _freeze(options: Mapping[str, Any]) -> str:
+    return json.dumps(options, sort_keys=True, default=repr)
+
+
+class Context:
+    def __init__(self, settings: Settings | None = None, *, env: Mapping[str, str] | None = None) -> None:
+        self._explicit = settings  # when given, file/env are not read
+        self._overrides = Settings()
+        self._env = env
+        self._settings: Settings | None = None
+        self._backends: dict[tuple[str, str], Backend] = {}
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+
+    @property
+    def settings(self) -> Settings:
+        with self._lock:
+            if self._settings is None:
+                base = self._explicit if self._explicit is not None else _config.load(
+                    self._env, _registry.backends.names())
+                self._settings = base.merged(self._overrides)
+            return self._settings
+
+    def configure(self, settings: Settings) -> None:
+        """Layer ``settings`` on top of everything else (the 'explicit arguments' level)."""
+        with self._lock:
+            self._overrides = self._overrides.merged(settings)
+            self._drop()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._overrides = Settings()
+            self._drop()
+
+    def _drop(self) -> None:
+        for b in self._backends.values():
+            b.close()
+        self._backends.clear()
+        self._settings = None
+
+    def resolve(self, uri: str | os.PathLike, **options: Any) -> tuple[Backend, str]:
+        """Backend and resolved URI for ``uri``; ``options`` override settings for this call."""
+        uri = os.fspath(uri)
+        if not isinstance(uri, str):
+            raise TypeError(f"expected a URI string, got {type(uri).__name__}")
+        s = self.settings
+        resolved, alias_options = s.resolve_alias(s.map_path(uri))
+        entry = _registry.backends.find(resolved)
+        settings_key = entry.name.split(":", 1)[-1]
+        opts = {**s.backends.get(settings_key, {}), **alias_options, **options}
+        if entry.name.startswith("fsspec:"):
+            opts["protocol"] = settings_key
+        return self._instance(entry, opts, uri), resolved
+
+    def _instance(self, entry: _registry.Entry, opts: dict[str, Any], uri: str) -> Backend:
+        key = (entry.name, _freeze(opts))
+        with self._lock:
+            if os.getpid() != self._pid:  # forked: clients (sockets, event loops) are not fork-safe
+                self._backends.clear()
+                self._pid = os.getpid()
+            backend = self._backends.get(key)
+            if backend is None:
+                cls = entry.load()
+                accepted = _registry.accepted_options(cls)
+                unknown = sorted(set(opts) - accepted) if accepted is not None else []
+                if unknown:
+                    raise SettingsError(
+                        f"backend {entry.name!r} (for {uri!r}) does not accept option(s) {unknown}; "
+                        f"it accepts {sorted(accepted or ())}"
+                    )
+                try:
+                    backend = cls(**opts)
+                except (TypeError, ValueError) as e:
+                    raise SettingsError(f"backend {entry.name!r} (for {uri!r}): invalid options: {e}") from None
+                self._backends[key] = backend
+            return backend
+
+
+_default = Context()
+
+
+def default_context() -> Context:
+    return _default
+
+
+def resolve(uri: str | os.PathLike, **options: Any) -> tuple[Backend, str]:
+    """Module-level shortcut: resolve ``uri`` in the default context."""
+    return _default.resolve(uri, **options)
+
+
+def reset() -> None:
+    """Forget ``configure`` overrides, re-read settings on next use, and close cached clients."""
+    _default.reset()

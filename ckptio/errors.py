@@ -1,0 +1,80 @@
+"""One exception family. Each subclasses the built-in a caller would naturally catch.
+
+Backends translate their client's errors into these at the boundary, so user code can write
+``except FileNotFoundError`` whatever the storage. Every message names the URI involved.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class CkptioError(Exception):
+    """Base class of every error ckptio raises on purpose."""
+
+
+class NotFoundError(CkptioError, FileNotFoundError):
+    def __init__(self, uri: str, detail: str = "no such object") -> None:
+        super().__init__(_errno.ENOENT, f"{detail}: {uri}", uri)
+        self.uri = uri
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class AlreadyExistsError(CkptioError, FileExistsError):
+    def __init__(self, uri: str, detail: str = "object already exists (write mode 'create')") -> None:
+        super().__init__(_errno.EEXIST, f"{detail}: {uri}", uri)
+        self.uri = uri
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class AccessDeniedError(CkptioError, PermissionError):
+    def __init__(self, uri: str, detail: str = "permission denied") -> None:
+        super().__init__(_errno.EACCES, f"{detail}: {uri}", uri)
+        self.uri = uri
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+class CredentialsError(AccessDeniedError):
+    """No usable credentials were found, or the server rejected them."""
+
+
+class UnknownSchemeError(CkptioError, ValueError):
+    """The URI's scheme matches no registered backend and no alias."""
+
+
+class InvalidURIError(CkptioError, ValueError):
+    """The URI is malformed (e.g. ``s3://`` with no bucket)."""
+
+
+class MissingDependencyError(CkptioError, ImportError):
+    """An optional package is needed; the message says which extra to install."""
+
+
+class SettingsError(CkptioError, ValueError):
+    """Settings are invalid; the message names the source, the key and the reason."""
+
+
+class FormatError(CkptioError, ValueError):
+    """A file cannot be decoded by the format chosen for it (wrong type, malformed, unsupported)."""
+
+
+class UnknownFormatError(FormatError):
+    """No format is registered for a file's extension."""
+
+
+class IntegrityError(FormatError):
+    """Stored bytes do not match their checksum, or a file is truncated or has trailing bytes."""
+
+
+class IncompleteCheckpointError(CkptioError, FileNotFoundError):
+    """A checkpoint directory exists but was never committed (its commit marker is missing)."""
+
+
+class TransferError(CkptioError, OSError):
+    """A remote operation failed for a reason that is not one of the above."""

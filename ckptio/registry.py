@@ -1,0 +1,244 @@
+"""Explicit registries: backends by URI prefix, formats by file extension.
+
+Entries may be classes or lazy ``"module:Class"`` paths, so ``import ckptio`` never imports
+s3fs/gcsfs. Installed packages add entries through the ``ckptio.backends`` and ``ckptio.formats``
+entry-point groups, read once on first need. Registering a taken prefix/extension again is an
+error unless ``force=True``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, TypeVar
+
+from . import uri as _uri
+from .errors import MissingDependencyError, UnknownFormatError, UnknownSchemeError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Entry:
+    """A registered backend or format: its name, where it lives, and the extra that provides it."""
+
+    name: str
+    keys: tuple[str, ...]  # URI prefixes ("s3://") or extensions (".pt")
+    target: Any  # a class or "module:attr"
+    extra: str | None = None  # pip extra that installs what it needs
+    _loaded: Any = field(default=None, repr=False)
+
+    def load(self) -> Any:
+        if self._loaded is None:
+            if isinstance(self.target, str):
+                mod, _, attr = self.target.partition(":")
+                try:
+                    self._loaded = getattr(importlib.import_module(mod), attr)
+                except ImportError as e:
+                    hint = f"pip install 'ckptio[{self.extra}]'" if self.extra else "install the package that provides it"
+                    raise MissingDependencyError(
+                        f"{self.name!r} needs a package that is not installed ({e.name or e}); run: {hint}"
+                    ) from e
+            else:
+                self._loaded = self.target
+        return self._loaded
+
+
+def _norm_prefix(p: str) -> str:
+    p = p.strip()
+    if p in ("", "/"):
+        return ""
+    return p if "://" in p else f"{p.rstrip(':/')}://"
+
+
+def _norm_ext(e: str) -> str:
+    e = e.strip().lower()
+    return e if e.startswith(".") else f".{e}"
+
+
+class _Registry:
+    kind = "entry"
+    group = ""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}  # key -> entry
+        self._lock = threading.RLock()
+        self._entry_points_loaded = False
+
+    def register(self, name: str, keys: list[str] | tuple[str, ...], target: Any, *, extra: str | None = None,
+                 force: bool = False) -> Entry:
+        keys = tuple(self._norm(k) for k in keys)
+        if not keys:
+            raise ValueError(f"{self.kind} {name!r} must be registered with at least one prefix/extension")
+        with self._lock:
+            taken = [k for k in keys if k in self._entries and self._entries[k].name != name]
+            if taken and not force:
+                owners = ", ".join(f"{k!r} (by {self._entries[k].name!r})" for k in taken)
+                raise ValueError(f"cannot register {self.kind} {name!r}: already registered: {owners}; pass force=True to replace")
+            entry = Entry(name, keys, target, extra)
+            for k in keys:
+                self._entries[k] = entry
+            return entry
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            for k in [k for k, e in self._entries.items() if e.name == name]:
+                del self._entries[k]
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted({e.name for e in self._entries.values()})
+
+    def keys(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(self._entries)
+
+    def by_name(self, name: str) -> Entry | None:
+        self._load_entry_points()
+        for e in self._entries.values():
+            if e.name == name:
+                return e
+        return None
+
+    def _norm(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        with self._lock:
+            if self._entry_points_loaded:
+                return
+            self._entry_points_loaded = True
+            for ep in metadata.entry_points(group=self.group):
+                # an entry point names a class registered by decorator on import, or a class with
+                # ``prefixes``/``extensions`` attributes
+                obj = ep.load()
+                if self.by_name_unloaded(ep.name) is None:
+                    keys = getattr(obj, "prefixes", None) or getattr(obj, "extensions", None) or ()
+                    if keys:
+                        self.register(ep.name, tuple(keys), obj)
+
+    def by_name_unloaded(self, name: str) -> Entry | None:
+        return next((e for e in self._entries.values() if e.name == name), None)
+
+
+class BackendRegistry(_Registry):
+    kind = "backend"
+    group = "ckptio.backends"
+
+    def _norm(self, key: str) -> str:
+        return _norm_prefix(key)
+
+    def find(self, uri: str) -> Entry:
+        """The entry with the longest prefix matching ``uri``; bare paths go to the ``""`` entry."""
+        scheme = _uri.scheme_of(uri)
+        for attempt in range(2):
+            best = self._match(uri, scheme)
+            if best is not None:
+                return best
+            if attempt == 0:
+                self._load_entry_points()
+        if scheme:
+            fs = _fsspec_protocol(scheme)
+            if fs:
+                return Entry(f"fsspec:{scheme}", (f"{scheme}://",), "ckptio.backends.fsspec:FsspecBackend")
+        known = ", ".join(k or "<bare path>" for k in self.keys())
+        raise UnknownSchemeError(
+            f"no backend for {uri!r} (scheme {scheme!r}). Known prefixes: {known}. Define an alias for it under "
+            f"[aliases] in ckptio.toml (or ckptio.configure(aliases=...)), or register a backend with "
+            f"@ckptio.register_backend(name, prefixes=[...])."
+        )
+
+    def _match(self, uri: str, scheme: str) -> Entry | None:
+        with self._lock:
+            if not scheme:
+                return self._entries.get("")
+            low = uri[: len(scheme) + 3].lower() + uri[len(scheme) + 3:]
+            best_key = max((k for k in self._entries if k and low.startswith(k)), key=len, default=None)
+            return self._entries[best_key] if best_key is not None else None
+
+
+def _fsspec_protocol(scheme: str) -> bool:
+    """Whether fsspec knows ``scheme`` (checked without importing the implementation)."""
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:  # pragma: no cover - fsspec is a hard dependency
+        return False
+    return scheme in known_implementations or scheme in registry
+
+
+class FormatRegistry(_Registry):
+    kind = "format"
+    group = "ckptio.formats"
+
+    def _norm(self, key: str) -> str:
+        return _norm_ext(key)
+
+    def find(self, uri: str) -> Entry:
+        """The entry with the longest extension matching ``uri``'s name (``.pth.tar`` beats ``.tar``)."""
+        name = _uri.basename(uri).lower()
+        for attempt in range(2):
+            with self._lock:
+                best = max((k for k in self._entries if name.endswith(k)), key=len, default=None)
+                if best is not None:
+                    return self._entries[best]
+            if attempt == 0:
+                self._load_entry_points()
+        raise UnknownFormatError(
+            f"no format for {uri!r}: its extension matches none of {', '.join(self.keys())}. Pass "
+            f"file_format=... or register one with @ckptio.register_format(name, extensions=[...])."
+        )
+
+
+backends = BackendRegistry()
+formats = FormatRegistry()
+
+
+def register_backend(name: str, prefixes: list[str] | tuple[str, ...], *, force: bool = False) -> Callable[[T], T]:
+    """Class decorator: route URIs starting with any of ``prefixes`` (``"foo"`` means ``foo://``) to the class."""
+
+    def deco(cls: T) -> T:
+        backends.register(name, prefixes, cls, force=force)
+        cls.name = name  # type: ignore[attr-defined]
+        cls.prefixes = tuple(_norm_prefix(p) for p in prefixes)  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def register_format(name: str, extensions: list[str] | tuple[str, ...], *, force: bool = False) -> Callable[[T], T]:
+    """Class decorator: use the format for files ending in any of ``extensions``."""
+
+    def deco(cls: T) -> T:
+        formats.register(name, extensions, cls, force=force)
+        cls.name = name  # type: ignore[attr-defined]
+        cls.extensions = tuple(_norm_ext(e) for e in extensions)  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def accepted_options(cls: type) -> set[str] | None:
+    """Keyword options a backend class accepts (``None``: it takes ``**kwargs`` beyond the base ones)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    names.discard("self")
+    return names
+
+
+# Built-ins. s3/gcs/fsspec are lazy: their modules import s3fs/gcsfs.
+backends.register("local", ["", "file://"], "ckptio.backends.local:LocalBackend")
+backends.register("memory", ["memory://"], "ckptio.backends.memory:MemoryBackend")
+backends.register("s3", ["s3://", "s3a://"], "ckptio.backends.s3:S3Backend", extra="s3")
+backends.register("gcs", ["gs://", "gcs://"], "ckptio.backends.gcs:GCSBackend", extra="gcs")

@@ -1,0 +1,60 @@
+"""Pure URI helpers: split a URI into scheme and path, join paths. No I/O."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import InvalidURIError
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def scheme_of(uri: str) -> str:
+    """Return the scheme of ``uri`` (``"s3"``), or ``""`` for a bare local path."""
+    m = _SCHEME_RE.match(uri)
+    return m.group(1).lower() if m else ""
+
+
+def split(uri: str) -> tuple[str, str]:
+    """Split ``"s3://b/k"`` into ``("s3", "b/k")``; a bare path gives ``("", path)``."""
+    if not isinstance(uri, str):
+        if isinstance(uri, os.PathLike):
+            return "", os.fspath(uri)
+        raise TypeError(f"expected a URI string or os.PathLike, got {type(uri).__name__}: {uri!r}")
+    m = _SCHEME_RE.match(uri)
+    if not m:
+        return "", uri
+    return m.group(1).lower(), uri[m.end():]
+
+
+def bucket_key(uri: str) -> tuple[str, str]:
+    """Split an object-store URI into bucket and key (``"s3://b/a/k"`` -> ``("b", "a/k")``)."""
+    scheme, rest = split(uri)
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise InvalidURIError(f"URI has no bucket: {uri!r} (expected {scheme or 's3'}://BUCKET/KEY)")
+    return bucket, key
+
+
+def join_path(base: str, *parts: str) -> str:
+    """Join path segments with ``/`` (or ``os.path.join`` for bare local paths)."""
+    base = os.fspath(base)
+    scheme, _ = split(base)
+    if not scheme:
+        return os.path.join(base, *parts)
+    out = base
+    for p in parts:
+        p = p.lstrip("/")
+        out = out if not p else (out.rstrip("/") + "/" + p if not out.endswith("://") else out + p)
+    return out
+
+
+def basename(uri: str) -> str:
+    return split(uri)[1].rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(uri: str) -> str:
+    scheme, rest = split(uri)
+    head = rest.rstrip("/").rsplit("/", 1)[0] if "/" in rest.rstrip("/") else ""
+    return f"{scheme}://{head}" if scheme else (head or ".")
