@@ -1,0 +1,1 @@
+"""Serialization formats, chosen by file extension (see ckptio.registry)."""

@@ -1,0 +1,67 @@
+"""The format interface: how an object becomes bytes on a backend, and back.
+
+A format gets the backend and the resolved URI, so it can stream, issue ranged reads or map a
+local file as it sees fit. Simple formats subclass :class:`StreamFormat` and only convert to and
+from a file object.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import IO, Any, ClassVar
+
+from ..backends.base import Backend, WriteMode
+
+
+class Format(abc.ABC):
+    name: ClassVar[str] = "base"
+    extensions: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", **kwargs: Any) -> None:
+        """Serialize ``obj`` to ``uri``. Nothing is visible under ``uri`` unless this returns."""
+
+    @abc.abstractmethod
+    def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
+        """Deserialize the object at ``uri``."""
+
+    def dump_file(self, obj: Any, f: IO, **kwargs: Any) -> None:
+        """Serialize into an open file object (easy_io's ``dump(obj, file_obj)``)."""
+        raise NotImplementedError(f"format {self.name!r} cannot write to a file object")
+
+    def load_file(self, f: IO, **kwargs: Any) -> Any:
+        """Deserialize from an open file object."""
+        raise NotImplementedError(f"format {self.name!r} cannot read from a file object")
+
+    def __repr__(self) -> str:
+        return f"<format {self.name!r} {list(self.extensions)}>"
+
+
+class StreamFormat(Format):
+    """A format that only needs a writable/readable binary file object."""
+
+    text: ClassVar[bool] = False  # True: dump_file/load_file get text (str) streams
+
+    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
+             **kwargs: Any) -> None:
+        with backend.open_writer(uri, mode=mode, durable=durable) as w:
+            if self.text:
+                import io
+
+                t = io.TextIOWrapper(w, encoding="utf-8", write_through=True)  # type: ignore[arg-type]
+                self.dump_file(obj, t, **kwargs)
+                t.flush()
+                t.detach()
+            else:
+                self.dump_file(obj, w, **kwargs)
+
+    def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
+        f = backend.open_reader(uri)
+        try:
+            if self.text:
+                import io
+
+                return self.load_file(io.TextIOWrapper(f, encoding="utf-8"), **kwargs)  # type: ignore[arg-type]
+            return self.load_file(f, **kwargs)
+        finally:
+            f.close()
