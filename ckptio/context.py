@@ -113,3 +113,23 @@ def resolve(uri: str | os.PathLike, **options: Any) -> tuple[Backend, str]:
 def reset() -> None:
     """Forget ``configure`` overrides, re-read settings on next use, and close cached clients."""
     _default.reset()
+
+
+def configure(*, settings_file: str | None = None, backends: Mapping[str, Mapping[str, Any]] | None = None,
+              aliases: Mapping[str, Any] | None = None, path_mapping: Mapping[str, str] | None = None) -> None:
+    """Set options programmatically, on top of the file and environment (the highest layer).
+
+    ``backends={"s3": {"endpoint_url": ...}}``, ``aliases={"ckpt": {"target": "s3://b/x", "options": {...}}}``,
+    ``path_mapping={"s3://old/": "s3://new/"}``; ``settings_file`` layers a TOML file at this level too.
+    Calls accumulate until :func:`reset`.
+    """
+    layer = _config.load_file(settings_file) if settings_file else Settings()
+    data = {k: v for k, v in (("backends", backends), ("aliases", aliases), ("path_mapping", path_mapping)) if v}
+    if data:
+        layer = layer.merged(_config.from_mapping(data, "ckptio.configure()"))
+    _default.configure(layer)
+
+
+def settings() -> dict[str, Any]:
+    """The effective settings of the default context, secrets redacted."""
+    return _default.settings.redacted()
