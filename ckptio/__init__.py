@@ -1,8 +1,64 @@
-"""ckptio: fast, safe checkpoint I/O for PyTorch on any storage."""
+"""ckptio: fast, safe checkpoint I/O for PyTorch on any storage.
+
+``ckptio.dump(obj, uri)`` / ``ckptio.load(uri)`` choose the storage by the URI's scheme and the
+format by the file's extension; the rest of the easy_io surface (put/get/exists/ls/copy...) works
+on every backend. See the README for the tour.
+"""
 
 from . import errors
 from .backends.base import Backend, ObjectInfo, Writer
 from .context import Context, configure, reset, resolve, settings
+from .errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CkptioError,
+    CredentialsError,
+    FormatError,
+    IntegrityError,
+    MissingDependencyError,
+    NotFoundError,
+    SettingsError,
+    UnknownFormatError,
+    UnknownSchemeError,
+)
+from .formats.base import Format, StreamFormat
+from .io import (
+    copyfile,
+    copyfile_from_local,
+    copyfile_to_local,
+    copytree,
+    copytree_from_local,
+    copytree_to_local,
+    dump,
+    exists,
+    get,
+    get_local_path,
+    get_text,
+    isdir,
+    isfile,
+    join_path,
+    list_dir_or_file,
+    load,
+    ls,
+    open,
+    put,
+    put_text,
+    readinto,
+    remove,
+    rmtree,
+    set_s3_backend,
+    stat,
+)
 from .registry import register_backend, register_format
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AccessDeniedError", "AlreadyExistsError", "Backend", "CkptioError", "Context", "CredentialsError", "Format",
+    "FormatError", "IntegrityError", "MissingDependencyError", "NotFoundError", "ObjectInfo", "SettingsError",
+    "StreamFormat", "UnknownFormatError", "UnknownSchemeError", "Writer", "configure", "copyfile",
+    "copyfile_from_local", "copyfile_to_local", "copytree", "copytree_from_local", "copytree_to_local", "dump",
+    "errors", "exists", "get", "get_local_path", "get_text", "isdir", "isfile", "join_path", "list_dir_or_file",
+    "load", "ls", "open", "put", "put_text", "readinto", "register_backend", "register_format", "remove", "reset",
+    "resolve", "rmtree", "set_s3_backend", "settings", "stat",
+]

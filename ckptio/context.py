@@ -33,6 +33,7 @@ class Context:
         self._backends: dict[tuple[str, str], Backend] = {}
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        self.named_backends: dict[str, dict[str, Any]] = {}  # easy_io's set_s3_backend(key=...)
 
     @property
     def settings(self) -> Settings:
@@ -52,6 +53,7 @@ class Context:
     def reset(self) -> None:
         with self._lock:
             self._overrides = Settings()
+            self.named_backends.clear()
             self._drop()
 
     def _drop(self) -> None:

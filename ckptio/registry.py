@@ -30,6 +30,7 @@ class Entry:
     target: Any  # a class or "module:attr"
     extra: str | None = None  # pip extra that installs what it needs
     _loaded: Any = field(default=None, repr=False)
+    _instance: Any = field(default=None, repr=False)
 
     def load(self) -> Any:
         if self._loaded is None:
@@ -45,6 +46,15 @@ class Entry:
             else:
                 self._loaded = self.target
         return self._loaded
+
+    def instance(self) -> Any:
+        """The loaded object, instantiated once if it is a class (formats are stateless singletons)."""
+        if self._instance is None:
+            obj = self.load()
+            obj = obj() if isinstance(obj, type) else obj
+            obj.name = self.name
+            self._instance = obj
+        return self._instance
 
 
 def _norm_prefix(p: str) -> str:
@@ -242,3 +252,11 @@ backends.register("local", ["", "file://"], "ckptio.backends.local:LocalBackend"
 backends.register("memory", ["memory://"], "ckptio.backends.memory:MemoryBackend")
 backends.register("s3", ["s3://", "s3a://"], "ckptio.backends.s3:S3Backend", extra="s3")
 backends.register("gcs", ["gs://", "gcs://"], "ckptio.backends.gcs:GCSBackend", extra="gcs")
+formats.register("txt", [".txt", ".log", ".md"], "ckptio.formats.simple:TextFormat")
+formats.register("bytes", [".bin", ".bytes", ".raw"], "ckptio.formats.simple:BytesFormat")
+formats.register("json", [".json"], "ckptio.formats.simple:JsonFormat")
+formats.register("yaml", [".yaml", ".yml"], "ckptio.formats.simple:YamlFormat", extra="yaml")
+formats.register("pickle", [".pkl", ".pickle"], "ckptio.formats.simple:PickleFormat")
+formats.register("msgpack", [".msgpack", ".mpk"], "ckptio.formats.simple:MsgpackFormat")
+formats.register("npy", [".npy"], "ckptio.formats.simple:NumpyFormat")
+formats.register("torch", [".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt"], "ckptio.formats.torch:TorchFormat")

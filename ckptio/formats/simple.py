@@ -1,0 +1,110 @@
+"""Small built-in formats: text, bytes, json, yaml, pickle, msgpack, numpy."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from typing import IO, Any
+
+from ..errors import FormatError, MissingDependencyError
+from .base import StreamFormat
+
+
+class TextFormat(StreamFormat):
+    def dump_file(self, obj: Any, f: IO, *, encoding: str = "utf-8", **kw: Any) -> None:
+        if not isinstance(obj, str):
+            raise TypeError(f"the txt format writes str, got {type(obj).__name__}")
+        f.write(obj.encode(encoding) if _is_binary(f) else obj)
+
+    def load_file(self, f: IO, *, encoding: str = "utf-8", **kw: Any) -> str:
+        data = f.read()
+        return data.decode(encoding) if isinstance(data, (bytes, bytearray)) else data
+
+
+class BytesFormat(StreamFormat):
+    def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
+        if not isinstance(obj, (bytes, bytearray, memoryview)):
+            raise TypeError(f"the bytes format writes bytes-like objects, got {type(obj).__name__}")
+        f.write(obj)
+
+    def load_file(self, f: IO, **kw: Any) -> bytes:
+        return f.read()
+
+
+class JsonFormat(StreamFormat):
+    def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
+        text = json.dumps(obj, **kw)  # TypeError for non-serializable objects, before anything is written
+        f.write(text.encode("utf-8") if _is_binary(f) else text)
+
+    def load_file(self, f: IO, **kw: Any) -> Any:
+        try:
+            return json.load(f, **kw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FormatError(f"not valid JSON ({e}): {getattr(f, 'name', f)}") from None
+
+
+class YamlFormat(StreamFormat):
+    @staticmethod
+    def _yaml() -> Any:
+        try:
+            import yaml
+        except ImportError as e:
+            raise MissingDependencyError("the yaml format needs PyYAML: pip install 'ckptio[yaml]'") from e
+        return yaml
+
+    def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
+        yaml = self._yaml()
+        text = yaml.safe_dump(obj, **kw)
+        f.write(text.encode("utf-8") if _is_binary(f) else text)
+
+    def load_file(self, f: IO, **kw: Any) -> Any:
+        return self._yaml().safe_load(f)  # safe: never constructs arbitrary Python objects
+
+
+class PickleFormat(StreamFormat):
+    """Plain pickle. Loading runs code from the file: only load files you trust (use .fpk otherwise)."""
+
+    def dump_file(self, obj: Any, f: IO, *, protocol: int = pickle.HIGHEST_PROTOCOL, **kw: Any) -> None:
+        f.write(pickle.dumps(obj, protocol=protocol, **kw))
+
+    def load_file(self, f: IO, **kw: Any) -> Any:
+        return pickle.load(f, **kw)
+
+
+class MsgpackFormat(StreamFormat):
+    def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
+        import msgpack
+
+        f.write(msgpack.packb(obj, use_bin_type=True, **kw))
+
+    def load_file(self, f: IO, **kw: Any) -> Any:
+        import msgpack
+
+        kw.setdefault("raw", False)
+        kw.setdefault("strict_map_key", False)
+        try:
+            return msgpack.unpackb(f.read(), **kw)
+        except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as e:
+            raise FormatError(f"not valid msgpack ({e}): {getattr(f, 'name', f)}") from None
+
+
+class NumpyFormat(StreamFormat):
+    def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
+        import numpy as np
+
+        if not isinstance(obj, np.ndarray):
+            raise TypeError(f"the npy format writes numpy arrays, got {type(obj).__name__}")
+        np.save(f, obj, allow_pickle=False, **kw)
+
+    def load_file(self, f: IO, **kw: Any) -> Any:
+        import numpy as np
+
+        kw.setdefault("allow_pickle", False)
+        if not hasattr(f, "seekable") or not f.seekable():
+            f = io.BytesIO(f.read())
+        return np.load(f, **kw)
+
+
+def _is_binary(f: IO) -> bool:
+    return not isinstance(f, io.TextIOBase)

@@ -1,0 +1,324 @@
+"""The easy_io face: ``dump``/``load`` by extension and file operations on any URI.
+
+Signatures follow NVIDIA Cosmos's ``easy_io`` and OpenMMLab's ``mmengine.fileio`` so their callers
+move over with an import change: every function accepts ``backend_args`` and ``backend_key``.
+Differences are listed in the README ("Coming from easy_io").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import IO, Any, Iterator, Mapping
+
+from . import registry as _registry
+from . import uri as _uri
+from .backends.base import Backend, WriteMode, copy_between
+from .context import default_context
+from .errors import SettingsError
+from .formats.base import Format
+
+
+# ---------------------------------------------------------------------------------------------
+# backend selection (Cosmos/mmengine compatible arguments)
+
+_BACKEND_NAMES = {"s3": "s3", "boto3": "s3", "petrel": "s3", "gcs": "gcs", "gs": "gcs", "local": "local",
+                  "disk": "local", "memory": "memory"}
+
+
+def _translate_backend_args(args: Mapping[str, Any]) -> tuple[Mapping[str, str], dict[str, Any]]:
+    """Cosmos ``backend_args`` -> (path_mapping, backend options)."""
+    args = dict(args)
+    args.pop("backend", None)
+    mapping = args.pop("path_mapping", None) or {}
+    opts: dict[str, Any] = {}
+    cred = args.pop("s3_credential_path", None) or args.pop("credentials_file", None)
+    if cred:
+        opts["credentials_file"] = os.fspath(cred)
+    args.pop("enable_mc", None)  # multi-storage-client switch in Cosmos: ckptio always uses its own client
+    opts.update(args)
+    return mapping, opts
+
+
+def set_s3_backend(key: str | None = None, backend_args: Mapping[str, Any] | None = None) -> None:
+    """Register S3 options under ``key`` (default ``"default"``), as Cosmos ``easy_io.set_s3_backend``.
+
+    Later calls pass ``backend_key=key``; with no key and no ``backend_args``, ``s3://`` URIs use the
+    ``"default"`` entry. Entries live in the default context and are dropped by :func:`ckptio.reset`.
+    """
+    default_context().named_backends[key or "default"] = dict(backend_args or {"backend": "s3"})
+
+
+def _resolve(uri: str | os.PathLike, backend_args: Mapping[str, Any] | None = None,
+             backend_key: str | None = None, **options: Any) -> tuple[Backend, str]:
+    ctx = default_context()
+    uri = os.fspath(uri)
+    if backend_key is not None:
+        if backend_key not in ctx.named_backends:
+            raise SettingsError(f"no backend registered under key {backend_key!r} (for {uri!r}); call "
+                                f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first")
+        backend_args = {**ctx.named_backends[backend_key], **(backend_args or {})}
+    elif backend_args is None and _uri.scheme_of(uri) in ("s3", "s3a") and "default" in ctx.named_backends:
+        backend_args = ctx.named_backends["default"]
+    if backend_args:
+        backend = backend_args.get("backend")
+        if backend is not None and backend not in _BACKEND_NAMES:
+            raise SettingsError(f"backend_args['backend']={backend!r} is not known; use one of {sorted(_BACKEND_NAMES)}")
+        mapping, extra = _translate_backend_args(backend_args)
+        best = max((p for p in mapping if uri.startswith(p)), key=len, default=None)
+        if best is not None:
+            uri = mapping[best] + uri[len(best):]
+        options = {**extra, **options}
+    return ctx.resolve(uri, **options)
+
+
+def _format_for(uri: str, file_format: str | None) -> Format:
+    if file_format is not None:
+        entry = _registry.formats.by_name(file_format.lstrip(".")) if not file_format.startswith(".") else None
+        if entry is None:
+            entry = _registry.formats.find("x." + file_format.lstrip("."))
+    else:
+        entry = _registry.formats.find(uri)
+    return entry.instance()
+
+
+# ---------------------------------------------------------------------------------------------
+# dump / load
+
+def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
+         backend_key: str | None = None, fast_backend: bool = True, mode: WriteMode = "overwrite", **kwargs: Any) -> Any:
+    """Serialize ``obj`` to a URI (format by extension), an open file, or (``file=None``) return it.
+
+    Writes are atomic: the object appears under ``file`` complete or not at all. ``mode="create"``
+    refuses to replace an existing object. Extra keyword arguments go to the format.
+    """
+    if file is None:
+        if file_format is None:
+            raise ValueError("dump(obj) without a file needs file_format=... (e.g. 'json')")
+        fmt = _format_for("", file_format)
+        buf = io.BytesIO()
+        fmt.dump_file(obj, buf, **kwargs)
+        data = buf.getvalue()
+        return data.decode("utf-8") if fmt.name in ("json", "yaml", "txt") else data
+    if hasattr(file, "write"):
+        if file_format is None:
+            raise ValueError("dump(obj, file_object) needs file_format=...")
+        _format_for("", file_format).dump_file(obj, file, **kwargs)
+        return None
+    uri = os.fspath(file)
+    fmt = _format_for(uri, file_format)
+    backend, resolved = _resolve(uri, backend_args, backend_key)
+    try:
+        fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"cannot write {uri!r} as {fmt.name}: {e}") from e
+    return None
+
+
+def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
+         backend_key: str | None = None, fast_backend: bool = True, **kwargs: Any) -> Any:
+    """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
+    (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...)."""
+    if hasattr(file, "read"):
+        if file_format is None:
+            raise ValueError("load(file_object) needs file_format=...")
+        return _format_for("", file_format).load_file(file, **kwargs)
+    uri = os.fspath(file)
+    fmt = _format_for(uri, file_format)
+    backend, resolved = _resolve(uri, backend_args, backend_key)
+    return fmt.load(backend, resolved, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes and text
+
+def put(obj: bytes | bytearray | memoryview, filepath: Any, *, backend_args: Mapping[str, Any] | None = None,
+        backend_key: str | None = None, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+    """Write bytes atomically (parallel multipart for large objects on object stores)."""
+    if not isinstance(obj, (bytes, bytearray, memoryview)):
+        raise TypeError(f"put() writes bytes-like objects, got {type(obj).__name__} (use put_text for str)")
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    backend.write(uri, obj, mode=mode, durable=durable)
+
+
+def get(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bytes:
+    """Read a whole object (parallel ranged reads for large objects on object stores)."""
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.read(uri)
+
+
+def readinto(filepath: Any, buf: Any, offset: int = 0, *, backend_args: Mapping[str, Any] | None = None,
+             backend_key: str | None = None) -> int:
+    """Fill a caller's buffer from ``offset``; returns the byte count (no intermediate copy)."""
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.readinto(uri, buf, offset)
+
+
+def put_text(obj: str, filepath: Any, encoding: str = "utf-8", *, backend_args: Mapping[str, Any] | None = None,
+             backend_key: str | None = None, mode: WriteMode = "overwrite") -> None:
+    if not isinstance(obj, str):
+        raise TypeError(f"put_text() writes str, got {type(obj).__name__}")
+    put(obj.encode(encoding), filepath, backend_args=backend_args, backend_key=backend_key, mode=mode)
+
+
+def get_text(filepath: Any, encoding: str = "utf-8", *, backend_args: Mapping[str, Any] | None = None,
+             backend_key: str | None = None) -> str:
+    return get(filepath, backend_args=backend_args, backend_key=backend_key).decode(encoding)
+
+
+@contextlib.contextmanager
+def open(filepath: Any, mode: str = "rb", *, backend_args: Mapping[str, Any] | None = None,  # noqa: A001
+         backend_key: str | None = None) -> Iterator[IO[bytes]]:
+    """A binary file on any backend: ``"rb"`` (seekable) or ``"wb"``/``"xb"`` (atomic on close)."""
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    if mode == "rb":
+        f = backend.open_reader(uri)
+        try:
+            yield f
+        finally:
+            f.close()
+    elif mode in ("wb", "xb"):
+        with backend.open_writer(uri, mode="create" if mode == "xb" else "overwrite") as w:
+            yield w  # type: ignore[misc]
+    else:
+        raise ValueError(f"mode must be 'rb', 'wb' or 'xb', got {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# queries and listing
+
+def exists(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bool:
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.exists(uri)
+
+
+def isfile(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bool:
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.isfile(uri)
+
+
+def isdir(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bool:
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.isdir(uri)
+
+
+def stat(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None):
+    """Size, mtime and version token (etag / generation / mtime+size)."""
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    return backend.stat(uri)
+
+
+def ls(dir_path: Any, *, recursive: bool = False, backend_args: Mapping[str, Any] | None = None,
+       backend_key: str | None = None) -> list[str]:
+    """Full URIs of the entries under ``dir_path`` (sorted; directories only in one-level listings)."""
+    backend, uri = _resolve(dir_path, backend_args, backend_key)
+    return sorted(i.uri for i in backend.list(uri, recursive=recursive))
+
+
+def list_dir_or_file(dir_path: Any, list_dir: bool = True, list_file: bool = True, suffix: str | tuple[str, ...] | None = None,
+                     recursive: bool = False, *, backend_args: Mapping[str, Any] | None = None,
+                     backend_key: str | None = None) -> Iterator[str]:
+    """Paths relative to ``dir_path``, as mmengine/easy_io yield them. ``suffix`` filters files only."""
+    if list_dir and suffix is not None:
+        raise TypeError("`suffix` should be None when `list_dir` is True")
+    if suffix is not None and not isinstance(suffix, (str, tuple)):
+        raise TypeError("`suffix` must be a string or tuple of strings")
+    backend, uri = _resolve(dir_path, backend_args, backend_key)
+    root = uri.rstrip("/")
+    dirs_seen: set[str] = set()
+    for info in backend.list(uri, recursive=recursive):
+        rel = info.uri[len(root):].lstrip("/")
+        if recursive and list_dir:
+            parts = rel.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs_seen:
+                    dirs_seen.add(d)
+                    yield d
+        if info.is_dir:
+            if list_dir and rel not in dirs_seen:
+                dirs_seen.add(rel)
+                yield rel
+        elif list_file and (suffix is None or rel.endswith(suffix)):
+            yield rel
+
+
+def join_path(filepath: Any, *filepaths: str) -> str:
+    """Join with ``/`` for URIs (``os.path.join`` for bare local paths)."""
+    return _uri.join_path(os.fspath(filepath), *filepaths)
+
+
+# ---------------------------------------------------------------------------------------------
+# mutations
+
+def remove(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> None:
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    backend.delete(uri)
+
+
+def rmtree(dir_path: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> None:
+    backend, uri = _resolve(dir_path, backend_args, backend_key)
+    backend.rmtree(uri)
+
+
+def copyfile(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
+             mode: WriteMode = "overwrite") -> str:
+    """Copy one object, across backends if needed. If ``dst`` is an existing directory, copy into it."""
+    sb, s = _resolve(src, backend_args, backend_key)
+    db, d = _resolve(dst, backend_args, backend_key)
+    if db.isdir(d):
+        d = _uri.join_path(d, _uri.basename(s))
+        dst = join_path(os.fspath(dst), _uri.basename(s))
+    if sb is db:
+        sb.copy(s, d, mode=mode)
+    else:
+        copy_between(sb, s, db, d, mode=mode)
+    return os.fspath(dst)
+
+
+def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
+             mode: WriteMode = "overwrite") -> str:
+    """Copy every object under ``src`` to the same relative path under ``dst``."""
+    sb, s = _resolve(src, backend_args, backend_key)
+    db, d = _resolve(dst, backend_args, backend_key)
+    root = s.rstrip("/")
+    for info in list(sb.list(s, recursive=True)):
+        if info.is_dir:
+            continue
+        rel = info.uri[len(root):].lstrip("/")
+        if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
+            raise SettingsError(f"refusing to copy {info.uri!r}: its key escapes {src!r}")
+        target = _uri.join_path(d, *rel.split("/"))
+        if sb is db:
+            sb.copy(info.uri, target, mode=mode)
+        else:
+            copy_between(sb, info.uri, db, target, mode=mode)
+    return os.fspath(dst)
+
+
+def copyfile_from_local(src: Any, dst: Any, **kw: Any) -> str:
+    """Upload a local file (same as ``copyfile`` with a local source)."""
+    return copyfile(src, dst, **kw)
+
+
+def copyfile_to_local(src: Any, dst: Any, **kw: Any) -> str:
+    """Download to a local path (same as ``copyfile`` with a local destination)."""
+    return copyfile(src, dst, **kw)
+
+
+def copytree_from_local(src: Any, dst: Any, **kw: Any) -> str:
+    return copytree(src, dst, **kw)
+
+
+def copytree_to_local(src: Any, dst: Any, **kw: Any) -> str:
+    return copytree(src, dst, **kw)
+
+
+@contextlib.contextmanager
+def get_local_path(filepath: Any, *, backend_args: Mapping[str, Any] | None = None,
+                   backend_key: str | None = None) -> Iterator[str]:
+    """A local path for the object: the file itself when local, else a temporary copy removed on exit."""
+    backend, uri = _resolve(filepath, backend_args, backend_key)
+    with backend.get_local_path(uri) as p:
+        yield p
