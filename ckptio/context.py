@@ -113,8 +113,12 @@ def resolve(uri: str | os.PathLike, **options: Any) -> tuple[Backend, str]:
 
 
 def reset() -> None:
-    """Forget ``configure`` overrides, re-read settings on next use, and close cached clients."""
+    """Forget ``configure`` overrides, re-read settings on next use, close cached clients and
+    empty the ``memory://`` store."""
     _default.reset()
+    from .backends import memory
+
+    memory.clear()
 
 
 def configure(*, settings_file: str | None = None, backends: Mapping[str, Mapping[str, Any]] | None = None,

@@ -1,7 +1,7 @@
 """``memory://``: objects in a dict, for tests and examples.
 
-The store belongs to the backend instance, which the default context caches, so objects persist
-across calls in one process and disappear with :func:`ckptio.reset`. It never outlives the process.
+Like fsspec's memory filesystem, the store is process-wide (backend instances with different
+options see the same objects) and never outlives the process; :func:`ckptio.reset` empties it.
 """
 
 from __future__ import annotations
@@ -18,14 +18,29 @@ def _key(uri: str) -> str:
     return uri.split("://", 1)[-1].strip("/")
 
 
+class _Store:
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, float, int]] = {}
+        self.lock = threading.Lock()
+        self.generation = 0
+
+
+_STORE = _Store()
+
+
+def clear() -> None:
+    """Drop every ``memory://`` object (called by :func:`ckptio.reset`)."""
+    with _STORE.lock:
+        _STORE.objects.clear()
+
+
 class MemoryBackend(Backend):
     name = "memory"
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self._objects: dict[str, tuple[bytes, float, int]] = {}
-        self._lock = threading.Lock()
-        self._generation = 0
+        self._objects = _STORE.objects
+        self._lock = _STORE.lock
         self.bytes_read = 0  # counted so tests can check that partial loads read only what they need
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
@@ -53,8 +68,8 @@ class MemoryBackend(Backend):
         with self._lock:
             if mode == "create" and k in self._objects:
                 raise AlreadyExistsError(uri)
-            self._generation += 1
-            self._objects[k] = (bytes(data), time.time(), self._generation)
+            _STORE.generation += 1
+            self._objects[k] = (bytes(data), time.time(), _STORE.generation)
 
     def _get(self, uri: str) -> tuple[bytes, float, int]:
         try:

@@ -11,6 +11,7 @@ import abc
 from typing import IO, Any, ClassVar
 
 from ..backends.base import Backend, WriteMode
+from ..errors import FormatError
 
 
 class Format(abc.ABC):
@@ -63,5 +64,9 @@ class StreamFormat(Format):
 
                 return self.load_file(io.TextIOWrapper(f, encoding="utf-8"), **kwargs)  # type: ignore[arg-type]
             return self.load_file(f, **kwargs)
+        except FormatError as e:
+            if uri in str(e):
+                raise
+            raise type(e)(f"{uri}: {e}") from e
         finally:
             f.close()

@@ -41,7 +41,7 @@ class JsonFormat(StreamFormat):
         try:
             return json.load(f, **kw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise FormatError(f"not valid JSON ({e}): {getattr(f, 'name', f)}") from None
+            raise FormatError(f"not valid JSON ({e})") from None
 
 
 class YamlFormat(StreamFormat):
@@ -86,7 +86,7 @@ class MsgpackFormat(StreamFormat):
         try:
             return msgpack.unpackb(f.read(), **kw)
         except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as e:
-            raise FormatError(f"not valid msgpack ({e}): {getattr(f, 'name', f)}") from None
+            raise FormatError(f"not valid msgpack ({e})") from None
 
 
 class NumpyFormat(StreamFormat):

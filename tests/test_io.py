@@ -1,0 +1,272 @@
+"""The easy_io face: dump/load by extension, file operations, easy_io compatibility, bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import ckptio
+from ckptio.errors import SettingsError, UnknownFormatError, UnknownSchemeError
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    return str(tmp_path) if request.param == "local" else f"memory://io-{os.getpid()}"
+
+
+def model_state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    o = torch.optim.Adam(m.parameters())
+    m(torch.randn(3, 8)).sum().backward()
+    o.step()
+    return {"model": m.state_dict(), "optim": o.state_dict(), "step": 7}
+
+
+@pytest.mark.parametrize("name, obj", [
+    ("a.json", {"a": [1, 2, {"b": None}]}),
+    ("a.yaml", {"a": [1, 2]}),
+    ("a.pkl", {"a": {1, 2}, "b": (1, 2)}),
+    ("a.msgpack", {"a": [1, 2], 3: b"x"}),
+    ("a.txt", "hello\nworld"),
+    ("a.bin", b"\x00\x01raw"),
+    ("a.npy", np.arange(12, dtype=np.float32).reshape(3, 4)),
+])
+def test_dump_load_by_extension(root, name, obj):
+    uri = ckptio.join_path(root, "sub", name)
+    ckptio.dump(obj, uri)
+    back = ckptio.load(uri)
+    if isinstance(obj, np.ndarray):
+        np.testing.assert_array_equal(back, obj)
+    else:
+        assert back == obj
+
+
+@pytest.mark.parametrize("name", ["m.pt", "m.pth", "m.ckpt", "m.pth.tar"])
+def test_torch_formats_and_longest_extension(root, name):
+    uri = ckptio.join_path(root, name)
+    state = model_state()
+    ckptio.dump(state, uri)
+    back = ckptio.load(uri, map_location="cpu")
+    assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"])
+    assert back["step"] == 7
+
+
+def test_torch_load_is_weights_only_by_default(root):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    uri = ckptio.join_path(root, "evil.pt")
+    ckptio.dump({"x": Evil()}, uri)
+    with pytest.raises(Exception) as e:
+        ckptio.load(uri)
+    assert "weights_only" in str(e.value) or "Unsupported" in str(e.value)
+
+
+def test_dump_without_file_and_file_objects():
+    assert json.loads(ckptio.dump({"a": 1}, file_format="json")) == {"a": 1}
+    buf = io.BytesIO()
+    ckptio.dump({"a": 1}, buf, file_format="json")
+    buf.seek(0)
+    assert ckptio.load(buf, file_format="json") == {"a": 1}
+    buf = io.BytesIO()
+    ckptio.dump({"t": torch.ones(2)}, buf, file_format="pt")
+    buf.seek(0)
+    assert torch.equal(ckptio.load(buf, file_format="pt")["t"], torch.ones(2))
+
+
+def test_file_format_overrides_extension(root):
+    uri = ckptio.join_path(root, "noext")
+    ckptio.dump({"a": 1}, uri, file_format="json")
+    assert ckptio.load(uri, file_format="json") == {"a": 1}
+
+
+def test_put_get_text_exists_stat(root):
+    uri = ckptio.join_path(root, "d", "x.bin")
+    assert not ckptio.exists(uri)
+    ckptio.put(b"abc", uri)
+    assert ckptio.exists(uri) and ckptio.isfile(uri) and not ckptio.isdir(uri)
+    assert ckptio.isdir(ckptio.join_path(root, "d"))
+    assert ckptio.get(uri) == b"abc"
+    assert ckptio.stat(uri).size == 3
+    ckptio.put_text("héllo", ckptio.join_path(root, "t.txt"))
+    assert ckptio.get_text(ckptio.join_path(root, "t.txt")) == "héllo"
+    buf = bytearray(2)
+    assert ckptio.readinto(uri, buf, 1) == 2 and buf == b"bc"
+
+
+def test_create_mode_refuses_existing_and_keeps_it(root):
+    uri = ckptio.join_path(root, "c.json")
+    ckptio.dump({"v": 1}, uri, mode="create")
+    with pytest.raises(FileExistsError) as e:
+        ckptio.dump({"v": 2}, uri, mode="create")
+    assert "c.json" in str(e.value)
+    assert ckptio.load(uri) == {"v": 1}
+    with pytest.raises(FileExistsError):
+        ckptio.put(b"x", uri, mode="create")
+
+
+def test_open_read_write(root):
+    uri = ckptio.join_path(root, "o.bin")
+    with ckptio.open(uri, "wb") as f:
+        f.write(b"12345")
+        assert not ckptio.exists(uri)  # nothing visible before commit
+    with ckptio.open(uri) as f:
+        f.seek(2)
+        assert f.read(2) == b"34"
+    with pytest.raises(RuntimeError):
+        with ckptio.open(ckptio.join_path(root, "aborted.bin"), "wb") as f:
+            f.write(b"partial")
+            raise RuntimeError("boom")
+    assert not ckptio.exists(ckptio.join_path(root, "aborted.bin"))
+
+
+def test_listing(root):
+    for p in ["a.txt", "b.json", "sub/c.txt", "sub/deep/d.txt"]:
+        ckptio.put(b"x", ckptio.join_path(root, *p.split("/")))
+    assert sorted(ckptio.list_dir_or_file(root)) == ["a.txt", "b.json", "sub"]
+    assert sorted(ckptio.list_dir_or_file(root, list_dir=False)) == ["a.txt", "b.json"]
+    assert sorted(ckptio.list_dir_or_file(root, list_file=False)) == ["sub"]
+    assert sorted(ckptio.list_dir_or_file(root, list_dir=False, suffix=".txt", recursive=True)) == \
+        ["a.txt", "sub/c.txt", "sub/deep/d.txt"]
+    assert sorted(ckptio.list_dir_or_file(root, recursive=True)) == \
+        ["a.txt", "b.json", "sub", "sub/c.txt", "sub/deep", "sub/deep/d.txt"]
+    with pytest.raises(TypeError):
+        list(ckptio.list_dir_or_file(root, suffix=".txt"))
+    assert [u.rsplit("/", 1)[-1] for u in ckptio.ls(root)] == ["a.txt", "b.json", "sub"]
+    assert len(ckptio.ls(root, recursive=True)) == 4
+
+
+def test_remove_rmtree(root):
+    a, b = ckptio.join_path(root, "t", "a"), ckptio.join_path(root, "t", "x", "b")
+    ckptio.put(b"1", a)
+    ckptio.put(b"2", b)
+    ckptio.remove(a)
+    assert not ckptio.exists(a)
+    with pytest.raises(FileNotFoundError):
+        ckptio.remove(a)
+    ckptio.rmtree(ckptio.join_path(root, "t"))
+    assert not ckptio.exists(b)
+
+
+def test_copy_across_backends(tmp_path):
+    src = str(tmp_path / "src")
+    for p in ["a.bin", "d/b.bin"]:
+        ckptio.put(p.encode(), os.path.join(src, p))
+    ckptio.copytree(src, "memory://cp/dst")
+    assert ckptio.get("memory://cp/dst/d/b.bin") == b"d/b.bin"
+    ckptio.copytree_to_local("memory://cp/dst", str(tmp_path / "back"))
+    assert (tmp_path / "back" / "d" / "b.bin").read_bytes() == b"d/b.bin"
+    assert ckptio.copyfile("memory://cp/dst/a.bin", "memory://cp/z.bin") == "memory://cp/z.bin"
+    ckptio.copyfile_to_local("memory://cp/z.bin", str(tmp_path / "z.bin"))
+    assert (tmp_path / "z.bin").read_bytes() == b"a.bin"
+    ckptio.copyfile_from_local(str(tmp_path / "z.bin"), "memory://cp/y.bin")
+    assert ckptio.get("memory://cp/y.bin") == b"a.bin"
+    with pytest.raises(FileExistsError):
+        ckptio.copyfile("memory://cp/z.bin", "memory://cp/y.bin", mode="create")
+
+
+def test_get_local_path(root):
+    uri = ckptio.join_path(root, "g.bin")
+    ckptio.put(b"zz", uri)
+    with ckptio.get_local_path(uri) as p:
+        assert open(p, "rb").read() == b"zz"
+    if uri.startswith("memory://"):
+        assert not os.path.exists(p)  # the temporary copy is gone
+    with pytest.raises(FileNotFoundError):
+        with ckptio.get_local_path(ckptio.join_path(root, "missing.bin")):
+            pass
+
+
+def test_join_path():
+    assert ckptio.join_path("s3://b", "a", "c.pt") == "s3://b/a/c.pt"
+    assert ckptio.join_path("s3://b/", "/a") == "s3://b/a"
+    assert ckptio.join_path("/x", "y") == "/x/y"
+
+
+def test_bad_input_errors(tmp_path):
+    with pytest.raises(UnknownSchemeError) as e:
+        ckptio.load("nosuch://b/x.json")
+    assert "nosuch://b/x.json" in str(e.value) and "aliases" in str(e.value) and "s3://" in str(e.value)
+    with pytest.raises(UnknownFormatError, match="x.weird"):
+        ckptio.load(str(tmp_path / "x.weird"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        ckptio.load(str(tmp_path / "missing.json"))
+    with pytest.raises(TypeError, match="cannot write .*bad.json"):
+        ckptio.dump({"x": object()}, str(tmp_path / "bad.json"))
+    assert not os.path.exists(tmp_path / "bad.json")  # nothing half-written
+    assert not [p for p in os.listdir(tmp_path) if "tmp" in p]
+    with pytest.raises(TypeError):
+        ckptio.put("not bytes", str(tmp_path / "s.bin"))
+    with pytest.raises(TypeError):
+        ckptio.load(12345)
+    with pytest.raises(ValueError):
+        ckptio.put(b"x", str(tmp_path / "m.bin"), mode="append")
+
+
+def test_corrupt_json_is_a_format_error(root):
+    uri = ckptio.join_path(root, "c.json")
+    ckptio.put(b"{not json", uri)
+    with pytest.raises(ckptio.FormatError, match="c.json"):
+        ckptio.load(uri)
+
+
+def test_easy_io_backend_args_and_keys(tmp_path):
+    creds = tmp_path / "creds.json"
+    creds.write_text(json.dumps({"aws_access_key_id": "k", "aws_secret_access_key": "s"}))
+    args = {"backend": "local", "path_mapping": {"memory://mapped/": "memory://real/"}}
+    ckptio.dump({"a": 1}, "memory://mapped/x.json", backend_args=args)
+    assert ckptio.load("memory://real/x.json") == {"a": 1}
+    assert ckptio.load("memory://mapped/x.json", backend_args=args) == {"a": 1}
+    ckptio.set_s3_backend(key="team", backend_args={"backend": "s3", "path_mapping": {"memory://team/": "memory://t2/"}})
+    ckptio.put(b"k", "memory://team/y.bin", backend_key="team")
+    assert ckptio.get("memory://t2/y.bin") == b"k"
+    assert ckptio.exists("memory://team/y.bin", backend_key="team")
+    with pytest.raises(SettingsError, match="nokey"):
+        ckptio.get("memory://x", backend_key="nokey")
+    with pytest.raises(SettingsError, match="ftp-ish"):
+        ckptio.get("memory://x", backend_args={"backend": "ftp-ish"})
+    ckptio.reset()
+    with pytest.raises(SettingsError):
+        ckptio.get("memory://x", backend_key="team")  # reset drops set_s3_backend entries
+
+
+def test_register_format_decorator_and_conflicts(tmp_path):
+    @ckptio.register_format("upper", extensions=[".upper"])
+    class Upper(ckptio.StreamFormat):
+        def dump_file(self, obj, f, **kw):
+            f.write(obj.upper().encode())
+
+        def load_file(self, f, **kw):
+            return f.read().decode()
+
+    try:
+        ckptio.dump("abc", str(tmp_path / "x.upper"))
+        assert ckptio.load(str(tmp_path / "x.upper")) == "ABC"
+        with pytest.raises(ValueError, match="already registered"):
+            ckptio.register_format("other", extensions=[".upper"])(Upper)
+        ckptio.register_format("other", extensions=[".upper"], force=True)(Upper)
+    finally:
+        ckptio.registry.formats.unregister("upper")
+        ckptio.registry.formats.unregister("other")
+
+
+def test_register_backend_conflict_requires_force():
+    with pytest.raises(ValueError, match="already registered"):
+        @ckptio.register_backend("mine", prefixes=["memory"])
+        class Mine(ckptio.Backend):
+            pass
+
+
+def test_ordered_dict_roundtrip_pt(root):
+    od = OrderedDict([("b", torch.ones(1)), ("a", torch.zeros(1))])
+    uri = ckptio.join_path(root, "od.pt")
+    ckptio.dump(od, uri)
+    assert list(ckptio.load(uri)) == ["b", "a"]
