@@ -1,0 +1,329 @@
+"""``s3://`` and ``s3a://`` on any S3 API server, through s3fs's aiobotocore client.
+
+s3fs provides the session, credentials chain, endpoint handling and IO loop; the data path calls
+the client directly so that reads stream into the caller's buffer in parallel ranges and writes
+go up as parallel multipart uploads with bounded memory (see :mod:`._parallel`).
+``mode="create"`` sends ``If-None-Match: *`` on the PUT or on CompleteMultipartUpload.
+
+Credentials, highest first: ``access_key_id``/``secret_access_key``/``session_token`` options,
+``credentials_file`` (a JSON file with boto-style keys ``aws_access_key_id``,
+``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``: Cosmos
+easy_io's ``s3_credential_path``), ``profile``, then boto's default chain (environment, shared
+files, instance metadata). ``anon=True`` sends unsigned requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+from typing import Any, Iterator
+
+from .. import uri as _uri
+from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
+                      MissingDependencyError, NotFoundError, TransferError)
+from . import _parallel
+from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+
+try:
+    import s3fs
+    from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
+                                     NoCredentialsError, PartialCredentialsError, ResponseStreamingError)
+except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
+    raise MissingDependencyError(
+        f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'") from _e
+
+MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
+MAX_PARTS = 10_000
+CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
+                    "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
+                    "ckptio.configure), or anon=true for public buckets")
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
+_DENIED = {"AccessDenied", "403", "AllAccessDisabled", "Forbidden"}
+
+
+def _load_credentials_file(path: str) -> dict[str, str]:
+    try:
+        with open(os.path.expanduser(path)) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CredentialsError(path, "S3 credentials file not found") from None
+    except (OSError, ValueError) as e:
+        raise CredentialsError(path, f"S3 credentials file is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise CredentialsError(path, "S3 credentials file must hold a JSON object")
+    return {str(k).lower(): v for k, v in data.items()}
+
+
+class S3Backend(Backend):
+    """Objects in S3 or any S3 API server (MinIO, moto, Ceph...)."""
+
+    name = "s3"
+
+    def __init__(self, *, endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
+                 access_key_id: str | None = None, secret_access_key: str | None = None,
+                 session_token: str | None = None, credentials_file: str | None = None, anon: bool = False,
+                 part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY, retries: int = 4,
+                 connect_timeout: float = 10.0, read_timeout: float = 60.0) -> None:
+        super().__init__(part_size=part_size, concurrency=concurrency)
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got {self.part_size}")
+        if int(retries) < 0:
+            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        creds = _load_credentials_file(credentials_file) if credentials_file else {}
+        self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
+        self.region = (region or creds.get("region_name") or creds.get("region") or os.environ.get("AWS_REGION")
+                       or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        self.retries = int(retries)
+        self.anon = bool(anon)
+        key = access_key_id or creds.get("aws_access_key_id") or creds.get("access_key_id")
+        secret = secret_access_key or creds.get("aws_secret_access_key") or creds.get("secret_access_key")
+        token = session_token or creds.get("aws_session_token") or creds.get("session_token")
+        if bool(key) != bool(secret):
+            raise CredentialsError(credentials_file or "s3 options",
+                                   "S3 credentials need both an access key id and a secret access key")
+        extra = {"profile": profile} if profile else {}
+        self._fs = s3fs.S3FileSystem(
+            anon=self.anon, key=key, secret=secret, token=token, endpoint_url=self.endpoint_url,
+            client_kwargs={"region_name": self.region}, skip_instance_cache=True, use_listings_cache=False,
+            config_kwargs={"connect_timeout": float(connect_timeout), "read_timeout": float(read_timeout),
+                           "retries": {"max_attempts": self.retries + 1, "mode": "standard"},
+                           "max_pool_connections": max(10, 2 * self.concurrency)},
+            **extra)
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        return f"<S3Backend endpoint={self.endpoint_url or 'aws'!r} region={self.region!r}>"
+
+    # ---- plumbing --------------------------------------------------------------------------
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._fs.loop
+
+    async def _s3(self) -> Any:
+        if self._client is None:
+            self._client = await self._fs.set_session()
+        return self._client
+
+    def _call(self, uri: str, method: str, **kwargs: Any) -> Any:
+        async def go() -> Any:
+            return await getattr(await self._s3(), method)(**kwargs)
+
+        try:
+            return _parallel.run(self._loop, go)
+        except Exception as e:
+            raise self.translate(e, uri) from None
+
+    def translate(self, e: BaseException, uri: str) -> BaseException:
+        """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
+        if isinstance(e, CkptioError):
+            return e
+        out: BaseException
+        if isinstance(e, ClientError):
+            err = e.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket":
+                out = NotFoundError(uri, "no such bucket")
+            elif code in _NOT_FOUND:
+                out = NotFoundError(uri)
+            elif code in _EXISTS:
+                out = AlreadyExistsError(uri)
+            elif code in _BAD_CREDENTIALS:
+                out = CredentialsError(uri, f"S3 rejected the credentials ({code}); {CREDENTIALS_HINT}")
+            elif code in _DENIED:
+                out = AccessDeniedError(uri, f"S3 denied access ({code})")
+            else:
+                out = TransferError(errno.EIO, f"S3 error {code} (HTTP {status}) for {uri}: {err.get('Message', '')}",
+                                    uri)
+        elif isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+            out = CredentialsError(uri, f"no S3 credentials found; {CREDENTIALS_HINT}")
+        elif isinstance(e, (BotoConnectionError, OSError, asyncio.TimeoutError)):
+            out = TransferError(errno.EIO, f"cannot reach S3 endpoint {self.endpoint_url or 'aws'} for {uri}: "
+                                f"{type(e).__name__}", uri)
+        elif isinstance(e, BotoCoreError):
+            out = TransferError(errno.EIO, f"S3 client error for {uri}: {type(e).__name__}: {e}", uri)
+        else:
+            return e
+        out.__cause__ = e
+        return out
+
+    @staticmethod
+    def _split(uri: str, *, key_required: bool = True) -> tuple[str, str]:
+        bucket, key = _uri.bucket_key(uri)
+        if key_required and not key.strip("/"):
+            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected s3://BUCKET/KEY)")
+        return bucket, key
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._loop.is_running():
+            try:
+                _parallel.run(self._loop, client.close)
+            except Exception:  # closing a dead connection pool must not fail reset()
+                pass
+
+    # ---- reads -----------------------------------------------------------------------------
+    async def _fetch_into(self, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+        async def once() -> int:
+            try:
+                resp = await (await self._s3()).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return 0  # starts past the end of the object
+                raise
+            body, pos = resp["Body"], 0
+            try:
+                while pos < len(view):
+                    n = await body.readinto(view[pos:])
+                    if not n:
+                        break
+                    pos += n
+            finally:
+                body.close()
+            return pos
+
+        return await _parallel.retrying(once, self.retries, (ResponseStreamingError, asyncio.TimeoutError))
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        bucket, key = self._split(uri)
+        mv = memoryview(buf).cast("B")
+
+        async def go() -> int:
+            return await _parallel.parallel_readinto(
+                lambda s, e, v: self._fetch_into(bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency)
+
+        try:
+            n = _parallel.run(self._loop, go)
+        except Exception as e:
+            raise self.translate(e, uri) from None
+        if n == 0 and len(mv):
+            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        return n
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is None:
+            end = self.stat(uri).size
+        buf = bytearray(max(0, end - start))
+        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
+        return bytes(buf) if n == len(buf) else bytes(buf[:n])
+
+    # ---- writes ----------------------------------------------------------------------------
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
+                    size_hint: int | None = None) -> Writer:
+        check_mode(mode)
+        bucket, key = self._split(uri)
+        part_size = self.part_size
+        if size_hint and -(-size_hint // part_size) > MAX_PARTS:
+            part_size = -(-size_hint // MAX_PARTS)
+        return _S3Writer(self, uri, bucket, key, mode, part_size)
+
+    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        mv = memoryview(data).cast("B")
+        w = self.open_writer(uri, mode=mode, size_hint=len(mv))
+        w.write_all(mv)  # type: ignore[attr-defined]
+
+    # ---- metadata --------------------------------------------------------------------------
+    def stat(self, uri: str) -> ObjectInfo:
+        bucket, key = self._split(uri, key_required=False)
+        if key.strip("/"):
+            try:
+                h = self._call(uri, "head_object", Bucket=bucket, Key=key)
+                return ObjectInfo(uri, int(h["ContentLength"]), h["LastModified"].timestamp(), h.get("ETag"))
+            except NotFoundError:
+                pass
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        r = self._call(uri, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        if r.get("KeyCount", 0) or not prefix:
+            return ObjectInfo(uri, 0, None, None, is_dir=True)
+        raise NotFoundError(uri)
+
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        bucket, key = self._split(uri, key_required=False)
+        scheme = _uri.scheme_of(uri) or "s3"
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        if not recursive:
+            kw["Delimiter"] = "/"
+        while True:
+            r = self._call(uri, "list_objects_v2", **kw)
+            entries = [ObjectInfo(f"{scheme}://{bucket}/{o['Key']}", int(o["Size"]), o["LastModified"].timestamp(),
+                                  o.get("ETag")) for o in r.get("Contents", []) if o["Key"] != prefix]
+            entries += [ObjectInfo(f"{scheme}://{bucket}/{p['Prefix'].rstrip('/')}", 0, None, None, True)
+                        for p in r.get("CommonPrefixes", [])]
+            yield from sorted(entries, key=lambda i: i.uri)
+            if not r.get("IsTruncated"):
+                return
+            kw["ContinuationToken"] = r["NextContinuationToken"]
+
+    def delete(self, uri: str) -> None:
+        bucket, key = self._split(uri)
+        self._call(uri, "head_object", Bucket=bucket, Key=key)  # S3 deletes missing keys silently
+        self._call(uri, "delete_object", Bucket=bucket, Key=key)
+
+    def rmtree(self, uri: str) -> None:
+        bucket, _ = self._split(uri, key_required=False)
+        keys = [_uri.bucket_key(i.uri)[1] for i in self.list(uri, recursive=True) if not i.is_dir]
+        for i in range(0, len(keys), 1000):
+            r = self._call(uri, "delete_objects", Bucket=bucket,
+                           Delete={"Objects": [{"Key": k} for k in keys[i: i + 1000]], "Quiet": True})
+            if r.get("Errors"):
+                e = r["Errors"][0]
+                raise TransferError(errno.EIO, f"S3 could not delete {len(r['Errors'])} object(s) under {uri}, "
+                                    f"first: {e.get('Key')}: {e.get('Code')}", uri)
+
+    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
+        check_mode(mode)
+        sb, sk = self._split(src)
+        db, dk = self._split(dst)
+        if mode == "create" or self.stat(src).size > 5 * 1024**3:
+            return super().copy(src, dst, mode=mode)  # create: streamed, so the commit is conditional
+        self._call(src, "copy_object", Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
+
+
+class _S3Writer(_parallel.MultipartWriter):
+    def __init__(self, backend: S3Backend, uri: str, bucket: str, key: str, mode: WriteMode, part_size: int) -> None:
+        super().__init__(uri, backend._loop, part_size, backend.concurrency)
+        self._b, self._bucket, self._key = backend, bucket, key
+        self._cond = {"IfNoneMatch": "*"} if mode == "create" else {}
+
+    def translate(self, exc: BaseException) -> BaseException:
+        return self._b.translate(exc, self.uri)
+
+    @staticmethod
+    def _body(data: Buffer) -> bytes | bytearray:
+        return data if isinstance(data, (bytes, bytearray)) else bytes(data)  # botocore refuses memoryview
+
+    async def put_single(self, data: Buffer) -> None:
+        s3 = await self._b._s3()
+        await s3.put_object(Bucket=self._bucket, Key=self._key, Body=self._body(data), **self._cond)
+
+    async def begin(self) -> Any:
+        s3 = await self._b._s3()
+        if self._cond:  # fail before uploading gigabytes; the conditional complete stays authoritative
+            try:
+                await s3.head_object(Bucket=self._bucket, Key=self._key)
+                raise AlreadyExistsError(self.uri)
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") not in _NOT_FOUND:
+                    raise
+        return (await s3.create_multipart_upload(Bucket=self._bucket, Key=self._key))["UploadId"]
+
+    async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
+        s3 = await self._b._s3()
+        r = await s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle, PartNumber=number,
+                                 Body=self._body(data))
+        return {"PartNumber": number, "ETag": r["ETag"]}
+
+    async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
+        s3 = await self._b._s3()
+        await s3.complete_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle,
+                                           MultipartUpload={"Parts": tokens}, **self._cond)
+
+    async def abort_upload(self, handle: Any) -> None:
+        s3 = await self._b._s3()
+        await s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle)

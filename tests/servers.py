@@ -1,0 +1,261 @@
+"""Real storage servers on loopback for tests and benchmarks: moto (S3 API) and gcp-storage-emulator.
+
+Each server runs as a subprocess on a free 127.0.0.1 port; :meth:`Server.start` waits until it
+answers, :meth:`Server.stop` terminates its process group (and ``atexit`` does it for any still
+running). :class:`CountingProxy` sits in front of a server and records every request with the
+bytes sent and received, for tests that check what the server saw.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_running: list["Server"] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exe(name: str) -> str:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.path.exists(here) else (shutil.which(name) or name)
+
+
+class Server:
+    """A storage server subprocess. ``url`` is its endpoint (``http://127.0.0.1:PORT``)."""
+
+    name = "server"
+    ready_path = "/"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        _running.append(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting: {self.command()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=1):
+                    return self
+            except urllib.error.HTTPError:
+                return self  # it answered
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer on {self.url} within {timeout}s")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if self in _running:
+            _running.remove(self)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class MotoServer(Server):
+    """S3 API (moto). Accepts any credentials; bucket names need >= 3 characters."""
+
+    name = "moto_server"
+    ready_path = "/moto-api/"
+
+    def command(self) -> list[str]:
+        return [_exe("moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's reset API)."""
+        urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).close()
+
+
+class GCSEmulator(Server):
+    """gcp-storage-emulator, in memory. Note: it does not enforce ``ifGenerationMatch``."""
+
+    name = "gcp-storage-emulator"
+    ready_path = "/storage/v1/b"
+
+    def command(self) -> list[str]:
+        return [_exe("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(self.port),
+                "--in-memory", "--quiet"]
+
+
+@atexit.register
+def _stop_all() -> None:
+    for s in list(_running):
+        s.stop()
+
+
+# ---- bucket helpers ---------------------------------------------------------------------------
+
+def s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                        aws_secret_access_key="testing")
+
+
+def make_s3_bucket(endpoint: str, bucket: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
+    urllib.request.urlopen(req, timeout=10).close()  # moto does not check signatures
+
+
+def make_gcs_bucket(endpoint: str, bucket: str) -> None:
+    import json
+
+    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=10).close()
+
+
+# ---- a counting proxy -------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    method: str
+    path: str  # includes the query string
+    headers: dict[str, str]
+    bytes_in: int  # request body bytes (client -> server)
+    bytes_out: int  # response body bytes (server -> client)
+    status: int
+
+
+@dataclass
+class CountingProxy:
+    """An HTTP proxy in front of ``upstream`` that records every request (thread-safe).
+
+    ``with CountingProxy(server.url) as p: ... p.url ... p.requests``. Bodies are relayed whole,
+    so keep objects small in tests that use it.
+    """
+
+    upstream: str
+    requests: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        up = urlsplit(self.upstream)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = bytearray()
+                    while True:
+                        n = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if n == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return bytes(out)
+                        out += self.rfile.read(n)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _relay(self) -> None:
+                body = self._body()
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                if body or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                with proxy._lock:
+                    proxy.requests.append(Request(self.command, self.path, dict(self.headers.items()), len(body),
+                                                  len(data) if self.command != "HEAD" else 0, resp.status))
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "CountingProxy":
+        self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> "CountingProxy":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.requests.clear()
+
+    def count(self, method: str | None = None, contains: str = "") -> int:
+        with self._lock:
+            return sum(1 for r in self.requests if (method is None or r.method == method) and contains in r.path)
+
+    @property
+    def bytes_in(self) -> int:
+        with self._lock:
+            return sum(r.bytes_in for r in self.requests)
+
+    @property
+    def bytes_out(self) -> int:
+        with self._lock:
+            return sum(r.bytes_out for r in self.requests)
