@@ -1,0 +1,808 @@
+"""torch.distributed.checkpoint (DCP) on every ckptio URI, with a crash-safe commit.
+
+:class:`StorageWriter` and :class:`StorageReader` subclass torch's ``StorageWriter`` /
+``StorageReader`` directly, so torch's planners, resharding and ``async_save`` staging work
+unchanged. They do not go through ``FileSystemBase``: that seam commits by write-then-rename
+(copy + delete on object stores), serializes every tensor with ``torch.save`` (CRC32 over every
+byte) and loads each item through ``torch.load`` on a stream. Here each data object is one
+streaming :meth:`Backend.open_writer`, the metadata is one create-only write, and loads are
+ranged reads straight into the destination tensors.
+
+Layout (compatible with torch's ``FileSystemWriter``/``FileSystemReader`` both ways)::
+
+    <uri>/__<rank>_<n>.distcp   items back to back; a tensor item is a torch.save zip archive
+    <uri>/.metadata             pickled ``Metadata``: the commit marker, written last
+
+Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zip CRC fields are
+zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a
+known offset, so a load reads only the tensor bytes it needs. Every item's
+``_StorageInfo`` carries an extra ``ckptio`` attribute (torch's readers ignore it): data
+offset, dtype, shape and xxh3-64 checksums per block of ``CHECKSUM_BLOCK`` bytes.
+
+Commit protocol:
+1. the coordinator, in ``prepare_global_plan`` (before any rank receives its plan, so before any
+   data object is touched), refuses an existing ``.metadata`` unless ``overwrite=True``, in which
+   case it deletes it first;
+2. every rank streams its data objects; each is committed (and fsynced where local) before
+   ``write_data`` returns;
+3. the coordinator writes ``.metadata`` with ``mode="create"``.
+A crash at any point leaves either the old complete checkpoint or a directory without
+``.metadata``, which :func:`is_complete` reports as incomplete and the reader refuses.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import io
+import os
+import pickle
+import struct
+import threading
+import uuid
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import storage as _storage
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import uri as _uri
+from .backends.base import Backend
+from .context import resolve
+from .errors import AlreadyExistsError, IncompleteCheckpointError, IntegrityError
+
+__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "METADATA_NAME"]
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
+CHECKSUM_BLOCK = 8 * 1024 * 1024  # bytes per xxh3-64 checksum inside a tensor
+FORMAT_VERSION = 1
+_INFO_ATTR = "ckptio"  # extra attribute on torch's _StorageInfo; torch's reader ignores it
+_COALESCE_MAX = 1024 * 1024  # ranges below this are merged with their neighbours into one read
+_COALESCE_GAP = 64 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by writer and reader
+
+
+def _backend_options(part_size: int | None, concurrency: int | None, options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if part_size is not None:
+        opts["part_size"] = int(part_size)
+    if concurrency is not None:
+        opts["concurrency"] = int(concurrency)
+    return opts
+
+
+def _metadata_name(rank: int | None, use_collectives: bool) -> str:
+    return METADATA_NAME if use_collectives or rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def is_complete(uri: str | os.PathLike, **backend_options: Any) -> bool:
+    """Whether ``uri`` holds a committed DCP checkpoint (its ``.metadata`` exists)."""
+    backend, root = resolve(uri, **backend_options)
+    return backend.isfile(_uri.join_path(root, METADATA_NAME))
+
+
+def _uint8(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor (shares memory)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _block_hashes(mv: memoryview, start: int, block: int) -> list[int]:
+    """xxh3-64 of each ``block``-sized piece of ``mv``, which begins at byte ``start`` (a block boundary)."""
+    if start % block:
+        raise ValueError("checksum ranges must start on a block boundary")
+    if not len(mv):
+        return [xxhash.xxh3_64_intdigest(b"")]
+    return [xxhash.xxh3_64_intdigest(mv[i: i + block]) for i in range(0, len(mv), block)]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.save-compatible archive framing for one tensor, written without touching the data
+
+
+class _StorageRef:
+    pass
+
+
+class _Rebuild:
+    def __init__(self, ref: _StorageRef, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.args = (ref, 0, shape, stride, False, collections.OrderedDict())
+
+    def __reduce__(self):  # the same reduction torch.Tensor uses
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+def _pickle_tensor(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes:
+    ref = _StorageRef()
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    stride.reverse()
+
+    class _P(pickle.Pickler):
+        def persistent_id(self, obj):
+            if obj is ref:
+                return ("storage", _storage_type(dtype), "0", "cpu", numel)
+            return None
+
+    buf = io.BytesIO()
+    _P(buf, protocol=2).dump(_Rebuild(ref, tuple(shape), tuple(stride)))
+    return buf.getvalue()
+
+
+_ALIGN = 64
+_U32 = 0xFFFFFFFF
+
+
+class _ZipFraming:
+    """Header and trailer bytes of a stored (uncompressed) zip around one tensor's bytes."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+        numel = 1
+        for s in shape:
+            numel *= s
+        records: list[tuple[str, bytes | int]] = [
+            ("archive/data.pkl", _pickle_tensor(dtype, shape, numel)),
+            ("archive/.format_version", b"1"),
+            ("archive/.storage_alignment", str(_ALIGN).encode()),
+            ("archive/byteorder", b"little"),
+            ("archive/data/0", nbytes),  # the tensor itself, streamed by the caller
+            ("archive/version", b"3\n"),
+            ("archive/.data/serialization_id", uuid.uuid4().hex.encode().ljust(40, b"0")),
+        ]
+        head, tail = bytearray(), bytearray()
+        central = bytearray()
+        pos = 0
+        zip64 = False
+        self.data_offset = -1
+        for name, payload in records:
+            size = payload if isinstance(payload, int) else len(payload)
+            out = head if self.data_offset < 0 else tail
+            local, big = self._local_header(name.encode(), size, pos)
+            zip64 |= big or pos >= _U32
+            out += local
+            if isinstance(payload, int):
+                self.data_offset = pos + len(local)
+            else:
+                out += payload
+            central += self._central_header(name.encode(), size, pos)
+            pos += len(local) + size
+        cd_offset, cd_size = pos, len(central)
+        tail += central
+        n = len(records)
+        if zip64 or cd_offset >= _U32:
+            z64 = cd_offset + cd_size
+            tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_offset)
+            tail += struct.pack("<IIQI", 0x07064B50, 0, z64, 1)
+            tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, min(cd_size, _U32), _U32, 0)
+        else:
+            tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_offset, 0)
+        self.head, self.tail = bytes(head), bytes(tail)
+        self.total = len(self.head) + nbytes + len(self.tail)
+
+    @staticmethod
+    def _local_header(name: bytes, size: int, pos: int) -> tuple[bytes, bool]:
+        big = size >= _U32
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        fixed = 30 + len(name) + len(extra)
+        pad = (-(pos + fixed + 4)) % _ALIGN  # "FB" padding field, like torch, aligns the data
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        s32 = _U32 if big else size
+        hdr = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, 0, s32, s32, len(name), len(extra))
+        return hdr + name + extra, big
+
+    @staticmethod
+    def _central_header(name: bytes, size: int, pos: int) -> bytes:
+        vals, fields = [], []
+        s32 = size
+        if size >= _U32:
+            s32 = _U32
+            vals += [size, size]
+        off32 = pos
+        if pos >= _U32:
+            off32 = _U32
+            vals.append(pos)
+        extra = struct.pack("<HH" + "Q" * len(vals), 1, 8 * len(vals), *vals) if vals else b""
+        hdr = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if vals else 20, 0, 0, 0, 0x21, 0, s32, s32,
+                          len(name), len(extra), 0, 0, 0, 0, off32)
+        return hdr + name + extra + b"".join(fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# writer
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    n = torch._utils._element_size(item.tensor_data.properties.dtype)
+    for s in item.tensor_data.size:
+        n *= s
+    return n
+
+
+def _split(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Items into at most ``bins`` groups of similar byte size (one data object per group)."""
+    bins = max(1, min(bins, len(items)))
+    groups: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for i, it in enumerate(x for x in items if x.type == WriteItemType.BYTE_IO):
+        groups[i % bins].append(it)
+    for it in sorted((x for x in items if x.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True):
+        j = min(range(bins), key=sizes.__getitem__)
+        groups[j].append(it)
+        sizes[j] += _item_nbytes(it)
+    return [g for g in groups if g]
+
+
+def _tensor_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[memoryview]:
+    """The bytes of ``t`` in row-major order, as memoryviews; copies only non-contiguous or non-CPU slabs."""
+    t = t.detach()
+    if t.is_cpu and t.is_contiguous():
+        if t.numel():
+            yield memoryview(_uint8(t).numpy())
+        return
+    if t.dim() == 0 or t.numel() == 0:
+        if t.numel():
+            yield memoryview(_uint8(t.cpu().contiguous()).numpy())
+        return
+    row = max(1, t[0].numel() * t.element_size())
+    step = max(1, max_bytes // row)
+    for i in range(0, t.shape[0], step):
+        yield memoryview(_uint8(t[i: i + step].to("cpu").contiguous()).numpy())
+
+
+@dataclasses.dataclass
+class _Prefix:
+    prefix: str
+
+
+class StorageWriter(_storage.StorageWriter):
+    """Write a DCP checkpoint to any ckptio URI.
+
+    ``thread_count`` data objects per rank are written concurrently (each streamed with bounded
+    memory by its backend writer); ``part_size``/``concurrency`` go to the backend (multipart part
+    size and parallel parts per object); ``overwrite`` allows replacing a committed checkpoint;
+    ``checksums=False`` skips recording checksums; ``durable=False`` skips fsync on local
+    storage. Other keyword arguments are backend options (as for :func:`ckptio.resolve`).
+    """
+
+    def __init__(self, uri: str | os.PathLike, *, thread_count: int = 4, part_size: int | None = None,
+                 concurrency: int | None = None, overwrite: bool = False, checksums: bool = True,
+                 durable: bool = True, **backend_options: Any) -> None:
+        super().__init__()
+        if int(thread_count) < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
+        self.thread_count = int(thread_count)
+        self.overwrite = bool(overwrite)
+        self.checksums = bool(checksums)
+        self.durable = bool(durable)
+        self._options = _backend_options(part_size, concurrency, backend_options)
+        self._set_uri(uri)
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.use_collectives = True
+
+    def _set_uri(self, uri: str | os.PathLike) -> None:
+        self.uri = os.fspath(uri)
+        self.backend, self.root = resolve(self.uri, **self._options)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.uri
+
+    def _path(self, name: str) -> str:
+        return _uri.join_path(self.root, name)
+
+    # ---- the StorageWriter protocol --------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self._set_uri(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.uri, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.use_collectives and self.rank is not None:
+            plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank gets its plan, hence before any data is written.
+        meta = self._path(_metadata_name(self.rank, self.use_collectives))
+        if self.backend.isfile(meta):
+            if not self.overwrite:
+                raise AlreadyExistsError(
+                    meta, f"a complete checkpoint already exists at {self.uri!r}; pass overwrite=True to replace it")
+            self.backend.delete(meta)  # uncommit first: from here on the old data may be overwritten
+        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        groups = _split(plan.items, self.thread_count)
+        cancel = threading.Event()
+        jobs = [(f"{prefix}{n}{DATA_SUFFIX}", g) for n, g in enumerate(groups)]
+        results: list[WriteResult] = []
+        if len(jobs) <= 1:
+            for name, g in jobs:
+                results += self._write_object(name, g, planner, cancel)
+        else:
+            with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptio-dcp-write") as pool:
+                futs = [pool.submit(self._write_object, name, g, planner, cancel) for name, g in jobs]
+                try:
+                    for f in futs:
+                        results += f.result()
+                except BaseException:
+                    cancel.set()
+                    raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_object(self, name: str, items: list[WriteItem], planner: SavePlanner,
+                      cancel: threading.Event) -> list[WriteResult]:
+        uri = self._path(name)
+        results: list[WriteResult] = []
+        item: WriteItem | None = None
+        chunk = max(self.backend.part_size, 8 << 20)
+        try:
+            with self.backend.open_writer(uri, mode="overwrite", durable=self.durable) as w:
+                offset = 0
+                for item in items:
+                    if cancel.is_set():
+                        raise RuntimeError(f"cancelled: another data object of this rank failed ({uri})")
+                    data = planner.resolve_data(item)
+                    info: dict[str, Any] = {"v": FORMAT_VERSION}
+                    if item.type == WriteItemType.BYTE_IO:
+                        buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                        w.write(buf)
+                        length = len(buf)
+                        if self.checksums:
+                            info["xxh3"] = [xxhash.xxh3_64_intdigest(buf)]
+                            info["block"] = max(length, 1)
+                        del buf
+                    else:
+                        t = data.detach()
+                        nbytes = t.numel() * t.element_size()
+                        z = _ZipFraming(t.dtype, tuple(t.shape), nbytes)
+                        w.write(z.head)
+                        hashes: list[int] = []
+                        h = xxhash.xxh3_64() if self.checksums else None
+                        filled = 0
+                        for mv in _tensor_chunks(t, chunk):
+                            w.write(mv)
+                            if h is not None:  # block hashes over a stream of arbitrary-size pieces
+                                pos = 0
+                                while pos < len(mv):
+                                    take = min(len(mv) - pos, CHECKSUM_BLOCK - filled)
+                                    h.update(mv[pos: pos + take])
+                                    pos, filled = pos + take, filled + take
+                                    if filled == CHECKSUM_BLOCK:
+                                        hashes.append(h.intdigest())
+                                        h.reset()
+                                        filled = 0
+                        if h is not None and (filled or not hashes):
+                            hashes.append(h.intdigest())
+                        w.write(z.tail)
+                        length = z.total
+                        info.update(data=z.data_offset, nbytes=nbytes, dtype=str(t.dtype).removeprefix("torch."),
+                                    shape=list(t.shape))
+                        if self.checksums:
+                            info["xxh3"], info["block"] = hashes, CHECKSUM_BLOCK
+                    sinfo = _StorageInfo(name, offset, length)
+                    setattr(sinfo, _INFO_ATTR, info)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=sinfo))
+                    offset += length
+        except Exception as e:
+            what = f"item {item.index.fqn!r}" if item is not None else "opening"
+            if hasattr(e, "add_note"):
+                e.add_note(f"ckptio.dcp: rank {self.rank}: writing data object {uri} ({what}) failed")
+            raise
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.storage_meta = self.storage_meta()
+        meta = self._path(_metadata_name(self.rank, self.use_collectives))
+        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.backend.write(meta, data, mode="create", durable=True)  # the commit
+        except FileExistsError as e:
+            raise AlreadyExistsError(
+                meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded"
+            ) from e
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid(checkpoint_id)
+
+
+def _valid(checkpoint_id: str | os.PathLike) -> bool:
+    try:
+        resolve(checkpoint_id)
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# reader
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One item to load, once its byte ranges have arrived."""
+
+    req: ReadItem
+    obj: str  # data object URI
+    finish: Callable[[], None]
+    futures: list[cf.Future] = dataclasses.field(default_factory=list)
+    temp_bytes: int = 0
+
+
+def _contiguous_span(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
+    """Element range ``[start, stop)`` of a sub-box in a row-major array, if the box is contiguous there."""
+    d = 0
+    while d < len(shape) and lengths[d] == 1:
+        d += 1
+    if any(lengths[i] != shape[i] for i in range(d + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for i in reversed(range(len(shape))):
+        start += offsets[i] * stride
+        stride *= shape[i]
+    count = 1
+    for n in lengths:
+        count *= n
+    return start, start + count
+
+
+class StorageReader(_storage.StorageReader):
+    """Read a DCP checkpoint (ckptio's or torch's ``FileSystemWriter``/``FsspecWriter`` layout) from any URI.
+
+    Reads are ranged: only the bytes of the requested items (widened to checksum blocks when
+    ``verify``) are fetched, in ``part_size`` pieces on ``thread_count`` threads, straight into
+    the destination tensors when they match the stored layout. ``verify=False`` skips checksums.
+    """
+
+    def __init__(self, uri: str | os.PathLike, *, verify: bool = True, thread_count: int = 4,
+                 part_size: int | None = None, concurrency: int | None = None, **backend_options: Any) -> None:
+        super().__init__()
+        if int(thread_count) < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
+        self.verify = bool(verify)
+        self.thread_count = int(thread_count)
+        self._options = _backend_options(part_size, concurrency, backend_options)
+        self._set_uri(uri)
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id = uuid.uuid4().hex
+        self.rank: int | None = None
+
+    def _set_uri(self, uri: str | os.PathLike) -> None:
+        self.uri = os.fspath(uri)
+        self.backend, self.root = resolve(self.uri, **self._options)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.uri
+
+    def _path(self, name: str) -> str:
+        return _uri.join_path(self.root, name)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self._set_uri(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        meta = self._path(_metadata_name(rank, rank is None))
+        try:
+            data = self.backend.read(meta)
+        except FileNotFoundError:
+            if self.backend.isdir(self.root):
+                raise IncompleteCheckpointError(
+                    f"checkpoint {self.uri!r} is incomplete: it has no {_uri.basename(meta)} (the save was "
+                    f"interrupted or is still running)") from None
+            raise
+        metadata = pickle.loads(data)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid(checkpoint_id)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        piece = max(self.backend.part_size, 8 << 20)
+        window = max(4 * piece * self.thread_count, 256 << 20)  # temp bytes allowed in flight
+        pending: collections.deque[_Unit] = collections.deque()
+        temp_in_flight = 0
+        small: dict[str, list[tuple[int, int, memoryview, _Unit]]] = {}
+
+        with cf.ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptio-dcp-read") as pool:
+
+            def fetch(unit: _Unit, obj: str, start: int, target: memoryview) -> None:
+                n = len(target)
+                if n < _COALESCE_MAX:
+                    small.setdefault(obj, []).append((start, start + n, target, unit))
+                    return
+                for off in range(0, n, piece):
+                    unit.futures.append(pool.submit(self._read_exact, obj, start + off, target[off: off + piece]))
+
+            def drain(limit: int) -> None:
+                nonlocal temp_in_flight
+                while pending and (temp_in_flight > limit or limit < 0):
+                    u = pending.popleft()
+                    for f in u.futures:
+                        f.result()
+                    u.finish()
+                    temp_in_flight -= u.temp_bytes
+
+            try:
+                for req in sorted(plan.items, key=self._order):
+                    unit = self._plan_item(req, planner, fetch)
+                    pending.append(unit)
+                    temp_in_flight += unit.temp_bytes
+                    if temp_in_flight > window:
+                        self._submit_small(pool, small)
+                        drain(window // 2)
+                self._submit_small(pool, small)
+                drain(-1)
+            except BaseException:
+                for u in pending:
+                    for f in u.futures:
+                        f.cancel()
+                raise
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _order(self, req: ReadItem) -> tuple[str, int]:
+        s = self.storage_data[req.storage_index]
+        return (s.relative_path, s.offset)
+
+    def _read_exact(self, obj: str, start: int, target: memoryview) -> None:
+        n = self.backend.readinto(obj, target, start)
+        if n != len(target):
+            raise IntegrityError(f"data object {obj} is truncated: wanted bytes [{start}, {start + len(target)}), "
+                                 f"got {n}")
+
+    def _submit_small(self, pool: cf.ThreadPoolExecutor, small: dict[str, list]) -> None:
+        """Coalesce nearby small ranges of each object into single reads, then scatter into their targets."""
+        for obj, ranges in small.items():
+            ranges.sort(key=lambda r: r[0])
+            groups: list[list] = []
+            for r in ranges:
+                if groups and r[0] - groups[-1][-1][1] <= _COALESCE_GAP and r[1] - groups[-1][0][0] <= 4 * _COALESCE_MAX:
+                    groups[-1].append(r)
+                else:
+                    groups.append([r])
+            for g in groups:
+                start, stop = g[0][0], max(r[1] for r in g)
+                f = pool.submit(self._read_scatter, obj, start, stop, [(a, b, t) for a, b, t, _ in g])
+                for *_, unit in g:
+                    unit.futures.append(f)
+        small.clear()
+
+    def _read_scatter(self, obj: str, start: int, stop: int, parts: list[tuple[int, int, memoryview]]) -> None:
+        if len(parts) == 1:
+            return self._read_exact(obj, start, parts[0][2])
+        buf = bytearray(stop - start)
+        self._read_exact(obj, start, memoryview(buf))
+        for a, b, t in parts:
+            t[:] = buf[a - start: b - start]
+
+    def _plan_item(self, req: ReadItem, planner: LoadPlanner, fetch: Callable) -> _Unit:
+        sinfo = self.storage_data[req.storage_index]
+        obj = self._path(sinfo.relative_path)
+        info = getattr(sinfo, _INFO_ATTR, None)
+        what = f"item {req.storage_index.fqn!r} (offset {list(req.storage_index.offset or [])})"
+        if info is None or getattr(sinfo, "transform_descriptors", None):
+            return self._plan_foreign(req, planner, sinfo, obj, fetch)
+        hashes = info.get("xxh3") if self.verify else None
+        block = info.get("block", CHECKSUM_BLOCK)
+
+        def check(mv: memoryview, start: int) -> None:
+            if hashes is None:
+                return
+            got = _block_hashes(mv, start, block)
+            first = start // block
+            for i, h in enumerate(got):
+                if hashes[first + i] != h:
+                    raise IntegrityError(
+                        f"checksum mismatch in {obj}, {what}, bytes [{start + i * block}, "
+                        f"{min(start + (i + 1) * block, start + len(mv))}) of its data: the checkpoint is corrupt")
+
+        if req.type == LoadItemType.BYTE_IO:
+            buf = bytearray(sinfo.length)
+            unit = _Unit(req, obj, lambda: None, temp_bytes=len(buf))
+
+            def finish_bytes() -> None:
+                check(memoryview(buf), 0)
+                planner.load_bytes(req, io.BytesIO(buf))
+
+            unit.finish = finish_bytes
+            fetch(unit, obj, sinfo.offset, memoryview(buf))
+            return unit
+
+        dtype = getattr(torch, info["dtype"])
+        shape = tuple(info["shape"])
+        esize = torch._utils._element_size(dtype)
+        nbytes = info["nbytes"]
+        base = sinfo.offset + info["data"]
+        dest = planner.resolve_tensor(req).detach()
+        span = _contiguous_span(shape, req.storage_offsets, req.lengths)
+        a, b = (span[0] * esize, span[1] * esize) if span is not None else (0, nbytes)
+        lo, hi = a, b
+        if hashes is not None:  # widen to whole checksum blocks
+            lo, hi = (a // block) * block, min(nbytes, -(-b // block) * block)
+        direct = (lo == a and hi == b and span is not None and dest.is_cpu and dest.is_contiguous()
+                  and dest.dtype == dtype and dest.numel() * esize == b - a)
+        if direct:
+            target = _uint8(dest)
+            unit = _Unit(req, obj, lambda: None)
+        else:
+            target = torch.empty(hi - lo, dtype=torch.uint8)
+            unit = _Unit(req, obj, lambda: None, temp_bytes=hi - lo)
+
+        def finish_tensor() -> None:
+            check(memoryview(target.numpy()), lo)
+            if direct:
+                planner.commit_tensor(req, dest)
+                return
+            raw = target[a - lo: b - lo].view(dtype)
+            if span is not None:
+                src = raw.view(tuple(req.lengths))
+            else:
+                src = raw.view(shape)
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    src = src.narrow(d, o, n)
+            if dest.size() != src.size():
+                raise IntegrityError(f"{obj}, {what}: stored shape {tuple(src.shape)} does not match the "
+                                     f"destination {tuple(dest.shape)}")
+            dest.copy_(src)
+            planner.commit_tensor(req, dest)
+
+        unit.finish = finish_tensor
+        if hi > lo:
+            fetch(unit, obj, base + lo, memoryview(target.numpy()))
+        return unit
+
+    def _plan_foreign(self, req: ReadItem, planner: LoadPlanner, sinfo: Any, obj: str, fetch: Callable) -> _Unit:
+        """An item written by torch's writers: one ranged read of the item, then torch's own decoding."""
+        buf = torch.empty(sinfo.length, dtype=torch.uint8)
+        unit = _Unit(req, obj, lambda: None, temp_bytes=sinfo.length)
+
+        def finish() -> None:
+            stream: Any = _ReadOnlyBuffer(memoryview(buf.numpy()))
+            descriptors = getattr(sinfo, "transform_descriptors", None)
+            if descriptors:
+                from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+                stream = _StorageReaderTransforms().transform_load_stream(req, descriptors, stream)
+                if not stream.seekable():
+                    stream = io.BytesIO(stream.read())
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read()))
+                return
+            from torch.distributed._shard._utils import narrow_tensor_by_index
+            t = torch.load(stream, map_location="cpu", weights_only=True)
+            t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+            dest = planner.resolve_tensor(req).detach()
+            if dest.size() != t.size():
+                raise IntegrityError(f"{obj}, item {req.storage_index.fqn!r}: stored shape {tuple(t.shape)} does not "
+                                     f"match the destination {tuple(dest.shape)}")
+            dest.copy_(t)
+            planner.commit_tensor(req, dest)
+
+        unit.finish = finish
+        fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))
+        return unit
+
+
+class _ReadOnlyBuffer(io.RawIOBase):
+    """A seekable file over a memoryview, without copying it (``io.BytesIO`` would)."""
+
+    def __init__(self, mv: memoryview) -> None:
+        super().__init__()
+        self._mv, self._pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._mv) - self._pos))
+        out[:n] = self._mv[self._pos: self._pos + n]
+        self._pos += n
+        return n
+
+
+# ---------------------------------------------------------------------------------------------
+# conveniences
+
+
+def save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
+         process_group: Any = None, **options: Any) -> Metadata:
+    """``torch.distributed.checkpoint.save`` to ``uri`` with a :class:`StorageWriter` built from ``options``."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
+                    process_group=process_group)
+
+
+def async_save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
+               process_group: Any = None, **options: Any):
+    """``torch.distributed.checkpoint.async_save`` to ``uri``; returns torch's future."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
+                          process_group=process_group)
+
+
+def load(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: LoadPlanner | None = None,
+         process_group: Any = None, **options: Any) -> None:
+    """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, storage_reader=StorageReader(uri, **options), planner=planner, process_group=process_group)
