@@ -1,0 +1,304 @@
+"""``gs://`` and ``gcs://``: Google Cloud Storage (or an emulator) through gcsfs's session.
+
+gcsfs provides credentials (``token``: a path to a service-account JSON, ``"google_default"``,
+``"anon"``...), the HTTP session and the IO loop. The data path speaks the JSON API directly:
+small objects are one media upload, large ones a resumable upload in ``part_size`` chunks
+(a multiple of 256 KiB) while the caller fills the next chunk; reads are parallel ranged GETs
+streamed into the caller's buffer. ``mode="create"`` sends ``ifGenerationMatch=0``; the version
+token is the object's generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import json
+from typing import Any, Iterator
+from urllib.parse import quote
+
+from .. import uri as _uri
+from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
+                      MissingDependencyError, NotFoundError, TransferError)
+from . import _parallel
+from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+
+try:
+    import aiohttp
+    import gcsfs
+except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
+    raise MissingDependencyError(
+        f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
+
+CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status, self.body = status, body
+
+    def message(self) -> str:
+        try:
+            return str(json.loads(self.body)["error"]["message"])
+        except Exception:
+            return self.body[:200].decode("utf-8", "replace")
+
+
+def _q(key: str) -> str:
+    return quote(key, safe="")
+
+
+class GCSBackend(Backend):
+    """Objects in Google Cloud Storage or gcp-storage-emulator."""
+
+    name = "gcs"
+
+    def __init__(self, *, endpoint_url: str | None = None, project: str | None = None, token: Any = None,
+                 anon: bool = False, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
+                 retries: int = 4, connect_timeout: float = 10.0, read_timeout: float = 60.0) -> None:
+        super().__init__(part_size=part_size, concurrency=concurrency)
+        self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
+        if int(retries) < 0:
+            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        self.retries = int(retries)
+        self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        self._timeout = aiohttp.ClientTimeout(sock_connect=float(connect_timeout), sock_read=float(read_timeout))
+        self._fs = gcsfs.GCSFileSystem(project=project or gcsfs.core.DEFAULT_PROJECT,
+                                       token="anon" if anon else token, endpoint_url=self.endpoint_url,
+                                       skip_instance_cache=True, use_listings_cache=False)
+
+    def __repr__(self) -> str:
+        return f"<GCSBackend endpoint={self.endpoint_url or 'google'!r}>"
+
+    # ---- plumbing --------------------------------------------------------------------------
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._fs.loop
+
+    @property
+    def _api(self) -> str:
+        return f"{self._fs._location}/storage/v1"
+
+    @property
+    def _upload_url(self) -> str:
+        return f"{self._fs._location}/upload/storage/v1"
+
+    async def _request(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
+                       data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None
+                       ) -> tuple[int, Any, bytes | int]:
+        """One HTTP call with retries on transient failures. ``into``: stream the body there, return its length."""
+
+        async def once() -> tuple[int, Any, bytes | int]:
+            session = await self._fs._set_session()
+            async with session.request(method, url, params=params, data=data, timeout=self._timeout,
+                                       headers=self._fs._get_headers(headers)) as r:
+                if r.status not in ok:
+                    raise _HTTPStatus(r.status, await r.read())
+                if into is None:
+                    return r.status, r.headers, await r.read()
+                pos = 0
+                while pos < len(into):
+                    chunk = await r.content.read(len(into) - pos)
+                    if not chunk:
+                        break
+                    into[pos: pos + len(chunk)] = chunk
+                    pos += len(chunk)
+                return r.status, r.headers, pos
+
+        async def with_status_retry() -> tuple[int, Any, bytes | int]:
+            try:
+                return await once()
+            except _HTTPStatus as e:
+                if e.status in _RETRY_STATUS:
+                    raise _Retry(e) from e
+                raise
+
+        try:
+            return await _parallel.retrying(with_status_retry, self.retries,
+                                            (_Retry, aiohttp.ClientError, asyncio.TimeoutError))
+        except _Retry as e:
+            raise e.error from None
+
+    def _call(self, uri: str, method: str, url: str, **kw: Any) -> tuple[int, Any, Any]:
+        try:
+            return _parallel.run(self._loop, lambda: self._request(method, url, **kw))
+        except Exception as e:
+            raise self.translate(e, uri) from None
+
+    def _json(self, uri: str, method: str, url: str, **kw: Any) -> dict:
+        body = self._call(uri, method, url, **kw)[2]
+        return json.loads(body) if body else {}
+
+    def translate(self, e: BaseException, uri: str) -> BaseException:
+        """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
+        if isinstance(e, CkptioError):
+            return e
+        out: BaseException
+        if isinstance(e, _HTTPStatus):
+            if e.status == 404:
+                out = NotFoundError(uri)
+            elif e.status == 412:
+                out = AlreadyExistsError(uri)
+            elif e.status == 401:
+                out = CredentialsError(uri, "GCS rejected the credentials (HTTP 401); set the gcs backend's token "
+                                       "option (a service-account JSON path, 'google_default' or 'anon') or "
+                                       "GOOGLE_APPLICATION_CREDENTIALS")
+            elif e.status == 403:
+                out = AccessDeniedError(uri, f"GCS denied access (HTTP 403: {e.message()})")
+            else:
+                out = TransferError(errno.EIO, f"GCS error HTTP {e.status} for {uri}: {e.message()}", uri)
+        elif isinstance(e, (aiohttp.ClientError, OSError, asyncio.TimeoutError)):
+            out = TransferError(errno.EIO, f"cannot reach GCS endpoint {self._fs._location} for {uri}: "
+                                f"{type(e).__name__}", uri)
+        else:
+            return e
+        out.__cause__ = e
+        return out
+
+    @staticmethod
+    def _split(uri: str, *, key_required: bool = True) -> tuple[str, str]:
+        bucket, key = _uri.bucket_key(uri)
+        if key_required and not key.strip("/"):
+            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected gs://BUCKET/KEY)")
+        return bucket, key
+
+    def close(self) -> None:
+        session = getattr(self._fs, "_session", None)
+        if session is not None and not session.closed and self._loop.is_running():
+            try:
+                _parallel.run(self._loop, session.close)
+            except Exception:  # closing a dead connection pool must not fail reset()
+                pass
+            self._fs._session = None
+
+    # ---- reads -----------------------------------------------------------------------------
+    async def _fetch_into(self, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+        try:
+            return (await self._request("GET", f"{self._api}/b/{bucket}/o/{_q(key)}", params={"alt": "media"},
+                                        headers={"Range": f"bytes={start}-{end - 1}"}, ok=(200, 206),
+                                        into=view))[2]  # type: ignore[return-value]
+        except _HTTPStatus as e:
+            if e.status == 416:
+                return 0
+            raise
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        bucket, key = self._split(uri)
+        mv = memoryview(buf).cast("B")
+
+        async def go() -> int:
+            return await _parallel.parallel_readinto(
+                lambda s, e, v: self._fetch_into(bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency)
+
+        try:
+            n = _parallel.run(self._loop, go)
+        except Exception as e:
+            raise self.translate(e, uri) from None
+        if n == 0 and len(mv):
+            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        return n
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is None:
+            end = self.stat(uri).size
+        buf = bytearray(max(0, end - start))
+        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
+        return bytes(buf) if n == len(buf) else bytes(buf[:n])
+
+    # ---- writes ----------------------------------------------------------------------------
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        check_mode(mode)
+        bucket, key = self._split(uri)
+        return _GCSWriter(self, uri, bucket, key, mode)
+
+    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        self.open_writer(uri, mode=mode).write_all(data)  # type: ignore[attr-defined]
+
+    # ---- metadata --------------------------------------------------------------------------
+    def _info(self, scheme: str, bucket: str, o: dict) -> ObjectInfo:
+        mtime = self._fs._parse_timestamp(o["updated"]).timestamp() if o.get("updated") else None
+        return ObjectInfo(f"{scheme}://{bucket}/{o['name']}", int(o.get("size", 0)), mtime, str(o.get("generation")))
+
+    def stat(self, uri: str) -> ObjectInfo:
+        bucket, key = self._split(uri, key_required=False)
+        if key.strip("/"):
+            try:
+                o = self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{_q(key)}")
+                return dataclasses.replace(self._info("gs", bucket, o), uri=uri)
+            except NotFoundError:
+                pass
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params={"prefix": prefix, "maxResults": "1"})
+        if r.get("items") or r.get("prefixes") or not prefix:
+            return ObjectInfo(uri, 0, None, None, is_dir=True)
+        raise NotFoundError(uri)
+
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        bucket, key = self._split(uri, key_required=False)
+        scheme = _uri.scheme_of(uri) or "gs"
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        params = {"prefix": prefix}
+        if not recursive:
+            params["delimiter"] = "/"
+        while True:
+            r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params=params)
+            entries = [self._info(scheme, bucket, o) for o in r.get("items", []) if o["name"] != prefix]
+            entries += [ObjectInfo(f"{scheme}://{bucket}/{p.rstrip('/')}", 0, None, None, True)
+                        for p in r.get("prefixes", [])]
+            yield from sorted(entries, key=lambda i: i.uri)
+            if not r.get("nextPageToken"):
+                return
+            params["pageToken"] = r["nextPageToken"]
+
+    def delete(self, uri: str) -> None:
+        bucket, key = self._split(uri)
+        self._call(uri, "DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204))
+
+
+class _GCSWriter(_parallel.MultipartWriter):
+    ordered = True  # a resumable upload takes its chunks in order
+
+    def __init__(self, backend: GCSBackend, uri: str, bucket: str, key: str, mode: WriteMode) -> None:
+        super().__init__(uri, backend._loop, backend.part_size, 1)
+        self._b, self._bucket, self._key = backend, bucket, key
+        self._cond = {"ifGenerationMatch": "0"} if mode == "create" else {}
+
+    def translate(self, exc: BaseException) -> BaseException:
+        return self._b.translate(exc, self.uri)
+
+    async def put_single(self, data: Buffer) -> None:
+        await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=data,
+                               params={"uploadType": "media", "name": self._key, **self._cond},
+                               headers={"Content-Type": "application/octet-stream"})
+
+    async def begin(self) -> Any:
+        _, headers, _ = await self._b._request(
+            "POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=json.dumps({"name": self._key}),
+            params={"uploadType": "resumable", "name": self._key, **self._cond},
+            headers={"Content-Type": "application/json; charset=UTF-8",
+                     "X-Upload-Content-Type": "application/octet-stream"})
+        return headers["Location"]
+
+    async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
+        n = len(memoryview(data))
+        await self._b._request("PUT", handle, data=data, ok=(200, 201, 308), headers={
+            "Content-Range": f"bytes {offset}-{offset + n - 1}/{'*' if total is None else total}",
+            "Content-Type": "application/octet-stream"})
+
+    async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
+        pass  # the last chunk (with the total size) completed the upload
+
+    async def abort_upload(self, handle: Any) -> None:
+        try:
+            await self._b._request("DELETE", handle, ok=(200, 204, 499))
+        except _HTTPStatus as e:
+            if e.status not in (404, 405, 410, 501):  # already gone, or (emulator) cancel not supported
+                raise
+
+
+class _Retry(Exception):
+    def __init__(self, error: _HTTPStatus) -> None:
+        super().__init__(error.status)
+        self.error = error
