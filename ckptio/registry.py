@@ -233,7 +233,13 @@ def register_format(name: str, extensions: list[str] | tuple[str, ...], *, force
 
 
 def accepted_options(cls: type) -> set[str] | None:
-    """Keyword options a backend class accepts (``None``: it takes ``**kwargs`` beyond the base ones)."""
+    """Keyword options a backend class accepts (``None``: it takes ``**kwargs`` beyond the base ones).
+
+    A class whose extra keyword arguments are passed through to a client (the fsspec adapter's
+    storage options) says so with ``accepts_any_options = True``.
+    """
+    if getattr(cls, "accepts_any_options", False):
+        return None
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
