@@ -1,0 +1,164 @@
+"""Child-process code for the DCP tests: spawned gloo ranks and save-then-SIGKILL scripts.
+
+Kept out of the test modules so children import only this (not pytest fixtures). Run as a
+script for the crash tests: ``python dcp_workers.py crash POINT URI [OVERWRITE]``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import traceback
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+ROWS, COLS = 11, 6  # 11 rows: uneven shards over 2 and 3 ranks
+
+
+def full_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(ROWS, COLS, generator=g),
+        "b": torch.arange(ROWS * 2, dtype=torch.int64),
+        "h": torch.randn(ROWS, 3, generator=g).to(torch.bfloat16),
+    }
+
+
+def _configure(s3_endpoint: str | None) -> None:
+    if s3_endpoint:
+        import ckptio
+
+        ckptio.configure(backends={"s3": {"endpoint_url": s3_endpoint, "access_key_id": "testing",
+                                          "secret_access_key": "testing", "part_size": 5 << 20}})
+
+
+def _init(rank: int, world: int, port: int):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    return init_device_mesh("cpu", (world,))
+
+
+def _sharded(mesh, state: dict[str, torch.Tensor]):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in state.items()}
+
+
+def save_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | None, fail_rank: int | None,
+              result_dir: str) -> None:
+    """Save ``full_state(1)`` sharded over ``world`` ranks; with ``fail_rank``, that rank's second data object fails."""
+    import torch.distributed as dist
+
+    import ckptio.dcp as cd
+
+    _configure(s3_endpoint)
+    mesh = _init(rank, world, port)
+    try:
+        if fail_rank == rank:
+            _fail_on_object(f"__{rank}_1.distcp")
+        sd = _sharded(mesh, full_state(1))
+        sd["extra"] = {"step": 7, "rank_count": world}
+        try:
+            cd.save(sd, uri, thread_count=2)
+            outcome = "ok"
+        except BaseException as e:  # CheckpointException is a BaseException
+            outcome = f"{type(e).__name__}\n{e}"
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def load_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | None, result_dir: str) -> None:
+    """Load into ``world`` Shard(0) DTensors and compare the local shards exactly with ``full_state(1)``."""
+    import torch.distributed as dist
+
+    import ckptio.dcp as cd
+
+    _configure(s3_endpoint)
+    mesh = _init(rank, world, port)
+    try:
+        expected = _sharded(mesh, full_state(1))
+        sd = {k: _sharded(mesh, {k: torch.zeros_like(v)})[k] for k, v in full_state(1).items()}
+        sd["extra"] = {"step": 0, "rank_count": 0}
+        cd.load(sd, uri)
+        bad = [k for k in expected if not torch.equal(sd[k].to_local(), expected[k].to_local())]
+        if sd["extra"] != {"step": 7, "rank_count": 2}:
+            bad.append(f"extra={sd['extra']}")
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("ok" if not bad else f"mismatch {bad}")
+    except BaseException:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def _fail_on_object(name: str) -> None:
+    from ckptio.backends import local
+
+    original = local.LocalWriter.write
+
+    def write(self, data):
+        if os.path.basename(self._path) == name:
+            raise OSError(5, "injected I/O error")
+        return original(self, data)
+
+    local.LocalWriter.write = write
+
+
+# ---- crash scripts: save, SIGKILL ourselves at POINT -----------------------------------------
+
+def big_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(64, 1024, generator=g) for i in range(8)}  # 8 x 256 KiB
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash(point: str, uri: str, overwrite: bool) -> None:
+    import ckptio.dcp as cd
+    from ckptio.backends import local
+
+    if point == "data":  # after a few data writes, mid-object
+        original = local.LocalWriter.write
+        count = [0]
+
+        def write(self, data):
+            if self._path.endswith(".distcp"):
+                count[0] += 1
+                if count[0] == 5:
+                    _die()
+            return original(self, data)
+
+        local.LocalWriter.write = write
+    elif point == "before_metadata":  # every data object committed, no metadata yet
+        cd.StorageWriter.finish = lambda self, metadata, results: _die()
+    elif point == "before_uncommit":  # the coordinator checked the old checkpoint but did not delete it yet
+        original_delete = local.LocalBackend.delete
+
+        def delete(self, uri):
+            if uri.endswith(cd.METADATA_NAME):
+                _die()
+            return original_delete(self, uri)
+
+        local.LocalBackend.delete = delete
+    else:
+        raise SystemExit(f"unknown crash point {point}")
+    cd.save(big_state(2), uri, thread_count=2, overwrite=overwrite)
+    raise SystemExit("the save finished but should have been killed")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "crash":
+        crash(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "overwrite")
