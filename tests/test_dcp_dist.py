@@ -1,0 +1,69 @@
+"""ckptio.dcp across processes: gloo ranks with DTensor Shard(0), resharding between world sizes,
+and a backend failure on one rank. Every child group runs under a timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ckptio.dcp as cd
+import dcp_workers as W
+from servers import free_port
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TIMEOUT = 120
+
+
+def run_ranks(fn, world: int, *args) -> None:
+    """Spawn ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after TIMEOUT seconds."""
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {TIMEOUT}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def results(d, world: int) -> list[str]:
+    return [open(os.path.join(d, f"rank{r}.txt")).read() for r in range(world)]
+
+
+def save_2_load_1_and_3(uri: str, tmp_path, s3_endpoint: str | None = None) -> None:
+    out_dir = str(tmp_path)
+    run_ranks(W.save_rank, 2, uri, s3_endpoint, None, out_dir)
+    assert results(out_dir, 2) == ["ok", "ok"]
+    assert cd.is_complete(uri)
+
+    full = {k: torch.zeros_like(v) for k, v in W.full_state(1).items()}  # world size 1, plain tensors
+    full["extra"] = {"step": 0, "rank_count": 0}
+    cd.load(full, uri)
+    for k, v in W.full_state(1).items():
+        assert torch.equal(full[k], v), k
+    assert full["extra"] == {"step": 7, "rank_count": 2}
+
+    run_ranks(W.load_rank, 3, uri, s3_endpoint, out_dir)  # world size 3: uneven Shard(0)
+    assert results(out_dir, 3) == ["ok", "ok", "ok"]
+
+
+def test_dtensor_save_2_load_1_and_3_local(tmp_path):
+    save_2_load_1_and_3(str(tmp_path / "ckpt"), tmp_path)
+
+
+def test_failure_on_one_rank_names_rank_and_object(tmp_path):
+    uri = str(tmp_path / "ckpt")
+    run_ranks(W.save_rank, 2, uri, None, 1, str(tmp_path))
+    outcomes = results(str(tmp_path), 2)
+    for text in outcomes:  # every rank sees the failure
+        assert text.startswith("CheckpointException"), text
+        assert "RANK 1" in text and "injected I/O error" in text and "__1_1.distcp" in text
+    assert not cd.is_complete(uri)
+    assert not os.path.exists(os.path.join(uri, ".metadata"))
