@@ -242,7 +242,11 @@ class Backend(abc.ABC):
 
     def rmtree(self, uri: str) -> None:
         """Delete everything under ``uri`` (missing: no error)."""
-        for info in list(self.list(uri, recursive=True)):
+        try:
+            infos = list(self.list(uri, recursive=True))
+        except FileNotFoundError:
+            return
+        for info in infos:
             if not info.is_dir:
                 with contextlib.suppress(FileNotFoundError):
                     self.delete(info.uri)

@@ -268,12 +268,32 @@ class _GCSWriter(_parallel.MultipartWriter):
     def translate(self, exc: BaseException) -> BaseException:
         return self._b.translate(exc, self.uri)
 
+    async def _refuse_existing(self) -> None:
+        # The server's ifGenerationMatch=0 is authoritative; this early check saves uploading
+        # gigabytes for nothing (and gives emulators that ignore preconditions the same behaviour).
+        try:
+            await self._b._request("GET", f"{self._b._api}/b/{self._bucket}/o/{_q(self._key)}",
+                                   params={"fields": "generation"})
+        except _HTTPStatus as e:
+            if e.status == 404:
+                return
+            raise
+        raise AlreadyExistsError(self.uri)
+
     async def put_single(self, data: Buffer) -> None:
+        if self._cond:
+            await self._refuse_existing()
+        if not len(memoryview(data)):  # gcp-storage-emulator drops empty media uploads; multipart works everywhere
+            await gcsfs.core.simple_upload(self._b._fs, self._bucket, self._key, b"",
+                                           mode="create" if self._cond else "overwrite")
+            return
         await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=data,
                                params={"uploadType": "media", "name": self._key, **self._cond},
                                headers={"Content-Type": "application/octet-stream"})
 
     async def begin(self) -> Any:
+        if self._cond:
+            await self._refuse_existing()
         _, headers, _ = await self._b._request(
             "POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=json.dumps({"name": self._key}),
             params={"uploadType": "resumable", "name": self._key, **self._cond},
