@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from . import config as _config
 from . import registry as _registry
+from .backends import cached as _cached
 from .backends.base import Backend
 from .config import Settings
 from .errors import SettingsError
@@ -62,8 +63,12 @@ class Context:
         self._backends.clear()
         self._settings = None
 
-    def resolve(self, uri: str | os.PathLike, **options: Any) -> tuple[Backend, str]:
-        """Backend and resolved URI for ``uri``; ``options`` override settings for this call."""
+    def resolve(self, uri: str | os.PathLike, *, cache: Any = None, **options: Any) -> tuple[Backend, str]:
+        """Backend and resolved URI for ``uri``; ``options`` override settings for this call.
+
+        ``cache`` wraps the backend in a node-local read cache (:mod:`ckptio.backends.cached`):
+        True, a directory, or a mapping; None uses one when settings give ``cache_dir``; False never.
+        """
         uri = os.fspath(uri)
         if not isinstance(uri, str):
             raise TypeError(f"expected a URI string, got {type(uri).__name__}")
@@ -74,7 +79,16 @@ class Context:
         opts = {**s.backends.get(settings_key, {}), **alias_options, **options}
         if entry.name.startswith("fsspec:"):
             opts["protocol"] = settings_key
-        return self._instance(entry, opts, uri), resolved
+        cache_opts = _cached.cache_options(cache, opts)  # pops cache_dir/max_bytes/... from opts
+        backend = self._instance(entry, opts, uri)
+        if cache_opts is not None:
+            key = ("cached:" + entry.name, _freeze({**opts, "__cache__": cache_opts}))
+            with self._lock:
+                wrapped = self._backends.get(key)
+                if wrapped is None:
+                    wrapped = self._backends[key] = _cached.CachedBackend(backend, **cache_opts)
+            backend = wrapped
+        return backend, resolved
 
     def _instance(self, entry: _registry.Entry, opts: dict[str, Any], uri: str) -> Backend:
         key = (entry.name, _freeze(opts))

@@ -117,16 +117,17 @@ def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_
 
 
 def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
-         backend_key: str | None = None, fast_backend: bool = True, **kwargs: Any) -> Any:
+         backend_key: str | None = None, fast_backend: bool = True, cache: Any = None, **kwargs: Any) -> Any:
     """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
-    (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...)."""
+    (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...). ``cache=True`` (or a directory or
+    mapping) reads through the node-local cache, see :mod:`ckptio.backends.cached`."""
     if hasattr(file, "read"):
         if file_format is None:
             raise ValueError("load(file_object) needs file_format=...")
         return _format_for("", file_format).load_file(file, **kwargs)
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
-    backend, resolved = _resolve(uri, backend_args, backend_key)
+    backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
     return fmt.load(backend, resolved, **kwargs)
 
 
