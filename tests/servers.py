@@ -208,17 +208,18 @@ class CountingProxy:
                     data = resp.read()
                 finally:
                     conn.close()
+                with proxy._lock:  # recorded before the client can see the response
+                    proxy.requests.append(Request(self.command, self.path, dict(self.headers.items()), len(body),
+                                                  len(data), resp.status))
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                with proxy._lock:
-                    proxy.requests.append(Request(self.command, self.path, dict(self.headers.items()), len(body),
-                                                  len(data) if self.command != "HEAD" else 0, resp.status))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
