@@ -266,3 +266,4 @@ formats.register("pickle", [".pkl", ".pickle"], "ckptio.formats.simple:PickleFor
 formats.register("msgpack", [".msgpack", ".mpk"], "ckptio.formats.simple:MsgpackFormat")
 formats.register("npy", [".npy"], "ckptio.formats.simple:NumpyFormat")
 formats.register("torch", [".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt"], "ckptio.formats.torch:TorchFormat")
+formats.register("fastpickle", [".fpk"], "ckptio.fastpickle:FastpickleFormat")

@@ -1,0 +1,1083 @@
+"""fastpickle: a safe, zero-copy, tensor-aware checkpoint format (``.fpk``).
+
+Any training state (nested dicts, lists, tuples, sets, scalars, tensors, numpy arrays, optimizer and
+scheduler state dicts) is stored at disk speed, and loading never executes code unless the file was
+written with, and is read with, ``allow_pickle=True``.
+
+On-disk layout (all integers little-endian)::
+
+    header   64 B   magic b"\\x89FPKL\\r\\n\\x1a", u16 version, u16 flags, u32 alignment, zeros
+    payloads        one per tensor storage / numpy array, raw bytes, each at a 64-byte aligned offset,
+                    zero padding between them
+    metadata        msgpack map: {"checksum": "xxh3_64", "storages": [[offset, nbytes, xxh3_64, location]],
+                    "tensors": [[kind, storage, dtype, shape, stride, storage_offset, flags, path, extra]],
+                    "tree": msgpack bytes of the object tree, tensors as references into "tensors"}
+    footer   64 B   u64 metadata offset, u64 metadata length, u64 xxh3_64(header + metadata),
+                    u64 file size, u16 version, u16 flags, 12 zero bytes, u64 xxh3_64(footer[:48]),
+                    magic b"FPKL-END"
+
+The footer is written last, so a file can be streamed to any backend (checksums are computed while
+the payloads are written). A reader takes the footer, checks it against the file size (truncation
+and trailing bytes), reads and verifies the metadata, validates every offset, size, dtype and shape
+against the file before allocating anything, then reads only the payloads it needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import mmap as _mmap
+import os
+import pickle
+import stat as _stat
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable, Iterable, Iterator, Sequence
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from .backends.base import Backend, WriteMode
+from .backends.local import LocalBackend, local_path, translate_os_errors
+from .errors import FormatError, IntegrityError
+from .formats.base import Format
+
+__all__ = ["save", "load", "inspect", "FastpickleFormat", "Inspection", "TensorInfo", "PickledObject"]
+
+MAGIC = b"\x89FPKL\r\n\x1a"
+FOOTER_MAGIC = b"FPKL-END"
+VERSION = 1
+ALIGN = 64
+HEADER = struct.Struct("<8sHHI48x")
+FOOTER = struct.Struct("<QQQQHH12xQ8s")
+assert HEADER.size == 64 and FOOTER.size == 64
+FLAG_PICKLE = 1
+
+# tensor table kinds and flags
+KIND_TORCH, KIND_NUMPY, KIND_QUANT = 0, 1, 2
+TF_REQUIRES_GRAD, TF_PARAMETER = 1, 2
+
+# msgpack extension codes of the tree
+(EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZENSET, EXT_BIGINT, EXT_COMPLEX, EXT_TENSOR, EXT_DTYPE,
+ EXT_DEVICE, EXT_SIZE, EXT_NPSCALAR, EXT_NPDTYPE, EXT_PICKLE) = range(1, 15)
+
+CHUNK = 64 << 20  # largest single write/read/hash step
+SMALL = 4 << 20  # payloads below this are hashed inline while saving
+COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
+COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
+MAX_IOV = 512
+MAX_NDIM = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+}
+_QUANT_INT = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
+_NP_KINDS = "biufcmMSU"
+_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+_ZEROS = bytes(ALIGN)
+_PACK = msgpack.Packer(use_bin_type=True, strict_types=True, autoreset=True)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+# ------------------------------------------------------------------------------------------
+# public values returned by inspect() and used as placeholders
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the file says about one tensor or array, without its bytes."""
+
+    index: int
+    path: str  # where it first appears in the tree
+    kind: str  # "torch", "numpy" or "quantized"
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    requires_grad: bool
+    parameter: bool
+    storage: int
+    offset: int  # byte offset of the storage payload in the file
+    nbytes: int  # bytes of the storage payload
+    checksum: int
+    location: str
+
+
+@dataclass(frozen=True)
+class PickledObject:
+    """A value stored with the pickle fallback, as ``inspect`` shows it (never unpickled)."""
+
+    nbytes: int
+
+
+@dataclass
+class Inspection:
+    version: int
+    file_size: int
+    has_pickle: bool
+    tree: Any  # the object tree, tensors replaced by TensorInfo
+    tensors: list[TensorInfo] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------
+# encoding
+# ------------------------------------------------------------------------------------------
+class _Storage:
+    __slots__ = ("data", "nbytes", "location", "offset", "checksum", "path")
+
+    def __init__(self, data: Any, nbytes: int, location: str, path: str) -> None:
+        self.data = data  # a uint8 CPU tensor / numpy uint8 array, or a uint8 device tensor
+        self.nbytes, self.location, self.path = nbytes, location, path
+        self.offset = self.checksum = 0
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.used_pickle = False
+        self.storages: list[_Storage] = []
+        self._storage_ids: dict[tuple, int] = {}
+        self.tensors: list[list] = []
+        self._tensor_ids: dict[int, int] = {}
+        self._keep: list[Any] = []  # objects whose id() is a key above, kept alive
+        self._active: set[int] = set()
+
+    def encode(self, obj: Any) -> bytes:
+        return _PACK.pack(self._enc(obj, []))
+
+    def _ext(self, code: int, value: Any) -> msgpack.ExtType:
+        return msgpack.ExtType(code, _PACK.pack(value))
+
+    def _enc(self, x: Any, path: list) -> Any:
+        t = type(x)
+        if x is None or t is bool or t is str or t is bytes or t is float:
+            return x
+        if t is int:
+            if _INT64_MIN <= x <= _UINT64_MAX:
+                return x
+            return msgpack.ExtType(EXT_BIGINT, x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True))
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return msgpack.ExtType(EXT_TENSOR, _PACK.pack(self._tensor(x, path)))
+        if t is dict or t is list or t is tuple or t is set or t is frozenset or t is collections.OrderedDict:
+            return self._container(x, t, path)
+        if t is complex:
+            return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", x.real, x.imag))
+        if t is torch.Size:
+            return msgpack.ExtType(EXT_SIZE, _PACK.pack(list(x)))
+        if t is torch.dtype:
+            return msgpack.ExtType(EXT_DTYPE, str(x).removeprefix("torch.").encode())
+        if t is torch.device:
+            return msgpack.ExtType(EXT_DEVICE, str(x).encode())
+        if t is np.ndarray:
+            return msgpack.ExtType(EXT_TENSOR, _PACK.pack(self._ndarray(x, path)))
+        if isinstance(x, np.generic) and x.dtype.kind in _NP_KINDS:
+            return self._ext(EXT_NPSCALAR, [x.dtype.str, x.tobytes()])
+        if t is np.dtype or isinstance(x, np.dtype):
+            if x.kind in _NP_KINDS and x.fields is None:
+                return msgpack.ExtType(EXT_NPDTYPE, x.str.encode())
+        return self._fallback(x, path, f"values of type {t.__module__}.{t.__qualname__}")
+
+    def _container(self, x: Any, t: type, path: list) -> Any:
+        if id(x) in self._active:
+            raise ValueError(f"fastpickle cannot save a reference cycle (at {_path_str(path)!r})")
+        self._active.add(id(x))
+        try:
+            if t is list:
+                return [self._enc(v, path + [i]) for i, v in enumerate(x)]
+            if t is tuple:
+                return self._ext(EXT_TUPLE, [self._enc(v, path + [i]) for i, v in enumerate(x)])
+            if t is set or t is frozenset:
+                items = [self._enc(v, path + [i]) for i, v in enumerate(x)]
+                return self._ext(EXT_SET if t is set else EXT_FROZENSET, items)
+            if t is dict and all((type(k) is str or type(k) is bytes or (type(k) is int and _INT64_MIN <= k <= _UINT64_MAX))
+                                 for k in x):
+                return {k: self._enc(v, path + [k]) for k, v in x.items()}
+            flat: list[Any] = []
+            for k, v in x.items():
+                flat.append(self._enc(k, path + [f"<key {k!r}>"]))
+                flat.append(self._enc(v, path + [k]))
+            return self._ext(EXT_ODICT if t is collections.OrderedDict else EXT_GDICT, flat)
+        finally:
+            self._active.discard(id(x))
+
+    def _fallback(self, x: Any, path: list, what: str) -> Any:
+        if not self.allow_pickle:
+            raise TypeError(
+                f"fastpickle cannot save {what} (at {_path_str(path)!r}); convert it to supported types "
+                f"(dict, list, tuple, set, str, bytes, int, float, bool, None, complex, torch.Tensor, numpy arrays) "
+                f"or pass allow_pickle=True (loading then needs allow_pickle=True too)"
+            )
+        self.used_pickle = True
+        try:
+            return msgpack.ExtType(EXT_PICKLE, pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception as e:
+            raise TypeError(f"cannot pickle {what} (at {_path_str(path)!r}): {e}") from e
+
+    def _add_storage(self, key: tuple | None, data: Any, nbytes: int, location: str, path: list) -> int:
+        if key is not None and key in self._storage_ids:
+            return self._storage_ids[key]
+        self.storages.append(_Storage(data, nbytes, location, _path_str(path)))
+        idx = len(self.storages) - 1
+        if key is not None:
+            self._storage_ids[key] = idx
+        return idx
+
+    def _tensor(self, x: torch.Tensor, path: list) -> Any:
+        idx = self._tensor_ids.get(id(x))
+        if idx is not None:
+            return idx
+        if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
+            kind = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
+            return self._fallback(x, path, f"{kind} tensors")
+        flags = (TF_REQUIRES_GRAD if x.requires_grad else 0) | (TF_PARAMETER if type(x) is torch.nn.Parameter else 0)
+        t = x.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        extra: Any = None
+        if t.is_quantized:
+            qs = t.qscheme()
+            if t.dtype not in _QUANT_INT or qs not in (torch.per_tensor_affine, torch.per_channel_affine):
+                return self._fallback(x, path, f"quantized tensors with dtype {t.dtype} and scheme {qs}")
+            if qs == torch.per_tensor_affine:
+                extra = ["per_tensor_affine", float(t.q_scale()), int(t.q_zero_point())]
+            else:
+                extra = ["per_channel_affine", t.q_per_channel_scales().tolist(),
+                         t.q_per_channel_zero_points().tolist(), int(t.q_per_channel_axis())]
+            dtype_name = str(t.dtype).removeprefix("torch.")
+            t = t.int_repr()
+            self._keep.append(t)
+            kind = KIND_QUANT
+        else:
+            dtype_name = str(t.dtype).removeprefix("torch.")
+            kind = KIND_TORCH
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        u8 = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+        key = (str(st.device), st.data_ptr(), nbytes) if nbytes else None
+        sidx = self._add_storage(key, u8, nbytes, str(st.device), path)
+        entry = [kind, sidx, dtype_name, list(t.shape), list(t.stride()), t.storage_offset(), flags,
+                 _path_str(path), extra]
+        return self._add_entry(x, entry)
+
+    def _ndarray(self, a: np.ndarray, path: list) -> Any:
+        idx = self._tensor_ids.get(id(a))
+        if idx is not None:
+            return idx
+        if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None or a.dtype.subdtype is not None:
+            return self._fallback(a, path, f"numpy arrays of dtype {a.dtype}")
+        c = np.ascontiguousarray(a)
+        u8 = c.reshape(-1).view(np.uint8)
+        sidx = self._add_storage(None, u8, c.nbytes, "cpu", path)
+        entry = [KIND_NUMPY, sidx, a.dtype.str, list(a.shape), [], 0, 0, _path_str(path), None]
+        return self._add_entry(a, entry)
+
+    def _add_entry(self, obj: Any, entry: list) -> int:
+        self.tensors.append(entry)
+        self._tensor_ids[id(obj)] = len(self.tensors) - 1
+        self._keep.append(obj)
+        return len(self.tensors) - 1
+
+
+# ------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------
+_staging_lock = threading.Lock()
+_staging: torch.Tensor | None = None
+
+
+def _get_staging() -> torch.Tensor:
+    """One reused host buffer (pinned when CUDA is present) for copying device tensors out."""
+    global _staging
+    if _staging is None:
+        _staging = torch.empty(CHUNK // 2, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return _staging
+
+
+def _cpu_view(data: Any) -> memoryview:
+    arr = data.numpy() if isinstance(data, torch.Tensor) else data
+    return memoryview(arr).cast("B")
+
+
+def _write_stream(enc: _Encoder, tree: bytes, write: Callable[[Any], Any]) -> int:
+    """Write the whole file through ``write``; returns its size."""
+    flags = FLAG_PICKLE if enc.used_pickle else 0
+    header = HEADER.pack(MAGIC, VERSION, flags, ALIGN)
+    write(header)
+    pos = HEADER.size
+    for s in enc.storages:
+        s.offset = _align(pos)
+        pos = s.offset + s.nbytes
+    pos = HEADER.size
+    pending: list[tuple[_Storage, Any]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="fpk-hash") as hasher:
+        for s in enc.storages:
+            if s.offset > pos:
+                write(_ZEROS[: s.offset - pos])
+            if s.nbytes == 0:
+                s.checksum = xxhash.xxh3_64_intdigest(b"")
+            elif isinstance(s.data, torch.Tensor) and s.data.device.type != "cpu":
+                s.checksum = _write_device(s.data, write)
+            else:
+                mv = _cpu_view(s.data)
+                if s.nbytes >= SMALL:  # hash on another core while this one writes
+                    pending.append((s, hasher.submit(xxhash.xxh3_64_intdigest, mv)))
+                else:
+                    s.checksum = xxhash.xxh3_64_intdigest(mv)
+                for i in range(0, s.nbytes, CHUNK):
+                    write(mv[i: i + CHUNK])
+            pos = s.offset + s.nbytes
+        for s, fut in pending:
+            s.checksum = fut.result()
+    meta = _PACK.pack({
+        "checksum": "xxh3_64",
+        "storages": [[s.offset, s.nbytes, s.checksum, s.location] for s in enc.storages],
+        "tensors": enc.tensors,
+        "tree": tree,
+    })
+    write(meta)
+    meta_offset = pos
+    size = meta_offset + len(meta) + FOOTER.size
+    h = xxhash.xxh3_64()
+    h.update(header)
+    h.update(meta)
+    body = struct.pack("<QQQQHH12x", meta_offset, len(meta), h.intdigest(), size, VERSION, flags)
+    write(FOOTER.pack(meta_offset, len(meta), h.intdigest(), size, VERSION, flags,
+                      xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC))
+    return size
+
+
+def _write_device(u8: torch.Tensor, write: Callable[[Any], Any]) -> int:
+    """Copy a device storage out through the reused (pinned) staging buffer, hashing as it goes."""
+    h = xxhash.xxh3_64()
+    with _staging_lock:
+        staging = _get_staging()
+        smv = memoryview(staging.numpy())
+        n = u8.numel()
+        for i in range(0, n, len(smv)):
+            m = min(len(smv), n - i)
+            staging[:m].copy_(u8[i: i + m])  # synchronous: the buffer is reused at once
+            h.update(smv[:m])
+            write(smv[:m])
+    return h.intdigest()
+
+
+def _writer_for(write: Callable[[Any], Any]) -> Callable[[Any], None]:
+    def write_all(data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            n = write(mv)
+            if n is None:  # file objects that do not report a count wrote everything
+                return
+            mv = mv[n:]
+    return write_all
+
+
+def save(obj: Any, uri_or_file: Any, *, allow_pickle: bool = False, durable: bool = True,
+         mode: WriteMode = "overwrite", **backend_options: Any) -> None:
+    """Save ``obj`` to a URI (any backend, committed atomically) or a writable binary file.
+
+    Unsupported value types raise ``TypeError`` naming their key path, unless ``allow_pickle=True``
+    pickles them (the file is then marked and needs ``allow_pickle=True`` to load). ``durable=False``
+    skips fsync on local files.
+    """
+    enc = _Encoder(allow_pickle)
+    tree = enc.encode(obj)  # fails before anything is created
+    if isinstance(uri_or_file, (str, os.PathLike)):
+        from .context import resolve
+
+        backend, uri = resolve(uri_or_file, **backend_options)
+        with backend.open_writer(uri, mode=mode, durable=durable) as w:
+            _write_stream(enc, tree, w.write)
+    else:
+        _write_stream(enc, tree, _writer_for(uri_or_file.write))
+
+
+# ------------------------------------------------------------------------------------------
+# reading: sources
+# ------------------------------------------------------------------------------------------
+class _Source:
+    name: str
+    size: int
+    concurrency = 1
+    fd: int | None = None
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        raise NotImplementedError
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        """Fill consecutive buffers from consecutive bytes at ``offset``; returns the bytes read."""
+        total = sum(len(m) for m in mvs)
+        buf = bytearray(total)
+        n = self.readinto(memoryview(buf), offset)
+        pos = 0
+        for m in mvs:
+            m[:] = buf[pos: pos + len(m)]
+            pos += len(m)
+        return n
+
+    def read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf), offset)
+        if got != n:
+            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}), got {got}")
+        return bytes(buf)
+
+    def close(self) -> None:
+        pass
+
+
+def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: int) -> int:
+    total = 0
+    while total < len(mv):
+        n = readinto(mv[total:], offset + total)
+        if not n:
+            break
+        total += n
+    return total
+
+
+class _FdSource(_Source):
+    concurrency = 2
+
+    def __init__(self, fd: int, name: str, owned: bool) -> None:
+        self.fd, self.name, self._owned = fd, name, owned
+        self.size = os.fstat(fd).st_size
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        return _fill(lambda m, o: os.preadv(self.fd, [m[: 1 << 30]], o), mv, offset)
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        total, mvs = 0, [m for m in mvs if len(m)]
+        while mvs:
+            n = os.preadv(self.fd, mvs, offset + total)
+            if n <= 0:
+                break
+            total += n
+            while mvs and n >= len(mvs[0]):
+                n -= len(mvs[0])
+                mvs.pop(0)
+            if mvs and n:
+                mvs[0] = mvs[0][n:]
+        return total
+
+    def close(self) -> None:
+        if self._owned and self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _BackendSource(_Source):
+    def __init__(self, backend: Backend, uri: str) -> None:
+        self.backend, self.name = backend, uri
+        self.size = backend.stat(uri).size
+        self.concurrency = backend.concurrency
+        self.part_size = backend.part_size
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+
+
+class _FileSource(_Source):
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.name = f, getattr(f, "name", "<file object>")
+        self.size = f.seek(0, io.SEEK_END)
+        self._lock = threading.Lock()
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        with self._lock:
+            self.f.seek(offset)
+            return _fill(lambda m, o: self.f.readinto(m) or 0, mv, offset)
+
+
+def _open_source(uri_or_file: Any, backend_options: dict) -> _Source:
+    if isinstance(uri_or_file, (str, os.PathLike)):
+        from .context import resolve
+
+        backend, uri = resolve(uri_or_file, **backend_options)
+        return _source_for(backend, uri)
+    f = uri_or_file
+    try:
+        fd = f.fileno()
+        if _stat.S_ISREG(os.fstat(fd).st_mode):
+            return _FdSource(fd, getattr(f, "name", f"<fd {fd}>"), owned=False)
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        pass
+    return _FileSource(f)
+
+
+def _source_for(backend: Backend, uri: str) -> _Source:
+    if isinstance(backend, LocalBackend):
+        with translate_os_errors(uri):
+            fd = os.open(local_path(uri), os.O_RDONLY)
+        return _FdSource(fd, uri, owned=True)
+    return _BackendSource(backend, uri)
+
+
+# ------------------------------------------------------------------------------------------
+# reading: metadata and validation
+# ------------------------------------------------------------------------------------------
+@dataclass
+class _Meta:
+    source: str
+    size: int
+    flags: int
+    storages: list[tuple[int, int, int, str]]
+    tensors: list[TensorInfo]
+    qparams: dict[int, list]  # quantization parameters by tensor index
+    tree: bytes
+
+
+def _read_meta(src: _Source) -> _Meta:
+    name, size = src.name, src.size
+    if size < HEADER.size + FOOTER.size:
+        raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
+    footer = src.read(size - FOOTER.size, FOOTER.size)
+    meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
+    if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
+        header = src.read(0, HEADER.size)
+        if header[:8] != MAGIC:
+            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+        raise IntegrityError(f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or "
+                             f"has trailing bytes")
+    if version > VERSION:
+        raise FormatError(f"{name}: fastpickle version {version} is newer than this reader ({VERSION}); upgrade ckptio")
+    if rec_size != size:
+        raise IntegrityError(f"{name}: file is {size} bytes but its footer records {rec_size} (truncated or extended)")
+    if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
+        raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
+    header = src.read(0, HEADER.size)
+    hmagic, hversion, hflags, align = HEADER.unpack(header)
+    if hmagic != MAGIC:
+        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+    meta_bytes = src.read(meta_off, meta_len)
+    h = xxhash.xxh3_64()
+    h.update(header)
+    h.update(meta_bytes)
+    if h.intdigest() != meta_hash:
+        raise IntegrityError(f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, {meta_off + meta_len}))")
+    if (hversion, hflags) != (version, flags) or align != ALIGN:
+        raise FormatError(f"{name}: header and footer disagree")
+    try:
+        meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
+        return _validate(meta, name, size, meta_off, flags)
+    except FormatError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+        raise FormatError(f"{name}: malformed metadata: {e}") from e
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = _UINT64_MAX) -> bool:
+    return type(x) is int and lo <= x <= hi
+
+
+def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Meta:
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{name}: malformed metadata: {what}")
+
+    if type(meta) is not dict or meta.get("checksum") != "xxh3_64":
+        raise bad("not a map with checksum 'xxh3_64'")
+    storages, tensors, tree = meta.get("storages"), meta.get("tensors"), meta.get("tree")
+    if type(storages) is not list or type(tensors) is not list or type(tree) is not bytes:
+        raise bad("missing storages, tensors or tree")
+    out_s: list[tuple[int, int, int, str]] = []
+    prev_end = HEADER.size
+    for i, s in enumerate(storages):
+        if type(s) is not list or len(s) != 4:
+            raise bad(f"storage {i} is not a 4-item list")
+        off, nbytes, checksum, loc = s
+        if not (_is_int(off) and _is_int(nbytes) and _is_int(checksum) and type(loc) is str and len(loc) <= 64):
+            raise bad(f"storage {i} has invalid fields")
+        if off % ALIGN or off < prev_end or off + nbytes > data_end:
+            raise bad(f"storage {i} byte range [{off}, {off + nbytes}) is misaligned, overlaps or lies outside "
+                      f"the payload area [{HEADER.size}, {data_end})")
+        prev_end = off + nbytes
+        out_s.append((off, nbytes, checksum, loc))
+    out_t: list[TensorInfo] = []
+    qparams: dict[int, list] = {}
+    for i, e in enumerate(tensors):
+        if type(e) is not list or len(e) != 9:
+            raise bad(f"tensor {i} is not a 9-item list")
+        kind, sidx, dtype, shape, stride, soff, tflags, path, extra = e
+        if not (_is_int(kind, 0, 2) and _is_int(sidx, 0, len(out_s) - 1) and type(dtype) is str
+                and type(shape) is list and type(stride) is list and len(shape) <= MAX_NDIM
+                and all(_is_int(d, 0, size * 8) for d in shape) and all(_is_int(d, 0, size * 8) for d in stride)
+                and _is_int(soff, 0, size * 8) and _is_int(tflags, 0, 3) and type(path) is str):
+            raise bad(f"tensor {i} has invalid fields")
+        nbytes = out_s[sidx][1]
+        numel = math.prod(shape)
+        if kind == KIND_NUMPY:
+            itemsize = _np_dtype(dtype, name).itemsize
+            if numel * itemsize != nbytes or stride or soff or tflags:
+                raise bad(f"array {path!r}: shape {shape} of {dtype} does not match its {nbytes} bytes")
+        else:
+            dt = _DTYPES.get(dtype)
+            if dt is None or (kind == KIND_QUANT) != (dt in _QUANT_INT):
+                raise bad(f"tensor {path!r}: unknown dtype {dtype!r}")
+            if len(stride) != len(shape):
+                raise bad(f"tensor {path!r}: shape and stride lengths differ")
+            if numel and (soff + sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * dt.itemsize > nbytes:
+                raise bad(f"tensor {path!r}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
+                          f"{nbytes} bytes")
+            if tflags & TF_REQUIRES_GRAD and not (dt.is_floating_point or dt.is_complex):
+                raise bad(f"tensor {path!r}: requires_grad on dtype {dtype}")
+            if kind == KIND_QUANT:
+                if not _valid_qextra(extra, shape):
+                    raise bad(f"tensor {path!r}: invalid quantization parameters")
+                qparams[i] = extra
+        off, nb, checksum, loc = out_s[sidx]
+        out_t.append(TensorInfo(i, path, ("torch", "numpy", "quantized")[kind], dtype, tuple(shape), tuple(stride),
+                                soff, bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
+                                checksum, loc))
+    return _Meta(name, size, flags, out_s, out_t, qparams, tree)
+
+
+def _valid_qextra(extra: Any, shape: list) -> bool:
+    if type(extra) is not list or not extra:
+        return False
+    if extra[0] == "per_tensor_affine":
+        return len(extra) == 3 and type(extra[1]) is float and type(extra[2]) is int
+    if extra[0] == "per_channel_affine" and len(extra) == 4:
+        _, scales, zps, axis = extra
+        return (_is_int(axis, 0, len(shape) - 1) and type(scales) is list and type(zps) is list
+                and len(scales) == len(zps) == shape[axis] and all(type(s) is float for s in scales)
+                and all(type(z) is int for z in zps))
+    return False
+
+
+def _np_dtype(s: Any, name: str) -> np.dtype:
+    try:
+        if type(s) is not str or len(s) > 32:
+            raise TypeError("not a short string")
+        dt = np.dtype(s)
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"{name}: invalid numpy dtype {s!r}") from e
+    if dt.kind not in _NP_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise FormatError(f"{name}: numpy dtype {s!r} is not allowed")
+    return dt
+
+
+# ------------------------------------------------------------------------------------------
+# reading: payloads
+# ------------------------------------------------------------------------------------------
+def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, limit: int) -> list[list[int]]:
+    """Group needed storages (by file order) into runs read with one request each."""
+    runs: list[list[int]] = []
+    end = size = 0
+    for i in sorted(idxs, key=lambda i: storages[i][0]):
+        off, nbytes = storages[i][0], storages[i][1]
+        if runs and off - end <= gap and size + nbytes <= limit and len(runs[-1]) < MAX_IOV:
+            runs[-1].append(i)
+            size += nbytes + (off - end)
+        else:
+            runs.append([i])
+            size = nbytes
+        end = off + nbytes
+    return runs
+
+
+def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
+    """Read the given storages into fresh uint8 tensors, in parallel, then verify them."""
+    bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
+    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}
+    part = getattr(src, "part_size", CHUNK)
+    jobs: list[Callable[[], None]] = []
+    for run in _runs(idxs, meta.storages, COALESCE_GAP, COALESCE_MAX):
+        first, last = meta.storages[run[0]], meta.storages[run[-1]]
+        if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
+            for pos in range(0, first[1], part):
+                jobs.append(_job(src, meta, run, [mvs[run[0]][pos: pos + part]], first[0] + pos))
+            continue
+        views: list[memoryview] = []
+        pos = first[0]
+        for i in run:
+            off, nbytes = meta.storages[i][:2]
+            if off > pos:
+                views.append(memoryview(bytearray(off - pos)))
+            views.append(mvs[i])
+            pos = off + nbytes
+        jobs.append(_job(src, meta, run, views, first[0]))
+    _run_jobs(jobs, src.concurrency)
+    if verify:
+        groups: list[list[int]] = [[]]
+        acc = 0
+        for i in idxs:
+            groups[-1].append(i)
+            acc += meta.storages[i][1]
+            if acc >= CHUNK:
+                groups.append([])
+                acc = 0
+        _run_jobs([lambda g=g: _verify(meta, g, mvs) for g in groups if g], 2)
+    return bufs
+
+
+def _job(src: _Source, meta: _Meta, run: list[int], views: list[memoryview], offset: int) -> Callable[[], None]:
+    def job() -> None:
+        want = sum(len(v) for v in views)
+        got = src.readv(views, offset) if len(views) > 1 else src.readinto(views[0], offset)
+        if got != want:
+            raise IntegrityError(f"{meta.source}: truncated while reading {_who(meta, run[0])}: bytes "
+                                 f"[{offset}, {offset + want}) returned only {got}")
+    return job
+
+
+def _run_jobs(jobs: list[Callable[[], None]], concurrency: int) -> None:
+    if len(jobs) <= 1 or concurrency <= 1:
+        for j in jobs:
+            j()
+        return
+    with ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
+        for f in [ex.submit(j) for j in jobs]:
+            f.result()
+
+
+def _who(meta: _Meta, sidx: int) -> str:
+    users = [t.path for t in meta.tensors if t.storage == sidx]
+    off, nbytes = meta.storages[sidx][:2]
+    who = repr(users[0]) if users else f"storage {sidx}"
+    more = f" (and {len(users) - 1} more sharing its storage)" if len(users) > 1 else ""
+    return f"tensor {who}{more}, bytes [{off}, {off + nbytes})"
+
+
+def _verify(meta: _Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
+    for i in idxs:
+        if xxhash.xxh3_64_intdigest(mvs[i]) != meta.storages[i][2]:
+            raise IntegrityError(f"{meta.source}: checksum mismatch in {_who(meta, i)}")
+
+
+def _map_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
+    """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    if src.fd is None:
+        raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
+    mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)
+    out: dict[int, torch.Tensor] = {}
+    for i in idxs:
+        off, nbytes = meta.storages[i][:2]
+        if nbytes == 0:
+            out[i] = torch.empty(0, dtype=torch.uint8)
+        else:
+            out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
+    if verify:
+        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# reading: building objects
+# ------------------------------------------------------------------------------------------
+class _Ref:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __hash__(self) -> int:
+        return hash((_Ref, self.index))
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _Ref and other.index == self.index
+
+
+def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, describe: bool = False) -> Any:
+    """Decode the object tree; ``tensor(i)`` supplies tensor ``i``. ``describe``: pickles become PickledObject."""
+    ntensors = len(meta.tensors)
+
+    def unpack(data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True)
+
+    def hook(code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR:
+            idx = msgpack.unpackb(data)
+            if not _is_int(idx, 0, ntensors - 1):
+                raise FormatError(f"tensor reference {idx!r} out of range")
+            return tensor(idx)
+        if code in (EXT_TUPLE, EXT_SET, EXT_FROZENSET, EXT_SIZE, EXT_ODICT, EXT_GDICT):
+            items = unpack(data)
+            if type(items) is not list:
+                raise FormatError(f"extension {code} does not hold a list")
+            if code == EXT_TUPLE:
+                return tuple(items)
+            if code == EXT_SET:
+                return set(items)
+            if code == EXT_FROZENSET:
+                return frozenset(items)
+            if code == EXT_SIZE:
+                if not all(_is_int(d, 0, _UINT64_MAX) for d in items):
+                    raise FormatError("torch.Size with non-integer dimensions")
+                return torch.Size(items)
+            if len(items) % 2:
+                raise FormatError("dict with an odd number of items")
+            pairs = zip(items[0::2], items[1::2])
+            return collections.OrderedDict(pairs) if code == EXT_ODICT else dict(pairs)
+        if code == EXT_BIGINT:
+            return int.from_bytes(data, "little", signed=True)
+        if code == EXT_COMPLEX:
+            re, im = struct.unpack("<dd", data)
+            return complex(re, im)
+        if code == EXT_DTYPE:
+            dt = _DTYPES.get(data.decode())
+            if dt is None:
+                raise FormatError(f"unknown torch dtype {data!r}")
+            return dt
+        if code == EXT_DEVICE:
+            return torch.device(data.decode())
+        if code == EXT_NPDTYPE:
+            return _np_dtype(data.decode(), meta.source)
+        if code == EXT_NPSCALAR:
+            dts, raw = unpack(data)
+            dt = _np_dtype(dts, meta.source)
+            if type(raw) is not bytes or len(raw) != dt.itemsize:
+                raise FormatError(f"numpy scalar of {dts} with {len(raw)} bytes")
+            return np.frombuffer(raw, dtype=dt)[0]
+        if code == EXT_PICKLE:
+            if describe:
+                return PickledObject(len(data))
+            if not allow_pickle:  # unreachable through load(), which checks the file flag first
+                raise FormatError(f"{meta.source} contains pickled objects; pass allow_pickle=True if you trust it")
+            return pickle.loads(data)
+        raise FormatError(f"unknown extension type {code}")
+
+    try:
+        return unpack(meta.tree)
+    except FormatError as e:
+        raise FormatError(f"{meta.source}: malformed tree: {e}") from e
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, struct.error,
+            UnicodeDecodeError, RuntimeError) as e:
+        raise FormatError(f"{meta.source}: malformed tree: {type(e).__name__}: {e}") from e
+
+
+def _target_storage(storage: torch.UntypedStorage, location: str, map_location: Any) -> torch.UntypedStorage:
+    if callable(map_location):
+        out = map_location(storage, location)
+        if out is not None:
+            return getattr(out, "_untyped_storage", out)
+        map_location = None
+    if isinstance(map_location, dict):
+        target = map_location.get(location, location)
+    elif map_location is not None:
+        target = str(map_location)
+    else:
+        target = location
+    try:
+        dev = torch.device(target)
+    except (RuntimeError, TypeError) as e:
+        raise FormatError(f"invalid device location {target!r}") from e
+    if dev.type == "cpu":
+        return storage
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"the checkpoint holds tensors on {location!r} but CUDA is not available; "
+                           f"pass map_location='cpu'")
+    return storage.to(device=dev)
+
+
+def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location: Any) -> Callable[[int], Any]:
+    storages: dict[int, torch.UntypedStorage] = {}
+    made: dict[int, Any] = {}
+
+    def storage(sidx: int) -> torch.UntypedStorage:
+        st = storages.get(sidx)
+        if st is None:
+            st = storages[sidx] = _target_storage(payloads[sidx].untyped_storage(), meta.storages[sidx][3],
+                                                  map_location)
+        return st
+
+    def make(idx: int) -> Any:
+        if idx in made:
+            return made[idx]
+        info = meta.tensors[idx]
+        if info.kind == "numpy":
+            dt = _np_dtype(info.dtype, meta.source)
+            u8 = payloads[info.storage]
+            out: Any = (u8.numpy().view(dt).reshape(info.shape) if u8.numel()
+                        else np.empty(info.shape, dtype=dt))
+        elif info.kind == "quantized":
+            st = storage(info.storage)
+            ints = torch.empty(0, dtype=_QUANT_INT[_DTYPES[info.dtype]], device=st.device).set_(
+                st, info.storage_offset, info.shape, info.stride)
+            q = meta.qparams[idx]
+            if q[0] == "per_tensor_affine":
+                out = torch._make_per_tensor_quantized_tensor(ints, q[1], q[2])
+            else:
+                out = torch._make_per_channel_quantized_tensor(
+                    ints, torch.tensor(q[1], dtype=torch.float64, device=st.device),
+                    torch.tensor(q[2], dtype=torch.int64, device=st.device), q[3])
+        else:
+            st = storage(info.storage)
+            out = torch.empty(0, dtype=_DTYPES[info.dtype], device=st.device).set_(
+                st, info.storage_offset, info.shape, info.stride)
+            if info.parameter:
+                out = torch.nn.Parameter(out, requires_grad=info.requires_grad)
+            elif info.requires_grad:
+                out.requires_grad_(True)
+        made[idx] = out
+        return out
+
+    return make
+
+
+# ------------------------------------------------------------------------------------------
+# partial loads
+# ------------------------------------------------------------------------------------------
+def _split_key(key: Any) -> list:
+    if isinstance(key, (list, tuple)):
+        return list(key)
+    if not isinstance(key, str):
+        raise TypeError(f"keys must be dotted strings or sequences of path components, got {key!r}")
+    return key.split(".") if key else []
+
+
+def _select(tree: Any, key: Any) -> Any:
+    """The subtree at ``key`` (dotted path; dict keys may contain dots, the longest match wins)."""
+    parts = _split_key(key)
+    node, i = tree, 0
+    while i < len(parts):
+        part = parts[i]
+        if isinstance(node, dict):
+            best = None
+            for k in node:  # the longest dict key spelled by parts[i:j]
+                ks = str(k)
+                for j in range(len(parts), i, -1):
+                    if (k == part and j == i + 1 and not isinstance(part, str)) or ks == ".".join(map(str, parts[i:j])):
+                        if best is None or j > best[1]:
+                            best = (k, j)
+                        break
+            if best is None:
+                raise KeyError(f"no key {_path_str(parts[: i + 1])!r} in the checkpoint")
+            node, i = node[best[0]], best[1]
+        elif isinstance(node, (list, tuple)):
+            try:
+                node = node[int(part)]
+            except (ValueError, IndexError):
+                raise KeyError(f"no key {_path_str(parts[: i + 1])!r} in the checkpoint") from None
+            i += 1
+        else:
+            raise KeyError(f"no key {_path_str(parts[: i + 1])!r} in the checkpoint")
+    return node
+
+
+def _refs(x: Any, out: set[int]) -> None:
+    if type(x) is _Ref:
+        out.add(x.index)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _refs(k, out)
+            _refs(v, out)
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        for v in x:
+            _refs(v, out)
+
+
+def _substitute(x: Any, make: Callable[[int], Any]) -> Any:
+    t = type(x)
+    if t is _Ref:
+        return make(x.index)
+    if t is dict or t is collections.OrderedDict:
+        return t((_substitute(k, make), _substitute(v, make)) for k, v in x.items())
+    if t is list:
+        return [_substitute(v, make) for v in x]
+    if t is tuple or t is set or t is frozenset:
+        return t(_substitute(v, make) for v in x)
+    return x
+
+
+# ------------------------------------------------------------------------------------------
+# load / inspect
+# ------------------------------------------------------------------------------------------
+def _load_source(src: _Source, *, map_location: Any = None, mmap: bool = False, keys: Iterable[Any] | None = None,
+                 verify: bool | None = None, allow_pickle: bool = False) -> Any:
+    meta = _read_meta(src)
+    if meta.flags & FLAG_PICKLE and not allow_pickle:
+        raise FormatError(f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
+                          f"pass allow_pickle=True only if you trust the file")
+    if verify is None:
+        verify = not mmap  # a mapping stays lazy unless verification is asked for
+    if keys is not None:
+        keys = list(keys)
+        skeleton = _decode_tree(meta, _Ref, allow_pickle)
+        picked = [(k, _select(skeleton, k)) for k in keys]
+        needed: set[int] = set()
+        for _, sub in picked:
+            _refs(sub, needed)
+        sidxs = sorted({meta.tensors[i].storage for i in needed})
+    else:
+        sidxs = sorted({t.storage for t in meta.tensors})
+    reader = _map_payloads if mmap else _read_payloads
+    payloads = reader(src, meta, sidxs, verify)
+    make = _tensor_factory(meta, payloads, map_location)
+    if keys is not None:
+        return {(k if isinstance(k, str) else ".".join(map(str, k))): _substitute(sub, make) for k, sub in picked}
+    return _decode_tree(meta, make, allow_pickle)
+
+
+def _with_source(uri_or_file: Any, backend_options: dict, fn: Callable[[_Source], Any]) -> Any:
+    src = _open_source(uri_or_file, backend_options)
+    try:
+        return fn(src)
+    finally:
+        src.close()
+
+
+def load(uri_or_file: Any, *, map_location: Any = None, mmap: bool = False, keys: Iterable[Any] | None = None,
+         verify: bool | None = None, allow_pickle: bool = False, **backend_options: Any) -> Any:
+    """Load a fastpickle file from a URI or an open binary file. Never runs code unless ``allow_pickle``.
+
+    ``map_location`` works like ``torch.load``'s (device, string, dict of locations, or
+    ``fn(storage, location)``). ``mmap=True`` (local files) returns zero-copy, lazily paged views of
+    the file. ``keys=["model.fc.weight", "optim"]`` reads only the byte ranges those subtrees need and
+    returns ``{key: value}``; dict keys may themselves contain dots. Payload checksums are verified
+    unless ``verify=False`` (with ``mmap=True`` only when ``verify=True``, since it reads every page);
+    the metadata checksum is always verified.
+    """
+    return _with_source(uri_or_file, backend_options, lambda src: _load_source(
+        src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle))
+
+
+def inspect(uri_or_file: Any, **backend_options: Any) -> Inspection:
+    """The tree (tensors replaced by :class:`TensorInfo`) and the tensor table; reads no tensor bytes."""
+    def run(src: _Source) -> Inspection:
+        meta = _read_meta(src)
+        tree = _decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
+        return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
+    return _with_source(uri_or_file, backend_options, run)
+
+
+# ------------------------------------------------------------------------------------------
+# the registered format
+# ------------------------------------------------------------------------------------------
+class FastpickleFormat(Format):
+    """``.fpk`` for :func:`ckptio.dump` / :func:`ckptio.load`; options as for :func:`save` / :func:`load`."""
+
+    name = "fastpickle"
+    extensions = (".fpk",)
+
+    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
+             allow_pickle: bool = False, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"fastpickle dump got unexpected options {sorted(kwargs)}")
+        enc = _Encoder(allow_pickle)
+        tree = enc.encode(obj)
+        with backend.open_writer(uri, mode=mode, durable=durable) as w:
+            _write_stream(enc, tree, w.write)
+
+    def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
+        src = _source_for(backend, uri)
+        try:
+            return _load_source(src, **kwargs)
+        finally:
+            src.close()
+
+    def dump_file(self, obj: Any, f: IO, **kwargs: Any) -> None:
+        save(obj, f, **kwargs)
+
+    def load_file(self, f: IO, **kwargs: Any) -> Any:
+        return load(f, **kwargs)
