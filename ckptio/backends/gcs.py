@@ -65,9 +65,14 @@ class GCSBackend(Backend):
         self.retries = int(retries)
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
         self._timeout = aiohttp.ClientTimeout(sock_connect=float(connect_timeout), sock_read=float(read_timeout))
-        self._fs = gcsfs.GCSFileSystem(project=project or gcsfs.core.DEFAULT_PROJECT,
-                                       token="anon" if anon else token, endpoint_url=self.endpoint_url,
-                                       skip_instance_cache=True, use_listings_cache=False)
+        try:
+            self._fs = gcsfs.GCSFileSystem(project=project or gcsfs.core.DEFAULT_PROJECT,
+                                           token="anon" if anon else token, endpoint_url=self.endpoint_url,
+                                           skip_instance_cache=True, use_listings_cache=False)
+        except Exception as e:  # its messages may quote the token: keep only the type
+            raise CredentialsError("gs://", f"GCS credentials could not be loaded ({type(e).__name__}); set the "
+                                   "gcs backend's token option (a service-account JSON path, 'google_default' "
+                                   "or 'anon') or GOOGLE_APPLICATION_CREDENTIALS") from None
 
     def __repr__(self) -> str:
         return f"<GCSBackend endpoint={self.endpoint_url or 'google'!r}>"
@@ -206,6 +211,10 @@ class GCSBackend(Backend):
         buf = bytearray(max(0, end - start))
         n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
+
+    def read(self, uri: str) -> bytes:
+        self._split(uri)
+        return super().read(uri)
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:

@@ -212,6 +212,10 @@ class S3Backend(Backend):
         n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
+    def read(self, uri: str) -> bytes:
+        self._split(uri)
+        return super().read(uri)
+
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
                     size_hint: int | None = None) -> Writer:
