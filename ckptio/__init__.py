@@ -53,8 +53,16 @@ from .registry import register_backend, register_format
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # lazy: the Checkpointer imports torch, ``import ckptio`` does not
+    if name == "Checkpointer":
+        from .checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'ckptio' has no attribute {name!r}")
+
 __all__ = [
-    "AccessDeniedError", "AlreadyExistsError", "Backend", "CkptioError", "Context", "CredentialsError", "Format",
+    "AccessDeniedError", "AlreadyExistsError", "Backend", "Checkpointer", "CkptioError", "Context", "CredentialsError", "Format",
     "FormatError", "IntegrityError", "MissingDependencyError", "NotFoundError", "ObjectInfo", "SettingsError",
     "StreamFormat", "UnknownFormatError", "UnknownSchemeError", "Writer", "configure", "copyfile",
     "copyfile_from_local", "copyfile_to_local", "copytree", "copytree_from_local", "copytree_to_local", "dump",

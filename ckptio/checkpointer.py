@@ -1,0 +1,653 @@
+"""``Checkpointer``: crash-safe, resumable training checkpoints on any ckptio URI.
+
+Layout under ``root`` (any URI: local path, ``s3://``, ``gs://``, ``memory://``, an alias)::
+
+    root/latest.txt                 the latest pointer: the step directory's name and a newline
+    root/000000001000/              one directory per step: the step, zero-padded to 12 digits
+        state.pt | state.fpk        format "pt" / "fpk": the whole state in one file
+        __0_0.distcp ... .metadata  format "dcp": a ckptio.dcp checkpoint (its .metadata written last)
+        checkpoint.json             the commit marker, written last, create-only
+
+Any all-digit directory name is read as a step (so unpadded names written by hand also work).
+
+Commit protocol of ``save(step, state)``:
+
+1. if ``root/<step>/`` exists but is not committed it is debris of a crashed save and is wiped; a
+   committed one is replaced only when it is not the latest (its marker is removed first);
+2. the data objects are written (each atomic on its own; DCP commits its ``.metadata`` last);
+3. ``checkpoint.json`` (format, step, metrics, files) is written with ``mode="create"``: from here on the
+   checkpoint is complete; ``list()`` shows only directories with this marker;
+4. ``latest.txt`` is replaced atomically (local: rename; object stores: one PUT);
+5. retention deletes old checkpoints of this root (marker first, so a crash mid-delete leaves an
+   uncommitted directory, never a committed one with files missing), never the latest.
+
+A crash anywhere leaves the pointer naming a complete checkpoint, or naming an incomplete/missing
+one, in which case :meth:`Checkpointer.latest` falls back to the newest complete checkpoint and says
+which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
+DCP data is written by all ranks, ``pt``/``fpk`` files, the marker, the pointer and cleanup by rank 0,
+with outcomes shared over a gloo group whose collectives time out after ``timeout`` seconds.
+
+Async save (``async_save=True``): ``save`` copies every tensor into staging buffers kept between
+saves (one copy of the state at most; reallocated only when shapes change), then returns; a single
+background thread persists and commits. The next ``save``/``load``/``wait`` first waits for it and
+re-raises its exception if it failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import json
+import logging
+import os
+import random
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from . import uri as _uri
+from .context import resolve
+from .errors import AlreadyExistsError, CkptioError, IncompleteCheckpointError, NotFoundError
+
+__all__ = ["Checkpointer", "CheckpointWarning", "CheckpointInfo", "LoadResult", "RNGState", "MARKER_NAME",
+           "POINTER_NAME"]
+
+log = logging.getLogger("ckptio.checkpointer")
+
+MARKER_NAME = "checkpoint.json"
+POINTER_NAME = "latest.txt"
+STEP_DIGITS = 12
+FORMATS = ("dcp", "fpk", "pt")
+_DATA_FILE = {"pt": "state.pt", "fpk": "state.fpk"}
+
+
+class CheckpointWarning(RuntimeWarning):
+    """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    uri: str
+
+
+@dataclass
+class LoadResult:
+    """What the last :meth:`Checkpointer.load` restored (``Checkpointer.last_load``)."""
+
+    step: int | None
+    uri: str | None
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class RNGState:
+    """A ``Stateful`` holding the process's RNG states (torch CPU and CUDA, Python ``random``, NumPy).
+
+    Put ``RNGState()`` in the state given to ``save``/``load`` to checkpoint and restore them.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(_py_rng_flat())}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state_all()
+        try:
+            import numpy as np
+        except ImportError:
+            return sd
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        sd["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        torch.set_rng_state(sd["torch"])
+        version, *internal, gauss = sd["python"]
+        random.setstate((int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss)))
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda"])
+        if "numpy" in sd:
+            import numpy as np
+
+            n = sd["numpy"]
+            np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
+                                 float(n["cached_gaussian"])))
+
+
+def _py_rng_flat() -> tuple:
+    version, internal, gauss = random.getstate()
+    return (version, *internal, gauss)
+
+
+# ---------------------------------------------------------------------------------------------
+# staging for async save
+
+
+class _Stager:
+    """Copies a state tree into CPU buffers reused across calls (keyed by path, reallocated on change)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def stage(self, tree: Any) -> Any:
+        used: set[tuple] = set()
+        out = self._stage(tree, (), used)
+        for k in set(self._bufs) - used:  # bounded: only buffers of the current state are kept
+            del self._bufs[k]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
+        if any(b.is_pinned() for b in self._bufs.values()):
+            torch.cuda.synchronize()
+        return out
+
+    def _stage(self, obj: Any, path: tuple, used: set[tuple]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.layout != torch.strided or t.is_quantized or type(t) is not torch.Tensor:
+                return t.clone()  # sparse, quantized, DTensor...: a plain copy, not pooled
+            buf = self._bufs.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                pin = t.device.type == "cuda"
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self._bufs[path] = buf
+            used.add(path)
+            buf.copy_(t, non_blocking=buf.is_pinned())
+            return buf
+        if isinstance(obj, dict):
+            try:
+                out = type(obj)()
+            except TypeError:
+                out = {}
+            for k, v in obj.items():
+                out[k] = self._stage(v, path + (k,), used)
+            return out
+        if isinstance(obj, list):
+            return [self._stage(v, path + (i,), used) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            items = [self._stage(v, path + (i,), used) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        return copy.deepcopy(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# restoring in place
+
+
+def _apply(target: Any, source: Any, prefix: str, res: LoadResult) -> Any:
+    """Restore ``source`` into ``target`` in place where possible; returns the value to store."""
+    if _is_stateful(target):
+        if isinstance(target, torch.nn.Module):
+            out = target.load_state_dict(source, strict=False)
+            res.missing_keys += [prefix + k for k in out.missing_keys]
+            res.unexpected_keys += [prefix + k for k in out.unexpected_keys]
+        else:
+            target.load_state_dict(source)
+        return target
+    if isinstance(target, torch.Tensor) and isinstance(source, torch.Tensor):
+        if target is source:
+            return target
+        if target.shape == source.shape and target.dtype == source.dtype:
+            with torch.no_grad():
+                target.copy_(source)
+            return target
+        return source
+    if isinstance(target, dict) and isinstance(source, Mapping):
+        for k in list(target):
+            if k not in source:
+                res.missing_keys.append(f"{prefix}{k}")
+            else:
+                target[k] = _apply(target[k], source[k], f"{prefix}{k}.", res)
+        for k in source:
+            if k not in target:
+                res.unexpected_keys.append(f"{prefix}{k}")
+                target[k] = source[k]
+        return target
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
+
+    ``format``: ``"dcp"`` (sharded, every rank writes; see :mod:`ckptio.dcp`), ``"fpk"`` or ``"pt"``
+    (one file, written by rank 0). Retention keeps the union of: the ``keep_last`` newest steps, every
+    step divisible by ``keep_every``, the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode``
+    ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
+    ``process_group``: the group to coordinate over (default: a new gloo group when
+    ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
+    ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
+    ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads.
+    """
+
+    def __init__(self, root_uri: str | os.PathLike, *, format: str = "dcp", keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min", async_save: bool = False, process_group: Any = None,
+                 timeout: float = 600.0, weights_only: bool = True, save_options: Mapping[str, Any] | None = None,
+                 load_options: Mapping[str, Any] | None = None) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if keep_best is not None and not best_metric:
+            raise ValueError("keep_best needs best_metric= (the metrics key to rank checkpoints by)")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
+        self.format = format
+        self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.async_save = bool(async_save)
+        self.timeout = float(timeout)
+        self.weights_only = bool(weights_only)
+        self.save_options = dict(save_options or {})
+        self.load_options = dict(load_options or {})
+        self.last_load: LoadResult | None = None
+        self._backend, self._root = resolve(self.root_uri)
+        self._names: dict[int, str] = {}
+        self._manifests: dict[int, dict[str, Any]] = {}
+        self._stager = _Stager()
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._future: cf.Future | None = None
+        self._lock = threading.Lock()
+        self._pg = None
+        self._rank, self._world = 0, 1
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+            self._pg = process_group if process_group is not None else dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.timeout))
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
+
+    # ---- paths -----------------------------------------------------------------------------
+    def _name(self, step: int) -> str:
+        return self._names.get(step) or f"{step:0{STEP_DIGITS}d}"
+
+    def _dir(self, step: int) -> str:
+        return _uri.join_path(self._root, self._name(step))
+
+    def uri(self, step: int) -> str:
+        """The (unresolved) URI of the directory for ``step``."""
+        return _uri.join_path(self.root_uri, self._name(step))
+
+    def _user_uri(self, step: int, *names: str) -> str:
+        return _uri.join_path(self.uri(step), *names)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def _committed(self, step: int) -> bool:
+        return self._backend.isfile(_uri.join_path(self._dir(step), MARKER_NAME))
+
+    def _step_dirs(self) -> dict[int, str]:
+        """Step -> directory name of every step directory directly under root (complete or not)."""
+        root = self._root.rstrip("/")
+        out: dict[int, str] = {}
+        try:
+            entries = list(self._backend.list(self._root, recursive=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for info in entries:
+            u = info.uri.rstrip("/")
+            name = _uri.basename(u)
+            # only direct children of this root: "root-2/..." or "root/x/5" never match
+            if not info.is_dir or not name.isdigit() or u != _uri.join_path(root, name).rstrip("/"):
+                continue
+            step = int(name)
+            if step not in out or name == f"{step:0{STEP_DIGITS}d}":
+                out[step] = name
+        self._names = dict(out)
+        return out
+
+    def list(self) -> list[int]:
+        """Steps of the complete checkpoints under root, ascending."""
+        return sorted(s for s in self._step_dirs() if self._committed(s))
+
+    def _pointer(self) -> int | None:
+        try:
+            text = self._backend.read(_uri.join_path(self._root, POINTER_NAME)).decode("utf-8").strip()
+        except FileNotFoundError:
+            return None
+        name = _uri.basename(text)
+        if not name.isdigit():
+            warnings.warn(f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
+                          CheckpointWarning, stacklevel=3)
+            return None
+        self._names.setdefault(int(name), name)
+        return int(name)
+
+    def latest(self) -> int | None:
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete."""
+        ptr = self._pointer()
+        if ptr is not None and self._committed(ptr):
+            return ptr
+        steps = self.list()
+        why = "is missing" if ptr is None else f"names step {ptr}, which is not a complete checkpoint"
+        if not steps:
+            if ptr is not None:
+                warnings.warn(f"{self.root_uri}: the latest pointer {why} and no complete checkpoint exists",
+                              CheckpointWarning, stacklevel=2)
+            return None
+        warnings.warn(f"{self.root_uri}: the latest pointer {why}; using the newest complete checkpoint, "
+                      f"step {steps[-1]} ({self.uri(steps[-1])})", CheckpointWarning, stacklevel=2)
+        return steps[-1]
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The commit marker's contents for ``step`` (format, files, metrics, time)."""
+        m = self._manifests.get(step)
+        if m is None:
+            try:
+                m = json.loads(self._backend.read(_uri.join_path(self._dir(step), MARKER_NAME)))
+            except FileNotFoundError:
+                if self._backend.isdir(self._dir(step)):
+                    raise IncompleteCheckpointError(
+                        f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})") from None
+                raise NotFoundError(self.uri(step), "no checkpoint for this step") from None
+            self._manifests[step] = m
+        return m
+
+    # ---- distributed helpers -------------------------------------------------------------------
+    def _on_rank0(self, fn, *args: Any) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its result, or raise its error on every rank."""
+        result, err = None, None
+        if self._rank == 0:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+                err = e
+        if self._pg is not None:
+            import torch.distributed as dist
+
+            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
+            result, msg = box[0]
+            if err is None and msg is not None:
+                raise CkptioError(f"rank 0 failed: {msg}")
+        if err is not None:
+            raise err
+        return result
+
+    def _barrier(self) -> None:
+        if self._pg is not None:
+            import torch.distributed as dist
+
+            dist.monitored_barrier(group=self._pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
+
+    # ---- save --------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None) -> None:
+        """Save ``state`` (parts by name; tensors, containers, ``Stateful`` objects) as checkpoint ``step``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError("state must be a non-empty mapping of part name -> state")
+        if self.keep_best is not None and (metrics is None or self.best_metric not in metrics):
+            warnings.warn(f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
+                          CheckpointWarning, stacklevel=2)
+        self.wait()
+        sd = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        if not self.async_save:
+            self._persist(step, sd, metrics)
+            return
+        staged = self._stager.stage(sd)
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptio-checkpointer")
+        self._future = self._pool.submit(self._persist, step, staged, metrics)
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; re-raise its exception if it failed."""
+        with self._lock:
+            fut, self._future = self._future, None
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Wait for the background save (raising its error) and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        self._on_rank0(self._prepare, step)
+        files = self._write_data(step, sd)
+        manifest = {"step": step, "format": self.format, "files": files, "parts": sorted(map(str, sd)),
+                    "metrics": metrics, "time": time.time(), "world_size": self._world}
+        self._on_rank0(self._commit, step, manifest)
+        log.info("saved checkpoint %s in %.2fs", self.uri(step), time.perf_counter() - t0)
+
+    def _prepare(self, step: int) -> None:
+        d = self._dir(step)
+        self._manifests.pop(step, None)
+        if self._committed(step):
+            if self._pointer() == step:
+                raise AlreadyExistsError(self.uri(step), "this step is the latest checkpoint; delete it first to "
+                                                          "save it again")
+            warnings.warn(f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning,
+                          stacklevel=2)
+            self._backend.delete(_uri.join_path(d, MARKER_NAME))  # uncommit before touching its data
+        self._rmtree(d)  # debris of a crashed save, or the uncommitted old data
+
+    def _write_data(self, step: int, sd: dict[str, Any]) -> list[str]:
+        if self.format == "dcp":
+            from . import dcp
+
+            dcp.save(sd, self.uri(step), process_group=self._pg, **self.save_options)
+            return []
+        return self._on_rank0(self._write_file, step, sd)
+
+    def _write_file(self, step: int, sd: dict[str, Any]) -> list[str]:
+        from .io import dump
+
+        name = _DATA_FILE[self.format]
+        dump(sd, self._user_uri(step, name), **self.save_options)
+        return [name]
+
+    def _commit(self, step: int, manifest: dict[str, Any]) -> None:
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self._backend.write(_uri.join_path(self._dir(step), MARKER_NAME), data, mode="create")
+        self._manifests[step] = manifest
+        self._backend.write(_uri.join_path(self._root, POINTER_NAME), (self._name(step) + "\n").encode(),
+                            mode="overwrite")
+        self._cleanup(step)
+
+    # ---- retention -----------------------------------------------------------------------------
+    def _keep(self, steps: Sequence[int], latest: int) -> set[int]:
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return set(steps)
+        keep = {latest}
+        if self.keep_last is not None:
+            keep.update(sorted(steps)[-self.keep_last:])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            scored = []
+            for s in steps:
+                try:
+                    v = self.manifest(s).get("metrics", {}).get(self.best_metric)
+                except FileNotFoundError:
+                    continue
+                if v is not None:
+                    scored.append((v if self.best_mode == "min" else -v, -s, s))
+            keep.update(s for *_, s in sorted(scored)[: self.keep_best])
+        return keep
+
+    def _cleanup(self, latest: int) -> None:
+        dirs = self._step_dirs()
+        complete = [s for s in dirs if self._committed(s)]
+        doomed = [s for s in complete if s not in self._keep(complete, latest)]
+        debris = [s for s in dirs if s not in complete and s < latest]
+        for s in sorted(doomed) + sorted(debris):
+            if s != latest:
+                self._delete(s)
+
+    # ---- delete ----------------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
+        self.wait()
+
+        def run() -> None:
+            if step not in self._step_dirs():
+                raise NotFoundError(self.uri(step), "no checkpoint for this step")
+            was_latest = self._pointer() == step
+            self._delete(step)
+            if was_latest:
+                rest = self.list()
+                ptr = _uri.join_path(self._root, POINTER_NAME)
+                if rest:
+                    self._backend.write(ptr, (self._name(rest[-1]) + "\n").encode(), mode="overwrite")
+                else:
+                    self._backend.delete(ptr)
+
+        self._on_rank0(run)
+        self._barrier()
+
+    def _delete(self, step: int) -> None:
+        d = self._dir(step)
+        self._manifests.pop(step, None)
+        try:
+            self._backend.delete(_uri.join_path(d, MARKER_NAME))  # uncommit first
+        except FileNotFoundError:
+            pass
+        self._rmtree(d)
+        log.info("deleted checkpoint %s", self.uri(step))
+
+    def _rmtree(self, d: str) -> None:
+        prefix = d.rstrip("/") + "/"
+        try:
+            entries = [i for i in self._backend.list(d, recursive=True) if not i.is_dir]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if any(not i.uri.startswith(prefix) for i in entries):  # never follow a backend outside the directory
+            raise CkptioError(f"refusing to delete {d}: its listing has entries outside it")
+        self._backend.rmtree(d)
+
+    # ---- load ------------------------------------------------------------------------------------
+    def _resolve_target(self, step: Any) -> tuple[int | None, str | None, dict[str, Any] | None]:
+        """(step, directory URI, manifest) to load; (None, None, None) when there is nothing yet."""
+        if step == "latest":
+            s = self.latest()
+            if s is None:
+                return None, None, None
+            return s, self.uri(s), self.manifest(s)
+        if isinstance(step, int) and not isinstance(step, bool):
+            self._step_dirs()
+            return step, self.uri(step), self.manifest(step)
+        if isinstance(step, (str, os.PathLike)):
+            u = os.fspath(step).rstrip("/")
+            backend, d = resolve(u)
+            if backend.isfile(_uri.join_path(d, MARKER_NAME)):
+                m = json.loads(backend.read(_uri.join_path(d, MARKER_NAME)))
+                return int(m["step"]), u, m
+            if backend.isfile(_uri.join_path(d, ".metadata")):
+                return 0, u, {"format": "dcp", "step": 0}
+            for fmt, name in _DATA_FILE.items():
+                if d.endswith(name[5:]) and backend.isfile(d):
+                    return 0, _uri.parent(u), {"format": fmt, "files": [_uri.basename(u)], "step": 0}
+            raise IncompleteCheckpointError(f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP "
+                                            f".metadata, not a .pt/.fpk file)")
+        raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
+
+    def load(self, state: dict[str, Any], *, step: Any = "latest", keys: Iterable[str] | None = None,
+             strict: bool = True) -> int | None:
+        """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
+
+        ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
+        ``keys``: the parts to restore (default: every part of ``state``). ``strict=False`` restores
+        what matches and reports missing/unexpected keys (warning and ``self.last_load``);
+        ``strict=True`` raises ``KeyError`` on any mismatch.
+        """
+        self.wait()
+        s, d, manifest = self._on_rank0(self._resolve_target, step)
+        if s is None:
+            log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
+            self.last_load = LoadResult(None, None)
+            return None
+        parts = list(state) if keys is None else list(keys)
+        unknown = [k for k in parts if k not in state]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not in the state given to load()")
+        res = LoadResult(s, d)
+        fmt = manifest.get("format", "dcp")
+        if fmt == "dcp":
+            source = self._read_dcp(d, {k: state[k] for k in parts})
+        elif fmt in _DATA_FILE:
+            from .io import load as _load
+
+            name = (manifest.get("files") or [_DATA_FILE[fmt]])[0]
+            kw = dict(self.load_options)
+            if fmt == "pt":
+                kw.setdefault("weights_only", self.weights_only)
+                kw.setdefault("map_location", "cpu")
+            source = _load(_uri.join_path(d, name), **kw)
+        else:
+            raise CkptioError(f"{d}: unknown checkpoint format {fmt!r} in {MARKER_NAME}")
+        for k in parts:
+            if k not in source:
+                res.missing_keys.append(k)
+            else:
+                state[k] = _apply(state[k], source[k], f"{k}.", res)
+        if keys is None:
+            res.unexpected_keys += [k for k in source if k not in state]
+        self.last_load = res
+        if res.missing_keys or res.unexpected_keys:
+            msg = (f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
+                   f"unexpected keys {res.unexpected_keys}")
+            if strict:
+                raise KeyError(msg + " (pass strict=False to restore what matches)")
+            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+        log.info("restored step %d from %s", s, d)
+        return s
+
+    def _read_dcp(self, d: str, state: dict[str, Any]) -> dict[str, Any]:
+        """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
+        into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from . import dcp
+
+        md = dcp.StorageReader(d).read_metadata()
+        template = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+        flat, mappings = flatten_state_dict(template)
+        tree: dict[str, Any] = {}
+        for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
+            if fqn in md.state_dict_metadata:
+                set_element(tree, mappings[fqn], value)
+        for fqn, meta in md.state_dict_metadata.items():
+            path = (md.planner_data or {}).get(fqn)
+            if fqn in flat or not path or path[0] not in state:
+                continue
+            value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(
+                meta, TensorStorageMetadata) else None
+            set_element(tree, path, value)
+        if tree:
+            dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=self._pg, **self.load_options)
+        for k, v in state.items():  # DCP paths store dict keys as str: optimizers index state by int
+            st = tree.get(k, {}).get("state") if isinstance(v, torch.optim.Optimizer) else None
+            if isinstance(st, dict):
+                tree[k]["state"] = {int(i) if isinstance(i, str) and i.isdigit() else i: x for i, x in st.items()}
+        return tree
