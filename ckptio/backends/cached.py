@@ -218,24 +218,30 @@ class CachedBackend(Backend):
 
     @contextlib.contextmanager
     def pinned(self, infos: Mapping[str, ObjectInfo] | Iterable[ObjectInfo]) -> Iterator[None]:
-        """Within the block, treat ``infos`` as the current remote state: reads of these URIs do not
-        ``stat`` the remote object. For callers that validated the version moments ago."""
+        """Within the block, treat ``infos`` as the current remote state and hold their entries.
+
+        Reads of these URIs do not ``stat`` the remote object, and their entries are not evicted
+        (missing ones are filled first). For callers that validated the versions moments ago.
+        """
         items = list(infos.values()) if isinstance(infos, Mapping) else list(infos)
-        with self._mu:
+        with contextlib.ExitStack() as held:
             for info in items:
-                old = self._pins.get(info.uri)
-                self._pins[info.uri] = (info, (old[1] if old else 0) + 1)
-        try:
-            yield
-        finally:
+                held.enter_context(self._entry(info.uri, info, count=False))
             with self._mu:
                 for info in items:
-                    held = self._pins.get(info.uri)
-                    if held is not None:
-                        if held[1] <= 1:
-                            del self._pins[info.uri]
-                        else:
-                            self._pins[info.uri] = (held[0], held[1] - 1)
+                    old = self._pins.get(info.uri)
+                    self._pins[info.uri] = (info, (old[1] if old else 0) + 1)
+            try:
+                yield
+            finally:
+                with self._mu:
+                    for info in items:
+                        pin = self._pins.get(info.uri)
+                        if pin is not None:
+                            if pin[1] <= 1:
+                                del self._pins[info.uri]
+                            else:
+                                self._pins[info.uri] = (pin[0], pin[1] - 1)
 
     def _unpin(self, uri: str) -> None:
         with self._mu:
@@ -289,7 +295,7 @@ class CachedBackend(Backend):
                 os.unlink(p)
 
     @contextlib.contextmanager
-    def _entry(self, uri: str, info: ObjectInfo | None = None) -> Iterator[tuple[str, ObjectInfo]]:
+    def _entry(self, uri: str, info: ObjectInfo | None = None, *, count: bool = True) -> Iterator[tuple[str, ObjectInfo]]:
         """Hold a shared lock on a valid entry for ``uri`` (filling it if needed); yield its path."""
         info = info or self._remote_info(uri)
         data, meta, lockp = self._paths(info)
@@ -298,7 +304,7 @@ class CachedBackend(Backend):
                 if self._valid(info, data, meta):
                     with contextlib.suppress(OSError):
                         os.utime(data)  # least recently used goes first
-                    self._count(hits=1)
+                    self._count(hits=int(count))
                     yield data, info
                     return
             with _Lock(lockp, True, self.lock_timeout, uri) as lock:
@@ -306,7 +312,7 @@ class CachedBackend(Backend):
                 lock.share()  # not atomic: an evictor may slip in, so check the entry survived
                 if not (os.path.exists(data) and lock.still_at(lockp)):
                     continue
-                self._count(**({"misses": 1} if downloaded else {"hits": 1}))
+                self._count(**({"misses": 1} if downloaded else {"hits": int(count)}))
                 if downloaded:
                     self._evict()  # this entry is share-locked by us, so it stays
                 yield data, info
