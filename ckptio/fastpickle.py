@@ -947,7 +947,7 @@ def _select(tree: Any, key: Any) -> Any:
             for k in node:  # the longest dict key spelled by parts[i:j]
                 ks = str(k)
                 for j in range(len(parts), i, -1):
-                    if (k == part and j == i + 1 and not isinstance(part, str)) or ks == ".".join(map(str, parts[i:j])):
+                    if ks == ".".join(map(str, parts[i:j])):
                         if best is None or j > best[1]:
                             best = (k, j)
                         break

@@ -1,0 +1,328 @@
+"""fastpickle: exact round-trips, sharing, errors, partial and mapped loads, every backend."""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import ckptio
+from ckptio import fastpickle as fp
+from ckptio.errors import AlreadyExistsError, FormatError, IntegrityError
+
+
+# ---- comparing values exactly ------------------------------------------------------------------
+
+def storage_bytes(t: torch.Tensor) -> bytes:
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy())
+
+
+def assert_same(a, b, path="<root>"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+        if a.is_quantized:
+            assert a.qscheme() == b.qscheme(), path
+            assert torch.equal(a.int_repr(), b.int_repr()), path
+            if a.qscheme() == torch.per_tensor_affine:
+                assert (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point()), path
+            else:
+                assert torch.equal(a.q_per_channel_scales(), b.q_per_channel_scales()), path
+            return
+        assert (a.stride(), a.storage_offset()) == (b.stride(), b.storage_offset()), path
+        assert storage_bytes(a) == storage_bytes(b), path
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), path
+    elif isinstance(a, complex):
+        assert struct.pack("<dd", a.real, a.imag) == struct.pack("<dd", b.real, b.imag), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert type(k) is type(next(kk for kk in b if kk == k))
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}.{i}")
+    else:
+        assert a == b, path
+
+
+def roundtrip(obj, **load_kw):
+    buf = io.BytesIO()
+    fp.save(obj, buf)
+    buf.seek(0)
+    return fp.load(buf, **load_kw)
+
+
+def train_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for _ in range(3):
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 3,
+            "rng": torch.get_rng_state(), "np_rng": np.random.RandomState(0).get_state()[1]}
+
+
+# ---- round-trips -------------------------------------------------------------------------------
+
+PLAIN = {
+    "none": None, "true": True, "false": False, "int": -7, "u64": (1 << 64) - 1, "i64": -(1 << 63),
+    "big": 1 << 200, "negbig": -(1 << 90) + 3, "float": 0.1, "nan": float("nan"), "inf": float("-inf"),
+    "negzero": -0.0, "str": "héllo", "empty": "", "bytes": b"\x00\xff", "complex": complex(1.5, float("nan")),
+    "list": [1, [2, [3]]], "tuple": (1, (2,), ()), "set": {1, "a", (2, 3)}, "frozenset": frozenset({b"x"}),
+    "odict": collections.OrderedDict([("z", 1), ("a", 2)]), "intkeys": {10: "a", -1: "b", 3: "c"},
+    "mixedkeys": {"a": 1, 2: 2, b"c": 3}, "tuplekeys": {(1, 2): "t", None: "n", 1.5: "f", True: "b"},
+    "size": torch.Size([2, 0, 3]), "dtype": torch.float8_e4m3fn, "device": torch.device("cuda", 1),
+    "np_scalars": [np.float32(1.25), np.int8(-3), np.bool_(True), np.complex128(1j), np.uint64(2**64 - 1)],
+    "np_dtype": np.dtype("<f2"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(PLAIN))
+def test_plain_values_roundtrip_exactly(key):
+    assert_same(roundtrip({key: PLAIN[key]}), {key: PLAIN[key]})
+
+
+def test_top_level_non_dict_values():
+    for obj in (None, 3, [1, 2], (torch.ones(2),), "s"):
+        assert_same(roundtrip(obj), obj)
+
+
+QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+ALL_DTYPES = sorted({d for d in fp._DTYPES.values() if d not in QUANTIZED}, key=str)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_roundtrips_bitwise(dtype):
+    raw = torch.randint(0, 256, (6 * 5 * dtype.itemsize,), dtype=torch.uint8)
+    t = raw.view(dtype).view(6, 5) if dtype.itemsize > 1 else raw.view(dtype).view(6, 5 * dtype.itemsize)
+    obj = {"t": t, "col": t[:, 1], "zero_d": t[2, 3], "empty": torch.empty(0, 3, dtype=dtype)}
+    assert_same(roundtrip(obj), obj)
+
+
+@pytest.mark.parametrize("qdtype", [torch.qint8, torch.quint8, torch.qint32])
+def test_quantized_tensors(qdtype):
+    x = torch.randn(4, 6)
+    obj = {"pt": torch.quantize_per_tensor(x, 0.05, 3, qdtype),
+           "pc": torch.quantize_per_channel(x, torch.rand(6) + 0.1, torch.zeros(6, dtype=torch.long), 1, qdtype)}
+    assert_same(roundtrip(obj), obj)
+
+
+def test_packed_quantized_dtypes_fail_clearly():
+    q = torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint4x2)
+    with pytest.raises(TypeError, match=r"quint4x2.*'w'"):
+        fp.save({"w": q}, io.BytesIO())
+
+
+def test_tensor_layouts_and_flags():
+    base = torch.randn(6, 8)
+    obj = {"t": base.t(), "slice": base[1:4, ::3], "expand": torch.randn(3, 1).expand(3, 5),
+           "zero_d": torch.tensor(2.5), "empty": torch.empty(0), "chlast": torch.randn(2, 3, 4, 5).to(
+               memory_format=torch.channels_last), "rg": torch.randn(3, requires_grad=True),
+           "param": torch.nn.Parameter(torch.randn(2)), "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+           "conj": torch.randn(3, dtype=torch.complex64).conj(), "nonleaf": torch.randn(2, requires_grad=True) * 2}
+    out = roundtrip(obj)
+    for k in ("t", "slice", "expand", "zero_d", "empty", "chlast", "rg", "param", "frozen"):
+        assert_same(out[k], obj[k], k)
+    assert torch.equal(out["conj"], obj["conj"]) and not out["conj"].is_conj()
+    assert out["nonleaf"].requires_grad and out["nonleaf"].is_leaf
+    assert torch.equal(out["nonleaf"], obj["nonleaf"].detach())
+
+
+def test_numpy_arrays():
+    obj = {"f": np.arange(12, dtype=np.float32).reshape(3, 4), "fortran": np.asfortranarray(np.ones((2, 3))),
+           "strided": np.arange(20)[::3], "be": np.arange(4, dtype=">i4"), "s": np.array([b"ab", b"c"]),
+           "u": np.array(["xyz"]), "zero_d": np.array(1.5), "empty": np.empty((0, 4), dtype=np.int16),
+           "bool": np.array([True, False]), "dt64": np.array(["2024-01-01"], dtype="datetime64[ns]")}
+    out = roundtrip(obj)
+    for k, v in obj.items():
+        assert_same(out[k], np.array(v, order="C"), k)
+
+
+def test_training_state_roundtrips(tmp_path):
+    state = train_state()
+    fp.save(state, tmp_path / "s.fpk")
+    out = fp.load(tmp_path / "s.fpk")
+    assert_same(out, state)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(out["model"])
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(out["optim"])
+
+
+def test_shared_storage_restored_shared():
+    base = torch.randn(4, 4)
+    lin = torch.nn.Linear(4, 4)
+    obj = {"a": base, "view": base[1], "same": base, "bytes": base.view(torch.int32), "emb": lin.weight,
+           "head": lin.weight, "np": np.zeros(3)}
+    obj["np2"] = obj["np"]
+    buf = io.BytesIO()
+    fp.save(obj, buf)
+    info = fp.inspect(io.BytesIO(buf.getvalue()))
+    assert len({t.storage for t in info.tensors}) == 3  # base, lin.weight, the array
+    out = fp.load(io.BytesIO(buf.getvalue()))
+    assert out["a"] is out["same"] and out["emb"] is out["head"] and out["np"] is out["np2"]
+    assert out["view"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    assert out["bytes"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    out["a"][1, 0] = 42.0
+    assert out["view"][0] == 42.0
+    assert buf.getvalue().count(storage_bytes(base)) == 1
+
+
+def test_unsupported_type_names_key_path():
+    class Foo:
+        pass
+
+    with pytest.raises(TypeError, match=r"optim\.state\.3\.exp_avg"):
+        fp.save({"optim": {"state": {3: {"exp_avg": Foo()}}}}, io.BytesIO())
+    with pytest.raises(TypeError, match=r"'a\.1'"):
+        fp.save({"a": (1, torch.randn(2).to_sparse())}, io.BytesIO())
+    with pytest.raises(TypeError):
+        fp.save({"x": 3 == 3 and collections.Counter()}, io.BytesIO())
+    cyc: list = []
+    cyc.append(cyc)
+    with pytest.raises(ValueError, match="cycle"):
+        fp.save(cyc, io.BytesIO())
+
+
+def test_nothing_is_written_when_a_type_is_unsupported(tmp_path):
+    with pytest.raises(TypeError):
+        fp.save({"x": object()}, tmp_path / "x.fpk")
+    assert os.listdir(tmp_path) == []
+
+
+def test_pickle_fallback_is_opt_in_on_both_sides():
+    obj = {"counter": collections.Counter("aab"), "t": torch.ones(2)}
+    buf = io.BytesIO()
+    fp.save(obj, buf, allow_pickle=True)
+    data = buf.getvalue()
+    assert fp.inspect(io.BytesIO(data)).has_pickle
+    assert isinstance(fp.inspect(io.BytesIO(data)).tree["counter"], fp.PickledObject)
+    with pytest.raises(FormatError, match="allow_pickle"):
+        fp.load(io.BytesIO(data))
+    assert_same(fp.load(io.BytesIO(data), allow_pickle=True), obj)
+
+
+# ---- files, URIs, backends ---------------------------------------------------------------------
+
+def test_registered_extension_through_ckptio_dump_load(memory_uri, tmp_path):
+    state = train_state()
+    for uri in (f"{memory_uri}/a/step1.fpk", str(tmp_path / "step1.fpk")):
+        ckptio.dump(state, uri)
+        assert_same(ckptio.load(uri), state)
+
+
+def test_write_modes_and_durability(tmp_path):
+    p = str(tmp_path / "c.fpk")
+    fp.save({"a": 1}, p, mode="create", durable=False)
+    with pytest.raises(AlreadyExistsError):
+        fp.save({"a": 2}, p, mode="create")
+    fp.save({"a": 3}, p)
+    assert fp.load(p) == {"a": 3}
+    assert sorted(os.listdir(tmp_path)) == ["c.fpk"]
+
+
+def test_real_file_objects(tmp_path):
+    obj = {"w": torch.randn(100, 10), "n": 1}
+    with open(tmp_path / "f.fpk", "wb") as f:
+        fp.save(obj, f)
+    with open(tmp_path / "f.fpk", "rb") as f:
+        assert_same(fp.load(f), obj)
+        assert_same(fp.load(f, mmap=True)["w"], obj["w"])
+
+
+@pytest.mark.parametrize("backend", ["local", "memory", "s3", "gcs"])
+def test_same_file_loads_identically_everywhere(backend, request, tmp_path):
+    root = request.getfixturevalue(f"{backend}_uri")
+    state = train_state()
+    state["big"] = torch.randn(300_000)  # several parts/requests on object stores
+    fp.save(state, tmp_path / "ref.fpk")
+    data = (tmp_path / "ref.fpk").read_bytes()
+    be, uri = ckptio.resolve(f"{root}/copy.fpk")
+    be.write(uri, data)
+    assert_same(fp.load(f"{root}/copy.fpk"), state)
+    assert_same(fp.load(f"{root}/copy.fpk", keys=["optim.state.0"])["optim.state.0"], state["optim"]["state"][0])
+    fp.save(state, f"{root}/direct.fpk")
+    assert be.read(ckptio.resolve(f"{root}/direct.fpk")[1]) == data  # deterministic bytes
+
+
+def test_map_location(tmp_path):
+    p = tmp_path / "m.fpk"
+    fp.save({"w": torch.randn(3), "i": torch.arange(3)}, p)
+    for ml in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, loc: storage):
+        out = fp.load(p, map_location=ml)
+        assert out["w"].device.type == "cpu"
+    seen = []
+    fp.load(p, map_location=lambda storage, loc: seen.append(loc))
+    assert seen == ["cpu", "cpu"]
+
+
+# ---- partial, lazy and metadata-only loads ----------------------------------------------------
+
+def test_partial_load_reads_only_needed_ranges(memory_uri):
+    state = {"model": collections.OrderedDict((f"layer{i}.weight", torch.randn(256, 256)) for i in range(6)),
+             "optim": {"state": {i: {"exp_avg": torch.randn(256, 256), "step": torch.tensor(3.0)} for i in range(6)},
+                       "param_groups": [{"lr": 0.1, "params": list(range(6))}]}, "step": 7}
+    uri = f"{memory_uri}/p.fpk"
+    fp.save(state, uri)
+    backend, resolved = ckptio.resolve(uri)
+    size = backend.stat(resolved).size
+    meta_len = struct.unpack("<Q", backend.read_range(resolved, size - 56, size - 48))[0]
+    overhead = 2 * 64 + meta_len
+
+    backend.bytes_read = 0
+    out = fp.load(uri, keys=["model.layer3.weight", "optim.state.2.exp_avg", "step", "optim.param_groups"])
+    assert list(out) == ["model.layer3.weight", "optim.state.2.exp_avg", "step", "optim.param_groups"]
+    assert torch.equal(out["model.layer3.weight"], state["model"]["layer3.weight"])
+    assert torch.equal(out["optim.state.2.exp_avg"], state["optim"]["state"][2]["exp_avg"])
+    assert out["step"] == 7 and out["optim.param_groups"] == state["optim"]["param_groups"]
+    assert backend.bytes_read == overhead + 2 * 256 * 256 * 4
+
+    backend.bytes_read = 0
+    sub = fp.load(uri, keys=[("optim", "state", 4)])["optim.state.4"]
+    assert_same(sub, state["optim"]["state"][4])
+    assert backend.bytes_read <= overhead + 256 * 256 * 4 + 64 + 4  # exp_avg and step: adjacent, one range
+
+    backend.bytes_read = 0
+    info = fp.inspect(uri)
+    assert backend.bytes_read == overhead
+    assert isinstance(info.tree["model"]["layer0.weight"], fp.TensorInfo)
+    assert info.tree["model"]["layer0.weight"].shape == (256, 256)
+    assert info.tensors[0].path == "model.layer0.weight"
+    with pytest.raises(KeyError, match="model.nope"):
+        fp.load(uri, keys=["model.nope"])
+
+
+def test_mmap_load_is_zero_copy_and_lazy(tmp_path):
+    p = tmp_path / "m.fpk"
+    obj = {"a": torch.randn(1000), "b": torch.arange(10), "np": np.arange(5.0), "e": torch.empty(0)}
+    fp.save(obj, p)
+    out = fp.load(p, mmap=True)
+    assert_same(out, obj)
+    assert all(t.data_ptr() % 64 == 0 for t in (out["a"], out["b"]))
+    out["a"][0] = 7.0  # private mapping: the file is unchanged
+    assert_same(fp.load(p), obj)
+    data = bytearray(p.read_bytes())
+    off = fp.inspect(p).tensors[0].offset
+    data[off + 5] ^= 0xFF
+    p.write_bytes(bytes(data))
+    fp.load(p, mmap=True)  # payloads are not read, so not verified, unless asked
+    with pytest.raises(IntegrityError, match=r"'a'"):
+        fp.load(p, mmap=True, verify=True)
+    with pytest.raises(ValueError, match="local file"):
+        fp.load(io.BytesIO(bytes(data)), mmap=True)
