@@ -86,6 +86,15 @@ class LoadResult:
     unexpected_keys: list[str] = field(default_factory=list)
 
 
+def tree_has(tree: Any, path: Sequence[Any]) -> bool:
+    for p in path:
+        try:
+            tree = tree[p]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return True
+
+
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -591,7 +600,7 @@ class Checkpointer:
         res = LoadResult(s, d)
         fmt = manifest.get("format", "dcp")
         if fmt == "dcp":
-            source = self._read_dcp(d, {k: state[k] for k in parts})
+            source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts})
         elif fmt in _DATA_FILE:
             from .io import load as _load
 
@@ -601,6 +610,7 @@ class Checkpointer:
                 kw.setdefault("weights_only", self.weights_only)
                 kw.setdefault("map_location", "cpu")
             source = _load(_uri.join_path(d, name), **kw)
+            ckpt_parts = list(source)
         else:
             raise CkptioError(f"{d}: unknown checkpoint format {fmt!r} in {MARKER_NAME}")
         for k in parts:
@@ -609,7 +619,7 @@ class Checkpointer:
             else:
                 state[k] = _apply(state[k], source[k], f"{k}.", res)
         if keys is None:
-            res.unexpected_keys += [k for k in source if k not in state]
+            res.unexpected_keys += [k for k in ckpt_parts if k not in state]
         self.last_load = res
         if res.missing_keys or res.unexpected_keys:
             msg = (f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
@@ -620,7 +630,7 @@ class Checkpointer:
         log.info("restored step %d from %s", s, d)
         return s
 
-    def _read_dcp(self, d: str, state: dict[str, Any]) -> dict[str, Any]:
+    def _read_dcp(self, d: str, state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
         into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -635,11 +645,14 @@ class Checkpointer:
         flat, mappings = flatten_state_dict(template)
         tree: dict[str, Any] = {}
         for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
-            if fqn in md.state_dict_metadata:
-                set_element(tree, mappings[fqn], value)
+            meta = md.state_dict_metadata.get(fqn)
+            if meta is None or (isinstance(meta, TensorStorageMetadata) and (
+                    not isinstance(value, torch.Tensor) or value.shape != meta.size)):
+                continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
+            set_element(tree, mappings[fqn], value)
         for fqn, meta in md.state_dict_metadata.items():
             path = (md.planner_data or {}).get(fqn)
-            if fqn in flat or not path or path[0] not in state:
+            if not path or path[0] not in state or (fqn in flat and tree_has(tree, path)):
                 continue
             value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(
                 meta, TensorStorageMetadata) else None
@@ -650,4 +663,4 @@ class Checkpointer:
             st = tree.get(k, {}).get("state") if isinstance(v, torch.optim.Optimizer) else None
             if isinstance(st, dict):
                 tree[k]["state"] = {int(i) if isinstance(i, str) and i.isdigit() else i: x for i, x in st.items()}
-        return tree
+        return tree, sorted({p[0] for p in (md.planner_data or {}).values() if p})
