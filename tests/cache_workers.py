@@ -40,6 +40,53 @@ def fill_main(uri: str, cache_dir: str, delay: float, go: str) -> None:
     print(json.dumps({**cache.stats(), "ok": ok, "reads": cache.inner.reads}), flush=True)
 
 
+def _outcome(fn) -> list:
+    try:
+        return ["ok", fn()]
+    except Exception as e:  # the parent asserts on the type and message
+        return ["error", type(e).__name__, str(e)]
+
+
+def dist_main(rank: int, world: int, port: int, backends: dict, root: str, tmp: str) -> None:
+    """One gloo rank running every ckptio.distributed scenario against ``root``; results to ``tmp/rank<r>.json``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import ckptio
+    import ckptio.distributed as D
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    ckptio.configure(backends=backends)
+    node = f"n{rank // 2}"
+    res: dict = {}
+    res["one_node"] = _outcome(lambda: D.load(f"{root}/a.pt", cache=f"{tmp}/one", timeout=30)["w"].tolist())
+    res["two_nodes"] = _outcome(lambda: D.load(f"{root}/b.pt", cache=f"{tmp}/{node}", node=node,
+                                               timeout=30)["w"].tolist())
+    res["network"] = _outcome(lambda: D.load(f"{root}/c.pt", mode="network", chunk_size=700,
+                                             timeout=30)["w"].tolist())
+
+    def dcp_load():
+        sd = {"w": torch.zeros(8, 4), "b": torch.zeros(16, dtype=torch.int64)}
+        D.load_dcp(sd, f"{root}/dcp", cache=f"{tmp}/one", timeout=30)
+        return [sd["w"].sum().item(), sd["b"].tolist()]
+
+    res["dcp"] = _outcome(dcp_load)
+    res["missing"] = _outcome(lambda: D.load(f"{root}/missing.pt", cache=f"{tmp}/one", timeout=30))
+    res["missing_network"] = _outcome(lambda: D.load(f"{root}/missing.pt", mode="network", timeout=30))
+    if rank == 0:  # the downloading rank gets stuck in its fill: the others must give up at their timeout
+        fill = CachedBackend.fill
+        CachedBackend.fill = lambda self, *a, **kw: (time.sleep(4), fill(self, *a, **kw))[1]  # type: ignore
+    t0 = time.monotonic()
+    res["stuck"] = _outcome(lambda: D.load(f"{root}/a.pt", cache=f"{tmp}/one", timeout=1.5))
+    res["stuck_seconds"] = time.monotonic() - t0
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os._exit(0)  # the group is unusable after the timeout scenario
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "fill":
