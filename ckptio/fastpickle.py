@@ -25,6 +25,7 @@ against the file before allocating anything, then reads only the payloads it nee
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import mmap as _mmap
@@ -80,7 +81,7 @@ _QUANT_INT = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: 
 _NP_KINDS = "biufcmMSU"
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _ZEROS = bytes(ALIGN)
-_PACK = msgpack.Packer(use_bin_type=True, strict_types=True, autoreset=True)
+_pack = functools.partial(msgpack.packb, use_bin_type=True, strict_types=True)
 
 
 def _align(n: int) -> int:
@@ -154,10 +155,10 @@ class _Encoder:
         self._active: set[int] = set()
 
     def encode(self, obj: Any) -> bytes:
-        return _PACK.pack(self._enc(obj, []))
+        return _pack(self._enc(obj, []))
 
     def _ext(self, code: int, value: Any) -> msgpack.ExtType:
-        return msgpack.ExtType(code, _PACK.pack(value))
+        return msgpack.ExtType(code, _pack(value))
 
     def _enc(self, x: Any, path: list) -> Any:
         t = type(x)
@@ -168,19 +169,19 @@ class _Encoder:
                 return x
             return msgpack.ExtType(EXT_BIGINT, x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True))
         if t is torch.Tensor or t is torch.nn.Parameter:
-            return msgpack.ExtType(EXT_TENSOR, _PACK.pack(self._tensor(x, path)))
+            return msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(x, path)))
         if t is dict or t is list or t is tuple or t is set or t is frozenset or t is collections.OrderedDict:
             return self._container(x, t, path)
         if t is complex:
             return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", x.real, x.imag))
         if t is torch.Size:
-            return msgpack.ExtType(EXT_SIZE, _PACK.pack(list(x)))
+            return msgpack.ExtType(EXT_SIZE, _pack(list(x)))
         if t is torch.dtype:
             return msgpack.ExtType(EXT_DTYPE, str(x).removeprefix("torch.").encode())
         if t is torch.device:
             return msgpack.ExtType(EXT_DEVICE, str(x).encode())
         if t is np.ndarray:
-            return msgpack.ExtType(EXT_TENSOR, _PACK.pack(self._ndarray(x, path)))
+            return msgpack.ExtType(EXT_TENSOR, _pack(self._ndarray(x, path)))
         if isinstance(x, np.generic) and x.dtype.kind in _NP_KINDS:
             return self._ext(EXT_NPSCALAR, [x.dtype.str, x.tobytes()])
         if t is np.dtype or isinstance(x, np.dtype):
@@ -339,7 +340,7 @@ def _write_stream(enc: _Encoder, tree: bytes, write: Callable[[Any], Any]) -> in
             pos = s.offset + s.nbytes
         for s, fut in pending:
             s.checksum = fut.result()
-    meta = _PACK.pack({
+    meta = _pack({
         "checksum": "xxh3_64",
         "storages": [[s.offset, s.nbytes, s.checksum, s.location] for s in enc.storages],
         "tensors": enc.tensors,
@@ -870,14 +871,15 @@ def _target_storage(storage: torch.UntypedStorage, location: str, map_location: 
         target = location
     try:
         dev = torch.device(target)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         raise FormatError(f"invalid device location {target!r}") from e
     if dev.type == "cpu":
         return storage
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"the checkpoint holds tensors on {location!r} but CUDA is not available; "
-                           f"pass map_location='cpu'")
-    return storage.to(device=dev)
+    try:
+        return storage.to(device=dev)
+    except Exception as e:  # no such device, or its module is not available here
+        raise FormatError(f"cannot restore tensors saved on {location!r} to {target!r} ({type(e).__name__}: {e}); "
+                          f"pass map_location='cpu' or another device") from e
 
 
 def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location: Any) -> Callable[[int], Any]:
