@@ -29,12 +29,12 @@ def full_state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _configure(s3_endpoint: str | None) -> None:
-    if s3_endpoint:
+def _configure(backends: dict | None) -> None:
+    """Route remote schemes to the parent's test servers (``ckptio.configure(backends=...)`` options)."""
+    if backends:
         import ckptio
 
-        ckptio.configure(backends={"s3": {"endpoint_url": s3_endpoint, "access_key_id": "testing",
-                                          "secret_access_key": "testing", "part_size": 5 << 20}})
+        ckptio.configure(backends=backends)
 
 
 def _init(rank: int, world: int, port: int):
@@ -52,14 +52,14 @@ def _sharded(mesh, state: dict[str, torch.Tensor]):
     return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in state.items()}
 
 
-def save_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | None, fail_rank: int | None,
+def save_rank(rank: int, world: int, port: int, uri: str, backends: dict | None, fail_rank: int | None,
               result_dir: str) -> None:
     """Save ``full_state(1)`` sharded over ``world`` ranks; with ``fail_rank``, that rank's second data object fails."""
     import torch.distributed as dist
 
     import ckptio.dcp as cd
 
-    _configure(s3_endpoint)
+    _configure(backends)
     mesh = _init(rank, world, port)
     try:
         if fail_rank == rank:
@@ -74,16 +74,16 @@ def save_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | Non
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write(outcome)
     finally:
-        dist.destroy_process_group()
+        _shutdown()
 
 
-def load_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | None, result_dir: str) -> None:
+def load_rank(rank: int, world: int, port: int, uri: str, backends: dict | None, result_dir: str) -> None:
     """Load into ``world`` Shard(0) DTensors and compare the local shards exactly with ``full_state(1)``."""
     import torch.distributed as dist
 
     import ckptio.dcp as cd
 
-    _configure(s3_endpoint)
+    _configure(backends)
     mesh = _init(rank, world, port)
     try:
         expected = _sharded(mesh, full_state(1))
@@ -99,7 +99,15 @@ def load_rank(rank: int, world: int, port: int, uri: str, s3_endpoint: str | Non
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
     finally:
-        dist.destroy_process_group()
+        _shutdown()
+
+
+def _shutdown() -> None:
+    """Leave together: a rank that tears gloo down while a peer is still in a collective can abort."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _fail_on_object(name: str) -> None:

@@ -37,9 +37,10 @@ def results(d, world: int) -> list[str]:
     return [open(os.path.join(d, f"rank{r}.txt")).read() for r in range(world)]
 
 
-def save_2_load_1_and_3(uri: str, tmp_path, s3_endpoint: str | None = None) -> None:
+def save_2_load_1_and_3(uri: str, tmp_path, backends: dict | None = None, load_3: bool = True) -> None:
+    """``backends``: ckptio backend options the children need to reach the test servers."""
     out_dir = str(tmp_path)
-    run_ranks(W.save_rank, 2, uri, s3_endpoint, None, out_dir)
+    run_ranks(W.save_rank, 2, uri, backends, None, out_dir)
     assert results(out_dir, 2) == ["ok", "ok"]
     assert cd.is_complete(uri)
 
@@ -50,7 +51,9 @@ def save_2_load_1_and_3(uri: str, tmp_path, s3_endpoint: str | None = None) -> N
         assert torch.equal(full[k], v), k
     assert full["extra"] == {"step": 7, "rank_count": 2}
 
-    run_ranks(W.load_rank, 3, uri, s3_endpoint, out_dir)  # world size 3: uneven Shard(0)
+    if not load_3:
+        return
+    run_ranks(W.load_rank, 3, uri, backends, out_dir)  # world size 3: uneven Shard(0)
     assert results(out_dir, 3) == ["ok", "ok", "ok"]
 
 
