@@ -167,8 +167,8 @@ def load(uri: str | os.PathLike, *, mode: str = "filesystem", cache: Any = None,
     mine, error = _attempt(lambda: backend.fill(resolved)) if plan.is_leader else (None, None)
     statuses = _settle(plan, mine, error, group, timeout, f"fetch {uri}")
     info: ObjectInfo = statuses[plan.leader].value  # type: ignore[union-attr]
-    with backend.pinned([info]):
-        return fmt.load(backend, resolved, **kwargs)
+    with backend.pinned([info]), backend.as_local(resolved) as (local, path):
+        return fmt.load(local, path, **kwargs)
 
 
 def _load_network(uri: str, fmt: Any, group: Any, timeout: float, src: int, chunk_size: int,

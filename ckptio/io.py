@@ -15,6 +15,7 @@ from typing import IO, Any, Iterator, Mapping
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend, WriteMode, copy_between
+from .backends.cached import CachedBackend
 from .context import default_context
 from .errors import SettingsError
 from .formats.base import Format
@@ -128,6 +129,9 @@ def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
+    if isinstance(backend, CachedBackend):  # formats see a plain local file: mmap and path loads work
+        with backend.as_local(resolved) as (local, path):
+            return fmt.load(local, path, **kwargs)
     return fmt.load(backend, resolved, **kwargs)
 
 

@@ -254,3 +254,13 @@ def test_lock_timeout_names_the_object(remote, cache_dir, tmp_path):
     finally:
         proc.kill()
         proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("ext", [".fpk", ".pt"])
+def test_mmap_loads_map_the_cache_entry(remote, cache_dir, ext):
+    uri = str(remote / f"m{ext}")
+    ckptio.dump({"w": torch.arange(1000.0)}, uri)
+    out = ckptio.load(uri, cache=cache_dir, mmap=True)
+    assert torch.equal(out["w"], torch.arange(1000.0))
+    backend, _ = ckptio.resolve(uri, cache=cache_dir)
+    assert backend.stats()["misses"] == 1

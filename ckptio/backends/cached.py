@@ -469,6 +469,14 @@ class CachedBackend(Backend):
         with self._entry(uri) as (path, _info):
             yield path
 
+    @contextlib.contextmanager
+    def as_local(self, uri: str) -> Iterator[tuple[Backend, str]]:
+        """``(a local backend, the entry's path)`` for the block, so formats read (or map) a plain file."""
+        from .local import LocalBackend
+
+        with self.get_local_path(uri) as path:
+            yield LocalBackend(part_size=self.part_size, concurrency=self.concurrency), path
+
     # ---- Backend: everything else passes through ---------------------------------------------
     def stat(self, uri: str) -> ObjectInfo:
         with self._mu:
