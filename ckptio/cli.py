@@ -474,6 +474,34 @@ def _fastpickle() -> Any:
     return fastpickle
 
 
+def inspect_fastpickle(uri: str) -> dict[str, Any]:
+    insp = _fastpickle().inspect(uri)
+    tensors, storages = [], {}
+    for t in getattr(insp, "tensors", []):
+        try:
+            n = math.prod(t.shape) * _dtype_size(str(t.dtype))
+        except (AttributeError, TypeError):
+            n = t.nbytes
+        tensors.append({"key": t.path, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": n})
+        storages[t.storage] = t.nbytes
+    tensor_type = type(insp.tensors[0]) if getattr(insp, "tensors", None) else ()
+    values = {k: _jsonable(v) for k, v in _flatten(_jsonable_tree(insp.tree, tensor_type))
+              if not isinstance(v, TensorInfo)}
+    return {"format": "fastpickle", "tensors": tensors, "tensor_bytes": sum(storages.values()), "values": values,
+            "version": getattr(insp, "version", None), "has_pickle": getattr(insp, "has_pickle", None)}
+
+
+def _jsonable_tree(obj: Any, tensor_type: Any) -> Any:
+    """fastpickle's tree with its tensor placeholders turned into this module's TensorInfo (for _flatten)."""
+    if tensor_type and isinstance(obj, tensor_type):
+        return TensorInfo(str(obj.dtype), list(obj.shape), obj.nbytes, str(obj.storage))
+    if isinstance(obj, dict):
+        return {k: _jsonable_tree(v, tensor_type) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable_tree(v, tensor_type) for v in obj]
+    return obj
+
+
 def info(uri: str) -> dict[str, Any]:
     """What ``ckptio info`` prints: format, tensor table (key, dtype, shape, nbytes), other values."""
     backend, resolved = resolve(uri)
@@ -481,11 +509,7 @@ def info(uri: str) -> dict[str, Any]:
     if kind == "dcp":
         out = inspect_dcp(target)
     elif kind == "fastpickle":
-        raw = _jsonable(_fastpickle().inspect(uri))
-        out = {"format": "fastpickle", **(raw if isinstance(raw, dict) else {"inspect": raw})}
-        if "tensors" in out and "tensor_bytes" not in out:
-            with contextlib.suppress(Exception):
-                out["tensor_bytes"] = sum(int(t.get("nbytes", 0)) for t in out["tensors"])
+        out = inspect_fastpickle(uri)
     elif kind == "torch":
         out = inspect_torch(backend, resolved)
     elif kind == "safetensors":
@@ -519,8 +543,8 @@ def verify(uri: str) -> dict[str, Any]:
             res = fp.verify(uri)
             out = _jsonable(res) if isinstance(res, dict) else {"result": _jsonable(res)}
         else:
-            fp.load(uri)  # checksums are verified on load by default
-            out = {"what": "full load with checksum verification"}
+            fp.load(uri, verify=True)
+            out = {"what": "xxh3 of every tensor payload and of the metadata (full load)"}
     elif kind == "torch":
         out = verify_torch(backend, resolved)
     elif kind == "safetensors":
