@@ -72,6 +72,7 @@ SMALL = 4 << 20  # payloads below this are hashed inline while saving
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 MAX_IOV = 512
+TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
 MAX_NDIM = 64
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -411,6 +412,7 @@ class _Source:
     name: str
     size: int
     concurrency = 1
+    prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
     fd: int | None = None
 
     def readinto(self, mv: memoryview, offset: int) -> int:
@@ -479,6 +481,8 @@ class _FdSource(_Source):
 
 
 class _BackendSource(_Source):
+    prefetch = TAIL_PREFETCH
+
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend, uri
         self.size = backend.stat(uri).size
@@ -543,12 +547,20 @@ def _read_meta(src: _Source) -> _Meta:
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
-    footer = src.read(size - FOOTER.size, FOOTER.size)
+    # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
+    tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
+    if src.concurrency > 1 and src.prefetch:
+        with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
+            head_f = ex.submit(src.read, 0, HEADER.size)
+            tail = src.read(size - tail_len, tail_len)
+            header = head_f.result()
+    else:
+        header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
+    footer = tail[-FOOTER.size:]
     meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
+    if header[:8] != MAGIC:
+        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
     if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
-        header = src.read(0, HEADER.size)
-        if header[:8] != MAGIC:
-            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
         raise IntegrityError(f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or "
                              f"has trailing bytes")
     if version > VERSION:
@@ -557,11 +569,11 @@ def _read_meta(src: _Source) -> _Meta:
         raise IntegrityError(f"{name}: file is {size} bytes but its footer records {rec_size} (truncated or extended)")
     if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
         raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
-    header = src.read(0, HEADER.size)
     hmagic, hversion, hflags, align = HEADER.unpack(header)
-    if hmagic != MAGIC:
-        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
-    meta_bytes = src.read(meta_off, meta_len)
+    if meta_off >= size - tail_len:
+        meta_bytes = tail[meta_off - (size - tail_len): -FOOTER.size]
+    else:
+        meta_bytes = src.read(meta_off, meta_len)
     h = xxhash.xxh3_64()
     h.update(header)
     h.update(meta_bytes)

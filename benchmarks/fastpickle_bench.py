@@ -1,0 +1,392 @@
+"""fastpickle against torch.save/load, safetensors and raw I/O, in one process, interleaved.
+
+    .venv/bin/python benchmarks/fastpickle_bench.py            # 1 GiB workloads, 3 runs each
+    .venv/bin/python benchmarks/fastpickle_bench.py --quick    # 64 MiB, for a smoke run
+    .venv/bin/python benchmarks/fastpickle_bench.py --size 256 --runs 5 --only w1,s3
+
+Workloads: W1 = fp32 transformer-shaped tensors (~128), W2 = tensors of 100 KiB (10,000 at 1 GiB),
+W3 = model + Adam state + nested Python values. Every case writes a fresh file under --dir (page
+cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
+written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
+are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
+interleaved run by run. Peak RSS of a W3 load is measured in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from ckptio import fastpickle as fp  # noqa: E402
+
+MiB = 1 << 20
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+def transformer(nbytes: int, layers: int = 16) -> "collections.OrderedDict[str, torch.Tensor]":
+    """fp32 tensors shaped like a transformer's: 8 per layer (q, k, v, o, up, down, 2 norms)."""
+    d = max(32, int(math.sqrt(nbytes / 4 / (12 * layers)) // 32 * 32))
+    sd: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+    for i in range(layers):
+        p = f"layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            sd[p + f"attn.{n}.weight"] = torch.randn(d, d)
+        sd[p + "mlp.up.weight"] = torch.randn(4 * d, d)
+        sd[p + "mlp.down.weight"] = torch.randn(d, 4 * d)
+        sd[p + "norm1.weight"] = torch.randn(d)
+        sd[p + "norm2.weight"] = torch.randn(d)
+    return sd
+
+
+def small_tensors(nbytes: int) -> dict[str, torch.Tensor]:
+    n = max(1, min(10_000, nbytes // (100 * 1024)))
+    return {f"t{i}": torch.randn(25_600) for i in range(n)}
+
+
+def train_state(nbytes: int) -> dict[str, Any]:
+    model = transformer(nbytes // 3)
+    state = {i: {"step": torch.tensor(1000.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+             for i, t in enumerate(model.values())}
+    return {"model": model,
+            "optimizer": {"state": state, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                                            "weight_decay": 0.1, "params": list(range(len(model)))}]},
+            "scheduler": {"last_epoch": 1000, "base_lrs": [3e-4], "_step_count": 1001},
+            "step": 1000, "rng": torch.get_rng_state(), "config": {"name": "w3", "dims": (1, 2, 3), "tags": {"a", "b"}},
+            "history": [float(i) / 7 for i in range(1000)]}
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
+
+
+def payload_bytes(obj: Any) -> int:
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors_of(obj)}.values())
+
+
+def touch(obj: Any) -> None:
+    for t in tensors_of(obj):
+        if t.numel() and t.dtype.is_floating_point:
+            t.sum()
+        elif t.numel():
+            t.view(torch.uint8).sum() if t.dtype.itemsize == 1 else t.sum()
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, root: str, runs: int) -> None:
+        self.root, self.runs, self.n = root, runs, 0
+
+    def path(self, ext: str) -> str:
+        self.n += 1
+        return os.path.join(self.root, f"f{self.n}{ext}")
+
+    def table(self, title: str, nbytes: int, cases: dict[str, Callable[[], float]]) -> dict[str, float]:
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(self.runs):
+            for k, fn in cases.items():
+                gc.collect()
+                times[k].append(fn())
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"\n{title}  ({nbytes / MiB:.0f} MiB, median of {self.runs})")
+        for k, s in med.items():
+            print(f"  {k:44s} {s * 1000:9.1f} ms  {nbytes / s / 1e9:7.2f} GB/s")
+        return med
+
+
+def ratio(med: dict[str, float], ours: str, base: str, target: float | None = None) -> None:
+    r = med[base] / med[ours]
+    verdict = "" if target is None else ("  ok" if r >= target else f"  BELOW target {target}x")
+    print(f"  ratio {ours} vs {base}: {r:.2f}x{verdict}")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def raw_write(tensors: list[torch.Tensor], path: str, fsync: bool) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for t in tensors:
+            mv = memoryview(t.numpy()).cast("B")
+            for i in range(0, len(mv), 64 * MiB):
+                f.write(mv[i: i + 64 * MiB])
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def save_case(b: Bench, ext: str, save: Callable[[str], Any]) -> Callable[[], float]:
+    def run() -> float:
+        p = b.path(ext)
+        try:
+            return timed(lambda: save(p))
+        finally:
+            os.unlink(p)
+    return run
+
+
+def load_case(b: Bench, ext: str, save: Callable[[str], Any], load: Callable[[str], Any], lazy: bool = False
+              ) -> Callable[[], float]:
+    def run() -> float:
+        p = b.path(ext)
+        save(p)
+        try:
+            def go() -> None:
+                out = load(p)
+                if not lazy:
+                    touch(out)
+            return timed(go)
+        finally:
+            os.unlink(p)
+    return run
+
+
+# ---- the workloads' tables ----------------------------------------------------------------------
+
+def bench_flat(b: Bench, name: str, sd: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    n = payload_bytes(sd)
+    ts = list(sd.values())
+    med = b.table(f"{name} save", n, {
+        "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(sd, p, durable=False)),
+        "torch.save": save_case(b, ".pt", lambda p: torch.save(sd, p)),
+        "safetensors save_file": save_case(b, ".st", lambda p: save_file(sd, p)),
+        "raw sequential write": save_case(b, ".raw", lambda p: raw_write(ts, p, False)),
+    })
+    ratio(med, "fastpickle save (durable=False)", "torch.save", targets.get("save_torch"))
+    ratio(med, "fastpickle save (durable=False)", "safetensors save_file", targets.get("save_st"))
+    ratio(med, "fastpickle save (durable=False)", "raw sequential write", targets.get("save_raw"))
+    if "save_raw_fsync" in targets:
+        med = b.table(f"{name} save + fsync", n, {
+            "fastpickle save (durable=True)": save_case(b, ".fpk", lambda p: fp.save(sd, p)),
+            "raw sequential write + fsync": save_case(b, ".raw", lambda p: raw_write(ts, p, True)),
+        })
+        ratio(med, "fastpickle save (durable=True)", "raw sequential write + fsync", targets["save_raw_fsync"])
+    fsave = lambda p: fp.save(sd, p, durable=False)  # noqa: E731
+    med = b.table(f"{name} load, every byte touched (page cache hot)", n, {
+        "fastpickle load": load_case(b, ".fpk", fsave, fp.load),
+        "fastpickle load mmap=True (+touch)": load_case(b, ".fpk", fsave, lambda p: fp.load(p, mmap=True)),
+        "torch.load(weights_only=True)": load_case(b, ".pt", lambda p: torch.save(sd, p),
+                                                   lambda p: torch.load(p, weights_only=True)),
+        "safetensors load_file": load_case(b, ".st", lambda p: save_file(sd, p), load_file),
+    })
+    ratio(med, "fastpickle load", "torch.load(weights_only=True)", targets.get("load_torch"))
+    ratio(med, "fastpickle load", "safetensors load_file", targets.get("load_st"))
+    ratio(med, "fastpickle load mmap=True (+touch)", "safetensors load_file", targets.get("load_st"))
+
+
+def bench_mmap_lazy(b: Bench, nbytes: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    print("\nmmap laziness: load time without touching, full size vs 1/16 of it")
+    for size in (nbytes, nbytes // 16):
+        sd = transformer(size)
+        n = payload_bytes(sd)
+        med = b.table(f"  lazy loads of {n / MiB:.0f} MiB", n, {
+            "fastpickle load mmap=True (lazy)": load_case(b, ".fpk", lambda p: fp.save(sd, p, durable=False),
+                                                          lambda p: fp.load(p, mmap=True), lazy=True),
+            "safetensors load_file (lazy)": load_case(b, ".st", lambda p: save_file(sd, p), load_file, lazy=True),
+        })
+        del sd, med
+
+
+def bench_w3(b: Bench, nbytes: int) -> None:
+    state = train_state(nbytes)
+    n = payload_bytes(state)
+    med = b.table("W3 (model + Adam + nested values) save", n, {
+        "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(state, p, durable=False)),
+        "torch.save": save_case(b, ".pt", lambda p: torch.save(state, p)),
+    })
+    ratio(med, "fastpickle save (durable=False)", "torch.save")
+    med = b.table("W3 load, every byte touched", n, {
+        "fastpickle load": load_case(b, ".fpk", lambda p: fp.save(state, p, durable=False), fp.load),
+        "torch.load(weights_only=True)": load_case(b, ".pt", lambda p: torch.save(state, p),
+                                                   lambda p: torch.load(p, weights_only=True)),
+    })
+    ratio(med, "fastpickle load", "torch.load(weights_only=True)")
+
+
+def check_w3_roundtrip(b: Bench, state: Any) -> bool:
+    p = b.path(".fpk")
+    fp.save(state, p, durable=False)
+    try:
+        out = fp.load(p)
+    finally:
+        os.unlink(p)
+    return _equal(state, out)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+RSS_CHILD = r"""
+import os, resource, sys, time
+sys.path.insert(0, sys.argv[3])
+import torch, psutil
+from ckptio import fastpickle as fp
+kind, path = sys.argv[1], sys.argv[2]
+proc = psutil.Process()
+before = proc.memory_info().rss
+if kind == "fastpickle":
+    out = fp.load(path)
+else:
+    out = torch.load(path, weights_only=True)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(before, peak)
+"""
+
+
+def bench_rss(b: Bench, nbytes: int) -> None:
+    state = train_state(nbytes)
+    n = payload_bytes(state)
+    print(f"\nW3 round-trips exactly: {check_w3_roundtrip(b, state)}")
+    print(f"peak RSS of a W3 load in a fresh process (payload {n / MiB:.0f} MiB; 'extra' = peak - RSS after imports)")
+    for kind, ext, save in (("fastpickle", ".fpk", lambda p: fp.save(state, p, durable=False)),
+                            ("torch.load", ".pt", lambda p: torch.save(state, p))):
+        p = b.path(ext)
+        save(p)
+        try:
+            out = subprocess.run([sys.executable, "-c", RSS_CHILD, kind, p, os.path.dirname(HERE)],
+                                 capture_output=True, text=True, check=True).stdout.split()
+        finally:
+            os.unlink(p)
+        before, peak = int(out[0]), int(out[1])
+        extra = peak - before
+        print(f"  {kind:12s} peak {peak / MiB:7.0f} MiB, extra {extra / MiB:7.0f} MiB = {extra / n:.3f}x payload"
+              f"{'  (target <= 1.15x)' if kind == 'fastpickle' else ''}")
+
+
+def bench_s3(b: Bench, nbytes: int) -> None:
+    try:
+        import ckptio.backends.s3  # noqa: F401
+    except ImportError as e:
+        print(f"\nS3: skipped, the S3 backend is not available ({e})")
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import ckptio
+    from servers import MotoServer, make_s3_bucket  # type: ignore[import-not-found]
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    with MotoServer() as server:
+        make_s3_bucket(server.url, "bench")
+        ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
+                                          "secret_access_key": "testing", "region": "us-east-1"}})
+        sd = transformer(nbytes)
+        n = payload_bytes(sd)
+        blob = bytearray(os.urandom(1024)) * (n // 1024)
+        backend, _ = ckptio.resolve("s3://bench/x")
+        counter = iter(range(10 ** 6))
+
+        def uri() -> str:
+            return f"s3://bench/o{next(counter)}.fpk"
+
+        def put_case(save: Callable[[str], Any]) -> Callable[[], float]:
+            def run() -> float:
+                u = uri()
+                t = timed(lambda: save(u))
+                backend.delete(u)
+                return t
+            return run
+
+        def get_case(save: Callable[[str], Any], load: Callable[[str], Any]) -> Callable[[], float]:
+            def run() -> float:
+                u = uri()
+                save(u)
+                t = timed(lambda: load(u))
+                backend.delete(u)
+                return t
+            return run
+
+        def raw_get(u: str) -> None:
+            buf = bytearray(len(blob))
+            backend.readinto(u, buf, 0)
+
+        med = b.table("S3 (moto on loopback) dump", n, {
+            "fastpickle dump .fpk": put_case(lambda u: ckptio.dump(sd, u)),
+            "raw client write (same backend, same bytes)": put_case(lambda u: backend.write(u, blob)),
+        })
+        ratio(med, "fastpickle dump .fpk", "raw client write (same backend, same bytes)", 0.9)
+        med = b.table("S3 (moto on loopback) load, every byte touched", n, {
+            "fastpickle load .fpk": get_case(lambda u: ckptio.dump(sd, u), lambda u: touch(ckptio.load(u))),
+            "raw client readinto (same backend, same bytes)": get_case(lambda u: backend.write(u, blob), raw_get),
+        })
+        ratio(med, "fastpickle load .fpk", "raw client readinto (same backend, same bytes)", 0.9)
+        ckptio.reset()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=1024, help="workload size in MiB (default 1024)")
+    ap.add_argument("--s3-size", type=int, default=256, help="S3 workload size in MiB (default 256)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="64 MiB workloads, 32 MiB on S3")
+    ap.add_argument("--only", default="w1,w2,w3,rss,mmap,s3", help="comma-separated subset")
+    ap.add_argument("--dir", default=None, help="where files go (default: a temporary directory)")
+    args = ap.parse_args()
+    if args.quick:
+        args.size, args.s3_size = 64, 32
+    only = set(args.only.split(","))
+    root = tempfile.mkdtemp(prefix="fpk-bench-", dir=args.dir)
+    b = Bench(root, max(1, args.runs))
+    nbytes = args.size * MiB
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, files in {root}")
+    try:
+        if "w1" in only:
+            bench_flat(b, "W1 (fp32 transformer tensors)", transformer(nbytes),
+                       {"save_torch": 1.8, "save_st": 1.0, "save_raw": 0.8, "save_raw_fsync": 0.9,
+                        "load_torch": 4.0, "load_st": 0.8})
+        if "mmap" in only:
+            bench_mmap_lazy(b, nbytes)
+        if "w2" in only:
+            bench_flat(b, "W2 (100 KiB tensors)", small_tensors(nbytes), {"save_torch": 2.0, "load_torch": 2.0})
+        if "w3" in only:
+            bench_w3(b, nbytes)
+        if "rss" in only:
+            bench_rss(b, nbytes)
+        if "s3" in only:
+            bench_s3(b, args.s3_size * MiB)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
