@@ -95,6 +95,15 @@ def tree_has(tree: Any, path: Sequence[Any]) -> bool:
     return True
 
 
+def _fill_empty(template: Any, tree: Any) -> None:
+    if isinstance(template, dict) and isinstance(tree, dict):
+        for k, v in template.items():
+            if isinstance(v, (dict, list)) and not v and k not in tree:
+                tree[k] = type(v)()
+            elif k in tree:
+                _fill_empty(v, tree[k])
+
+
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -657,6 +666,8 @@ class Checkpointer:
             value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(
                 meta, TensorStorageMetadata) else None
             set_element(tree, path, value)
+        for k in tree:
+            _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)
         if tree:
             dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=self._pg, **self.load_options)
         for k, v in state.items():  # DCP paths store dict keys as str: optimizers index state by int
