@@ -1,0 +1,192 @@
+"""Put/get throughput of ckptio backends against the best raw client on the same server, same run.
+
+    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local]
+
+S3: a moto server on loopback started here; ckptio's ``write``/``readinto`` against s3fs
+``pipe``/``cat`` and boto3's TransferManager ``upload_fileobj``/``download_fileobj``. Local: ckptio
+against ``open().write()`` and ``readinto`` into the same preallocated buffer, with and without
+fsync (stated per row). Runs are interleaved (A B C A B C ...), each to a fresh key/path; the
+median is reported with the ratio to the best baseline. Loads touch every byte (they fill a
+preallocated buffer that is reused across runs, so page faults are not measured). The server is
+the bottleneck on loopback (see PERF.md), which is why only same-run ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Callable
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import ckptio  # noqa: E402
+from servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # noqa: E402
+
+MiB = 1024 * 1024
+TUNING: dict = {}  # backend options from --part-size-mib / --concurrency
+
+
+def measure(cases: dict[str, Callable[[int], None]], repeats: int) -> dict[str, list[float]]:
+    """Interleaved runs: every case once per round; ``fn(round)`` must use a fresh destination."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn(r)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(title: str, size: int, times: dict[str, list[float]], ours: list[str], baselines: list[str]) -> dict:
+    gbps = {k: size / statistics.median(v) / 1e9 for k, v in times.items()}
+    best = max(baselines, key=lambda k: gbps[k])
+    print(f"\n{title}")
+    for k in times:
+        extra = f"  ratio to best baseline ({best}): {gbps[k] / gbps[best]:.2f}x" if k in ours else ""
+        print(f"  {k:44s} {gbps[k]:7.3f} GB/s  (median of {len(times[k])}){extra}")
+    return {"gbps": gbps, "best_baseline": best, "ratios": {k: gbps[k] / gbps[best] for k in ours}}
+
+
+def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
+    import boto3
+    import s3fs
+    from boto3.s3.transfer import TransferConfig
+
+    out = {}
+    with MotoServer() as server:
+        bucket = "bench-" + uuid.uuid4().hex[:8]
+        make_s3_bucket(server.url, bucket)
+        creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
+                                          "secret_access_key": "testing", **TUNING}})
+        backend, _ = ckptio.resolve(f"s3://{bucket}/x")
+        fs = s3fs.S3FileSystem(endpoint_url=server.url, key="testing", secret="testing", skip_instance_cache=True,
+                               client_kwargs={"region_name": "us-east-1"})
+        client = boto3.client("s3", endpoint_url=server.url, **creds)
+        tc = TransferConfig()
+        put = {
+            "ckptio write": lambda r: backend.write(f"s3://{bucket}/ck-{r}", data),
+            "s3fs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data),
+            "boto3 upload_fileobj": lambda r: client.upload_fileobj(io.BytesIO(data), bucket, f"bo-{r}", Config=tc),
+        }
+        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback; part_size={backend.part_size // MiB} MiB,"
+                               f" concurrency={backend.concurrency})", size, measure(put, repeats),
+                               ["ckptio write"], ["s3fs pipe", "boto3 upload_fileobj"])
+
+        def boto_get(r: int) -> None:
+            f = io.BytesIO(buf)  # a preallocated destination, as for the others
+            f.seek(0)
+            client.download_fileobj(bucket, "bo-0", f, Config=tc)
+
+        get = {
+            "ckptio readinto": lambda r: backend.readinto(f"s3://{bucket}/ck-0", buf),
+            "s3fs cat": lambda r: fs.cat(f"{bucket}/fs-0"),
+            "boto3 download_fileobj": boto_get,
+        }
+        out["s3_get"] = report(f"S3 get {size // MiB} MiB", size, measure(get, repeats),
+                               ["ckptio readinto"], ["s3fs cat", "boto3 download_fileobj"])
+        ckptio.reset()
+    return out
+
+
+def bench_gcs(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
+    import gcsfs
+
+    out = {}
+    with GCSEmulator() as server:
+        bucket = "bench-" + uuid.uuid4().hex[:8]
+        make_gcs_bucket(server.url, bucket)
+        ckptio.configure(backends={"gcs": {"endpoint_url": server.url, "anon": True, **TUNING}})
+        backend, _ = ckptio.resolve(f"gs://{bucket}/x")
+        fs = gcsfs.GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True)
+        put = {"ckptio write": lambda r: backend.write(f"gs://{bucket}/ck-{r}", data),
+               "gcsfs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data)}
+        out["gcs_put"] = report(f"GCS put {size // MiB} MiB (gcp-storage-emulator)", size, measure(put, repeats),
+                                ["ckptio write"], ["gcsfs pipe"])
+        get = {"ckptio readinto": lambda r: backend.readinto(f"gs://{bucket}/ck-0", buf),
+               "gcsfs cat": lambda r: fs.cat(f"{bucket}/fs-0")}
+        out["gcs_get"] = report(f"GCS get {size // MiB} MiB", size, measure(get, repeats),
+                                ["ckptio readinto"], ["gcsfs cat"])
+        ckptio.reset()
+    return out
+
+
+def bench_local(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        backend, _ = ckptio.resolve(d)
+
+        def plain_write(path: str, fsync: bool) -> None:
+            with open(path, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        for fsync in (False, True):
+            tag = "with fsync" if fsync else "no fsync"
+            put = {
+                f"ckptio write ({tag})": lambda r, s=fsync: backend.write(
+                    os.path.join(d, f"ck-{s}-{r}"), data, durable=s),
+                f"open().write() ({tag})": lambda r, s=fsync: plain_write(os.path.join(d, f"pl-{s}-{r}"), s),
+            }
+            out[f"local_put_{'fsync' if fsync else 'nofsync'}"] = report(
+                f"local put {size // MiB} MiB ({tag}; ckptio also renames atomically)", size,
+                measure(put, repeats), [f"ckptio write ({tag})"], [f"open().write() ({tag})"])
+
+        def plain_readinto(path: str) -> None:
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(buf)
+
+        get = {"ckptio readinto": lambda r: backend.readinto(os.path.join(d, "ck-False-0"), buf),
+               "open().readinto()": lambda r: plain_readinto(os.path.join(d, "pl-False-0"))}
+        out["local_get"] = report(f"local get {size // MiB} MiB (page cache warm, preallocated buffer)", size,
+                                  measure(get, repeats), ["ckptio readinto"], ["open().readinto()"])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gcs", action="store_true", help="also run against gcp-storage-emulator")
+    p.add_argument("--no-s3", action="store_true")
+    p.add_argument("--no-local", action="store_true")
+    p.add_argument("--part-size-mib", type=int, default=None, help="override the backends' part_size")
+    p.add_argument("--concurrency", type=int, default=None, help="override the backends' concurrency")
+    p.add_argument("--json", default="benchmarks/results/transfer.json")
+    args = p.parse_args()
+    size = args.size_mib * MiB
+    if args.part_size_mib:
+        TUNING["part_size"] = args.part_size_mib * MiB
+    if args.concurrency:
+        TUNING["concurrency"] = args.concurrency
+    data = os.urandom(size)
+    buf = bytearray(size)
+    buf[:] = data  # pre-touch the destination so page faults are not measured
+    results: dict = {"size_bytes": size, "repeats": args.repeats}
+    if not args.no_local:
+        results.update(bench_local(size, args.repeats, data, buf))
+    if not args.no_s3:
+        results.update(bench_s3(size, args.repeats, data, buf))
+    if args.gcs:
+        results.update(bench_gcs(size, args.repeats, data, buf))
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\npeak RSS: {results['peak_rss_mib']:.0f} MiB (includes the {size // MiB} MiB source and "
+          f"{size // MiB} MiB destination buffers)")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
