@@ -136,6 +136,8 @@ OPTION_TYPES: dict[str, Any] = {
     "profile": _str,
     "credentials_file": _str,
     "cache_dir": _str,
+    "cache_verify": _bool,
+    "cache_fsync": _bool,
     "project": _str,
 }
 

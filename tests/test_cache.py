@@ -264,3 +264,33 @@ def test_mmap_loads_map_the_cache_entry(remote, cache_dir, ext):
     assert torch.equal(out["w"], torch.arange(1000.0))
     backend, _ = ckptio.resolve(uri, cache=cache_dir)
     assert backend.stats()["misses"] == 1
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_object_store_is_downloaded_once_and_revalidated(request, tmp_path, store):
+    proxy = request.getfixturevalue(f"{store}_proxy")
+    uri = f"{proxy.uri}/ckpt/m.pt"
+    cache = str(tmp_path / "cache")
+    ckptio.dump({"w": torch.zeros(64)}, uri)
+    proxy.clear()
+    for _ in range(3):
+        assert torch.equal(ckptio.load(uri, cache=cache)["w"], torch.zeros(64))
+    media = [r for r in proxy.requests if r.method == "GET" and (
+        "alt=media" in r.path if store == "gcs" else r.path.split("?")[0].endswith("/ckpt/m.pt"))]
+    assert len(media) == 1, [(r.method, r.path) for r in proxy.requests]
+    ckptio.dump({"w": torch.ones(64)}, uri)  # same size, new etag / generation
+    assert torch.equal(ckptio.load(uri, cache=cache)["w"], torch.ones(64))
+
+
+def test_cache_settings_per_alias_are_typed(remote, cache_dir):
+    uri = str(remote / "a.bin")
+    ckptio.put(b"abc", uri)
+    ckptio.configure(aliases={"ck": {"target": str(remote), "options": {"cache_dir": cache_dir,
+                                                                        "cache_verify": "true", "max_bytes": "1KiB"}}})
+    backend, resolved = ckptio.resolve("ck://a.bin")
+    assert isinstance(backend, CachedBackend) and backend.verify is True and backend.max_bytes == 1024
+    assert backend.read(resolved) == b"abc"
+    backend, _ = ckptio.resolve(uri, cache={"cache_dir": cache_dir, "verify": "false", "max_bytes": "2KiB"})
+    assert backend.verify is False and backend.max_bytes == 2048
+    with pytest.raises(ckptio.SettingsError, match="cache_verify"):
+        ckptio.configure(backends={"local": {"cache_verify": "maybe"}})

@@ -560,7 +560,9 @@ def cache_options(cache: Any, backend_options: dict[str, Any]) -> dict[str, Any]
         if bad:
             raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, "
                                 f"fsync, lock_timeout")
-        opts.update(coerce_options(dict(cache), "cache="))
+        names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
+        given = coerce_options({names.get(k, k): v for k, v in cache.items()}, "cache=")
+        opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
     elif cache not in (None, True):
         raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")
     opts["cache_dir"] = os.path.abspath(os.path.expanduser(opts["cache_dir"] or default_cache_dir()))
