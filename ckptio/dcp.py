@@ -494,19 +494,21 @@ class StorageReader(_storage.StorageReader):
     """Read a DCP checkpoint (ckptio's or torch's ``FileSystemWriter``/``FsspecWriter`` layout) from any URI.
 
     Reads are ranged: only the bytes of the requested items (widened to checksum blocks when
-    ``verify``) are fetched, in ``part_size`` pieces on ``thread_count`` threads, straight into
+    ``verify``) are fetched, in ``part_size`` pieces, ``thread_count`` at a time (default: the
+    backend's ``concurrency``, at least 4), straight into
     the destination tensors when they match the stored layout. ``verify=False`` skips checksums.
     """
 
-    def __init__(self, uri: str | os.PathLike, *, verify: bool = True, thread_count: int = 4,
+    def __init__(self, uri: str | os.PathLike, *, verify: bool = True, thread_count: int | None = None,
                  part_size: int | None = None, concurrency: int | None = None, **backend_options: Any) -> None:
         super().__init__()
-        if int(thread_count) < 1:
+        if thread_count is not None and int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
         self.verify = bool(verify)
-        self.thread_count = int(thread_count)
         self._options = _backend_options(part_size, concurrency, backend_options)
         self._set_uri(uri)
+        # ranged requests in flight; by default as many as the backend runs per object (at least 4)
+        self.thread_count = int(thread_count) if thread_count is not None else max(4, self.backend.concurrency)
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
@@ -563,7 +565,7 @@ class StorageReader(_storage.StorageReader):
 
     # ---- reading ---------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        piece = max(self.backend.part_size, 8 << 20)
+        piece = self.backend.part_size
         window = max(4 * piece * self.thread_count, 256 << 20)  # temp bytes allowed in flight
         pending: collections.deque[_Unit] = collections.deque()
         temp_in_flight = 0
