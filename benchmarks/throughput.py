@@ -506,6 +506,9 @@ def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, 
                             (target.cleanup or _remove)(uri)
             log(f"  repeat {r + 1}/{repeats} of {human_bytes(size_b)} done ({time.perf_counter() - started:.0f}s)")
         del state
+    for t in targets:  # the per-run directory (objects were removed one by one)
+        with contextlib.suppress(Exception):
+            (t.cleanup or _remove)(_uri.join_path(t.root, f"bench-{run_id}"))
     return list(records.values()), skipped
 
 

@@ -1,0 +1,55 @@
+"""A tiny run of benchmarks/throughput.py: the JSON and PNG it writes are complete and sane (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import throughput  # noqa: E402
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys):
+    pytest.importorskip("matplotlib")
+    code = throughput.main(["--sizes", "256KiB", "--repeats", "2", "--backends", "local,memory", "--uri", f"{s3_uri}/b",
+                            "--uri", f"{gcs_uri}/b", "--out", str(tmp_path), "--name", "smoke", "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "ckptio .pt" in out and "smoke.json" in out and "smoke.png" in out
+
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    m = doc["machine"]
+    assert m["cpu_count"] >= 1 and m["versions"]["torch"] and m["python"]
+    assert doc["settings"]["repeats"] == 2 and doc["settings"]["sizes"] == [256 * 1024]
+    backends = {r["backend"] for r in doc["results"]}
+    assert backends == {"local", "memory", f"{s3_uri}/b", f"{gcs_uri}/b"}
+    impls = {(r["backend"], r["impl"]) for r in doc["results"]}
+    for b in backends:
+        assert (b, "ckptio .pt") in impls and any(r["baseline"] for r in doc["results"] if r["backend"] == b)
+    assert ("local", "torch.save/load") in impls and ("local", "raw write/read") in impls
+    for r in doc["results"]:
+        assert r["size_bytes"] > 0 and len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
+        assert r["gb_per_s"] > 0 and r["median_rss_extra_bytes"] >= 0
+        assert r["op"] in ("save", "load", "load_cold")
+    assert {r["op"] for r in doc["results"] if r["backend"] == "local"} >= {"save", "load"}
+    assert {r["op"] for r in doc["results"] if r["backend"] == "memory"} == {"save", "load"}
+    assert doc["ratios"] and all(x["ratio"] > 0 for x in doc["ratios"])
+    assert not [s for s in doc["skipped"] if s["impl"] == "ckptio .pt"]
+    text = (tmp_path / "smoke.json").read_text()
+    assert "secret_access_key" not in text and "AWS_SECRET" not in text
+
+    png = (tmp_path / "smoke.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert doc["outputs"]["png"] == str(tmp_path / "smoke.png")
+
+    # nothing left behind in the user's storage
+    import ckptio
+
+    assert not ckptio.exists(f"{s3_uri}/b") or not ckptio.ls(f"{s3_uri}/b", recursive=True)
