@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Re-install only when the requirements or project metadata changed since the last install.
 STAMP=.venv/.ckptio-installed
-X
+HASH="$(cat requirements/*.txt pyproject.toml | sha256sum | cut -d" " -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/dev.txt -e .

@@ -1,5 +1,13 @@
 #!/usr/bin/env bash
-# The main job: start an embedded S3 server and GCS emulator, round-trip a model + optimizer state
-# through a local path, s3://, gs:// and an alias scheme, and print sizes and GB/s.
+# The main job, on a fresh machine with nothing configured:
+#  1. examples/demo.py: an embedded S3 server and GCS emulator, a model + optimizer state round-tripped
+#     through a local path, s3://, gs:// and an alias scheme, checked exactly, sizes and GB/s;
+#  2. the quick throughput benchmark (benchmarks/throughput.py): local dir, memory://, S3 and GCS on
+#     loopback x .fpk/.pt/DCP against torch.save, safetensors, torch DCP, raw and s3fs/gcsfs baselines.
+#     Prints the table and where the JSON results and the PNG chart were written (benchmarks/results/).
+# Extra arguments go to the benchmark, e.g. `./scripts/demo.sh --full` or `--uri s3://my-bucket/tmp`.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
-exec .venv/bin/python examples/demo.py "$@"
+.venv/bin/python examples/demo.py --layers 4
+echo
+echo "== throughput benchmark (python -m benchmarks.throughput ${*:---quick}) =="
+exec .venv/bin/python -m benchmarks.throughput "${@:---quick}"
