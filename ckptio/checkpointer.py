@@ -588,13 +588,14 @@ class Checkpointer:
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
     def load(self, state: dict[str, Any], *, step: Any = "latest", keys: Iterable[str] | None = None,
-             strict: bool = True) -> int | None:
+             strict: bool = True, cache: Any = None) -> int | None:
         """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
 
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
         ``keys``: the parts to restore (default: every part of ``state``). ``strict=False`` restores
         what matches and reports missing/unexpected keys (warning and ``self.last_load``);
-        ``strict=True`` raises ``KeyError`` on any mismatch.
+        ``strict=True`` raises ``KeyError`` on any mismatch. ``cache`` (True, a directory or a mapping)
+        reads the data through the node-local cache (:mod:`ckptio.backends.cached`).
         """
         self.wait()
         s, d, manifest = self._on_rank0(self._resolve_target, step)
@@ -609,12 +610,14 @@ class Checkpointer:
         res = LoadResult(s, d)
         fmt = manifest.get("format", "dcp")
         if fmt == "dcp":
-            source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts})
+            source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts}, cache)
         elif fmt in _DATA_FILE:
             from .io import load as _load
 
             name = (manifest.get("files") or [_DATA_FILE[fmt]])[0]
             kw = dict(self.load_options)
+            if cache is not None:
+                kw["cache"] = cache
             if fmt == "pt":
                 kw.setdefault("weights_only", self.weights_only)
                 kw.setdefault("map_location", "cpu")
@@ -639,7 +642,7 @@ class Checkpointer:
         log.info("restored step %d from %s", s, d)
         return s
 
-    def _read_dcp(self, d: str, state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    def _read_dcp(self, d: str, state: dict[str, Any], cache: Any = None) -> tuple[dict[str, Any], list[str]]:
         """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
         into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -649,7 +652,10 @@ class Checkpointer:
 
         from . import dcp
 
-        md = dcp.StorageReader(d).read_metadata()
+        opts = dict(self.load_options)
+        if cache is not None:
+            opts["cache"] = cache
+        md = dcp.StorageReader(d, **opts).read_metadata()
         template = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
         flat, mappings = flatten_state_dict(template)
         tree: dict[str, Any] = {}
@@ -669,7 +675,7 @@ class Checkpointer:
         for k in tree:
             _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)
         if tree:
-            dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=self._pg, **self.load_options)
+            dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=self._pg, **opts)
         for k, v in state.items():  # DCP paths store dict keys as str: optimizers index state by int
             st = tree.get(k, {}).get("state") if isinstance(v, torch.optim.Optimizer) else None
             if isinstance(st, dict):

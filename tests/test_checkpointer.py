@@ -149,6 +149,17 @@ def test_load_by_step_and_by_uri(memory_uri):
         ck.load(t, step=9)
 
 
+@pytest.mark.parametrize("fmt", ["pt", "dcp"])
+def test_load_through_node_local_cache(fmt, memory_uri, tmp_path):
+    ck = Checkpointer(memory_uri, format=fmt)
+    ck.save(1, {"v": torch.arange(4.0)})
+    cache = str(tmp_path / "cache")
+    for _ in range(2):
+        t = {"v": torch.zeros(4)}
+        assert ck.load(t, cache=cache) == 1 and torch.equal(t["v"], torch.arange(4.0))
+    assert any(files for _, _, files in os.walk(os.path.join(cache, "data")))
+
+
 def test_fallback_when_pointer_missing_or_incomplete(local_uri):
     ck = Checkpointer(local_uri, format="pt")
     for s in (1, 2, 3):
