@@ -114,17 +114,13 @@ class _Lock:
                                                f"cache lock of {what} (another process is filling it: {path})")
                         time.sleep(delay)
                         delay = min(delay * 2, 0.05)
-                try:
-                    same = os.stat(path).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same = False
             except BaseException:
                 os.close(fd)
                 raise
-            if same:
-                self.fd: int | None = fd
+            self.fd: int | None = fd
+            if self.still_at(path):
                 return
-            os.close(fd)
+            self.release()
 
     @classmethod
     def try_exclusive(cls, path: str) -> "_Lock | None":
@@ -133,15 +129,16 @@ class _Lock:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.stat(path).st_ino != os.fstat(fd).st_ino:
-                raise BlockingIOError
-        except (BlockingIOError, FileNotFoundError):
-            os.close(fd)
-            return None
         lock = cls.__new__(cls)
         lock.fd = fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.release()
+            return None
+        if not lock.still_at(path):
+            lock.release()
+            return None
         return lock
 
     def still_at(self, path: str) -> bool:
