@@ -117,6 +117,14 @@ def _url(value: Any) -> str:
     return v.rstrip("/")
 
 
+def _provider(value: Any) -> Any:
+    if callable(value):
+        return value
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+        raise ValueError(f"expected a callable or 'package.module:function', got {value!r}")
+    return value
+
+
 # Typed coercion for options whose meaning is shared across backends. Other keys pass through
 # and are checked against the backend's constructor when it is built.
 OPTION_TYPES: dict[str, Any] = {
@@ -129,6 +137,8 @@ OPTION_TYPES: dict[str, Any] = {
     "connect_timeout": _pos_float,
     "read_timeout": _pos_float,
     "deadline": _pos_float,
+    "stall_timeout": _pos_float,
+    "credential_provider": _provider,
     "anon": _bool,
     "durable": _bool,
     "endpoint_url": _url,

@@ -243,14 +243,3 @@ class MultipartWriter(Writer):
         tokens = [f.result() for f in self._futures]
         run(self._loop, self.complete, self._handle, tokens, self._offset)
         self._state = "closed"
-
-
-async def retrying(fn: Callable[[], Awaitable[Any]], retries: int, retriable: tuple[type[BaseException], ...]) -> Any:
-    """Await ``fn()``, retrying up to ``retries`` times on ``retriable`` errors with short backoff."""
-    for attempt in range(retries + 1):
-        try:
-            return await fn()
-        except retriable:
-            if attempt == retries:
-                raise
-            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))

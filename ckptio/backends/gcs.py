@@ -6,6 +6,12 @@ small objects are one media upload, large ones a resumable upload in ``part_size
 (a multiple of 256 KiB) while the caller fills the next chunk; reads are parallel ranged GETs
 streamed into the caller's buffer. ``mode="create"`` sends ``ifGenerationMatch=0``; the version
 token is the object's generation.
+
+Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
+decorator is not on this path). A resumable-upload chunk that fails is retried alone: the
+upload's status is queried first and only the bytes the server has not persisted are re-sent.
+``credential_provider`` (a callable or ``"module:function"`` returning an OAuth access token, or a
+dict with ``token``) is called when GCS answers 401; its token is sent as a Bearer token.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import asyncio
 import dataclasses
 import errno
 import json
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 from urllib.parse import quote
 
+from .. import retry as _retry
 from .. import uri as _uri
 from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
                       MissingDependencyError, NotFoundError, TransferError)
@@ -31,7 +38,6 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
 
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
-_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class _HTTPStatus(Exception):
@@ -50,6 +56,16 @@ def _q(key: str) -> str:
     return quote(key, safe="")
 
 
+def classify(e: BaseException) -> str:
+    """TRANSIENT / EXPIRED / PERMANENT for any error on the GCS path (see :mod:`ckptio.retry`)."""
+    if isinstance(e, _HTTPStatus):
+        return _retry.EXPIRED if e.status == 401 else _retry.classify_status(e.status)
+    if isinstance(e, (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, json.JSONDecodeError)):
+        return _retry.TRANSIENT
+    common = _retry.classify_common(e)
+    return common if common is not None else _retry.PERMANENT
+
+
 class GCSBackend(Backend):
     """Objects in Google Cloud Storage or gcp-storage-emulator."""
 
@@ -57,14 +73,22 @@ class GCSBackend(Backend):
 
     def __init__(self, *, endpoint_url: str | None = None, project: str | None = None, token: Any = None,
                  anon: bool = False, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
-                 retries: int = 4, connect_timeout: float = 10.0, read_timeout: float = 60.0) -> None:
+                 retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
+                 timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
+                 read_timeout: float = 60.0, credential_provider: Any = None) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
-        if int(retries) < 0:
-            raise ValueError(f"retries must be >= 0, got {retries!r}")
-        self.retries = int(retries)
+        self.policy = _retry.RetryPolicy.from_options(
+            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
+        self.retries = self.policy.max_attempts - 1
+        self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
+        self._bearer: str | None = None
+        if self._refresher.provider is not None:
+            self._bearer = self._token_from(self._refresher.provider())
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
-        self._timeout = aiohttp.ClientTimeout(sock_connect=float(connect_timeout), sock_read=float(read_timeout))
+        self._timeout = aiohttp.ClientTimeout(sock_connect=float(connect_timeout),
+                                              sock_read=min(float(read_timeout), self.policy.stall_timeout))
         try:
             self._fs = gcsfs.GCSFileSystem(project=project or gcsfs.core.DEFAULT_PROJECT,
                                            token="anon" if anon else token, endpoint_url=self.endpoint_url,
@@ -90,51 +114,67 @@ class GCSBackend(Backend):
     def _upload_url(self) -> str:
         return f"{self._fs._location}/upload/storage/v1"
 
-    async def _request(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
-                       data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None
-                       ) -> tuple[int, Any, bytes | int]:
-        """One HTTP call with retries on transient failures. ``into``: stream the body there, return its length."""
+    @staticmethod
+    def _token_from(creds: Any) -> str:
+        tok = creds.get("token") or creds.get("access_token") if isinstance(creds, dict) else creds
+        if not isinstance(tok, str) or not tok:
+            raise CredentialsError("gcs credential_provider", "the GCS credential_provider must return an OAuth "
+                                   "access token (a string) or a dict with 'token'")
+        return tok
 
-        async def once() -> tuple[int, Any, bytes | int]:
-            session = await self._fs._set_session()
-            async with session.request(method, url, params=params, data=data, timeout=self._timeout,
-                                       headers=self._fs._get_headers(headers)) as r:
-                if r.status not in ok:
-                    raise _HTTPStatus(r.status, await r.read())
-                if into is None:
-                    return r.status, r.headers, await r.read()
-                pos = 0
-                while pos < len(into):
-                    chunk = await r.content.read(len(into) - pos)
-                    if not chunk:
-                        break
-                    into[pos: pos + len(chunk)] = chunk
-                    pos += len(chunk)
-                return r.status, r.headers, pos
+    async def _apply_credentials(self, creds: Any) -> None:
+        self._bearer = self._token_from(creds)
 
-        async def with_status_retry() -> tuple[int, Any, bytes | int]:
-            try:
-                return await once()
-            except _HTTPStatus as e:
-                if e.status in _RETRY_STATUS:
-                    raise _Retry(e) from e
-                raise
+    def describe(self, e: BaseException, uri: str) -> str:
+        if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError, json.JSONDecodeError)):
+            return f"{type(e).__name__}: {e}"
+        return str(self.translate(e, uri))
 
-        try:
-            return await _parallel.retrying(with_status_retry, self.retries,
-                                            (_Retry, aiohttp.ClientError, asyncio.TimeoutError))
-        except _Retry as e:
-            raise e.error from None
+    async def _attempt(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
+                       data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None,
+                       parse_json: bool = False) -> tuple[int, Any, Any]:
+        """One HTTP request. ``into``: stream the body there and return its length as the body."""
+        stall = self.policy.stall_timeout
+        session = await self._fs._set_session()
+        hdrs = self._fs._get_headers(headers)
+        if self._bearer is not None:
+            hdrs["Authorization"] = f"Bearer {self._bearer}"
+        async with session.request(method, url, params=params, data=data, timeout=self._timeout, headers=hdrs) as r:
+            if r.status not in ok:
+                raise _HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
+            if into is None:
+                body = await _retry.stall_guard(r.read(), stall)
+                return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
+            pos = 0
+            while pos < len(into):
+                chunk = await _retry.stall_guard(r.content.read(len(into) - pos), stall)
+                if not chunk:
+                    break
+                into[pos: pos + len(chunk)] = chunk
+                pos += len(chunk)
+            if r.status == 206:
+                _retry.check_range(len(into), pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
+            return r.status, r.headers, pos
+
+    async def _retrying(self, uri: str, what: str, fn: Callable[[], Awaitable[Any]],
+                        on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+        return await self.policy.run(fn, uri=uri, what=what, classify=classify,
+                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
+                                     on_retry=on_retry)
+
+    async def _request(self, method: str, url: str, *, uri: str = "gs://", what: str | None = None,
+                       **kw: Any) -> tuple[int, Any, Any]:
+        """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords)."""
+        return await self._retrying(uri, what or method, lambda: self._attempt(method, url, **kw))
 
     def _call(self, uri: str, method: str, url: str, **kw: Any) -> tuple[int, Any, Any]:
         try:
-            return _parallel.run(self._loop, lambda: self._request(method, url, **kw))
+            return _parallel.run(self._loop, lambda: self._request(method, url, uri=uri, **kw))
         except Exception as e:
             raise self.translate(e, uri) from None
 
     def _json(self, uri: str, method: str, url: str, **kw: Any) -> dict:
-        body = self._call(uri, method, url, **kw)[2]
-        return json.loads(body) if body else {}
+        return self._call(uri, method, url, parse_json=True, **kw)[2]
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
         """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
@@ -179,11 +219,12 @@ class GCSBackend(Backend):
             self._fs._session = None
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _fetch_into(self, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+    async def _fetch_into(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
         try:
             return (await self._request("GET", f"{self._api}/b/{bucket}/o/{_q(key)}", params={"alt": "media"},
                                         headers={"Range": f"bytes={start}-{end - 1}"}, ok=(200, 206),
-                                        into=view))[2]  # type: ignore[return-value]
+                                        into=view, uri=uri,
+                                        what=f"ranged read of bytes {start}-{end - 1}"))[2]
         except _HTTPStatus as e:
             if e.status == 416:
                 return 0
@@ -195,7 +236,8 @@ class GCSBackend(Backend):
 
         async def go() -> int:
             return await _parallel.parallel_readinto(
-                lambda s, e, v: self._fetch_into(bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency)
+                lambda s, e, v: self._fetch_into(uri, bucket, key, s, e, v), mv, offset, self.part_size,
+                self.concurrency)
 
         try:
             n = _parallel.run(self._loop, go)
@@ -282,7 +324,7 @@ class _GCSWriter(_parallel.MultipartWriter):
         # gigabytes for nothing (and gives emulators that ignore preconditions the same behaviour).
         try:
             await self._b._request("GET", f"{self._b._api}/b/{self._bucket}/o/{_q(self._key)}",
-                                   params={"fields": "generation"})
+                                   params={"fields": "generation"}, uri=self.uri, what="precondition check")
         except _HTTPStatus as e:
             if e.status == 404:
                 return
@@ -298,7 +340,7 @@ class _GCSWriter(_parallel.MultipartWriter):
             return
         await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=data,
                                params={"uploadType": "media", "name": self._key, **self._cond},
-                               headers={"Content-Type": "application/octet-stream"})
+                               headers={"Content-Type": "application/octet-stream"}, uri=self.uri, what="upload")
 
     async def begin(self) -> Any:
         if self._cond:
@@ -307,27 +349,44 @@ class _GCSWriter(_parallel.MultipartWriter):
             "POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=json.dumps({"name": self._key}),
             params={"uploadType": "resumable", "name": self._key, **self._cond},
             headers={"Content-Type": "application/json; charset=UTF-8",
-                     "X-Upload-Content-Type": "application/octet-stream"})
+                     "X-Upload-Content-Type": "application/octet-stream"}, uri=self.uri, what="start of resumable upload")
         return headers["Location"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
-        n = len(memoryview(data))
-        await self._b._request("PUT", handle, data=data, ok=(200, 201, 308), headers={
-            "Content-Range": f"bytes {offset}-{offset + n - 1}/{'*' if total is None else total}",
-            "Content-Type": "application/octet-stream"})
+        mv = memoryview(data).cast("B")
+        n, size = len(mv), "*" if total is None else str(total)
+        state = {"sent": 0, "done": False}  # bytes of this chunk the server already persisted
+
+        async def once() -> None:
+            if state["done"] or (state["sent"] >= n and total is None):
+                return
+            start = offset + state["sent"]
+            await self._b._attempt("PUT", handle, data=mv[state["sent"]:], ok=(200, 201, 308), headers={
+                "Content-Range": f"bytes {start}-{offset + n - 1}/{size}" if start < offset + n else f"bytes */{size}",
+                "Content-Type": "application/octet-stream"})
+
+        async def resync(e: BaseException) -> None:
+            # ask the server how much it kept, so the retry re-sends only the rest of this chunk
+            try:
+                status, headers, _ = await self._b._attempt("PUT", handle, data=b"", ok=(200, 201, 308),
+                                                            headers={"Content-Range": f"bytes */{size}"})
+            except Exception:
+                return  # the retry re-sends the whole chunk
+            if status in (200, 201):
+                state["done"] = True
+                return
+            rng = headers.get("Range", "")
+            persisted = int(rng.rpartition("-")[2]) + 1 if rng.startswith("bytes=") else 0
+            state["sent"] = min(n, max(0, persisted - offset))
+
+        await self._b._retrying(self.uri, f"chunk {number} (bytes {offset}-{offset + n - 1})", once, resync)
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
         pass  # the last chunk (with the total size) completed the upload
 
     async def abort_upload(self, handle: Any) -> None:
         try:
-            await self._b._request("DELETE", handle, ok=(200, 204, 499))
+            await self._b._request("DELETE", handle, ok=(200, 204, 499), uri=self.uri, what="cancel of resumable upload")
         except _HTTPStatus as e:
             if e.status not in (404, 405, 410, 501):  # already gone, or (emulator) cancel not supported
                 raise
-
-
-class _Retry(Exception):
-    def __init__(self, error: _HTTPStatus) -> None:
-        super().__init__(error.status)
-        self.error = error

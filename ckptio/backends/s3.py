@@ -9,17 +9,25 @@ Credentials, highest first: ``access_key_id``/``secret_access_key``/``session_to
 ``credentials_file`` (a JSON file with boto-style keys ``aws_access_key_id``,
 ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``: Cosmos
 easy_io's ``s3_credential_path``), ``profile``, then boto's default chain (environment, shared
-files, instance metadata). ``anon=True`` sends unsigned requests.
+files, instance metadata). ``anon=True`` sends unsigned requests. ``credential_provider`` (a
+callable or ``"module:function"`` returning a dict with those keys) supplies fresh credentials
+when S3 answers ``ExpiredToken``/``RequestExpired``; the request is then retried.
+
+Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
+``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
+two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
+from .. import retry as _retry
 from .. import uri as _uri
 from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
                       MissingDependencyError, NotFoundError, TransferError)
@@ -28,8 +36,11 @@ from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, Objec
 
 try:
     import s3fs
+    import aiohttp
     from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
-                                     NoCredentialsError, PartialCredentialsError, ResponseStreamingError)
+                                     HTTPClientError, IncompleteReadError, NoCredentialsError,
+                                     PartialCredentialsError, ResponseStreamingError)
+    from botocore.parsers import ResponseParserError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'") from _e
@@ -44,6 +55,23 @@ _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
 _DENIED = {"AccessDenied", "403", "AllAccessDisabled", "Forbidden"}
+_TRANSIENT_CLIENT = (ResponseStreamingError, BotoConnectionError, HTTPClientError, IncompleteReadError,
+                     ResponseParserError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+
+
+def _code(e: BaseException) -> tuple[str, int | None]:
+    return (str(e.response.get("Error", {}).get("Code", "")),  # type: ignore[attr-defined]
+            e.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))  # type: ignore[attr-defined]
+
+
+def classify(e: BaseException) -> str:
+    """TRANSIENT / EXPIRED / PERMANENT for any error the S3 client raises (see :mod:`ckptio.retry`)."""
+    if isinstance(e, ClientError):
+        return _retry.classify_status(*reversed(_code(e)))
+    if isinstance(e, _TRANSIENT_CLIENT):
+        return _retry.TRANSIENT
+    common = _retry.classify_common(e)
+    return common if common is not None else _retry.PERMANENT
 
 
 def _load_credentials_file(path: str) -> dict[str, str]:
@@ -67,18 +95,23 @@ class S3Backend(Backend):
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
                  session_token: str | None = None, credentials_file: str | None = None, anon: bool = False,
-                 part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY, retries: int = 4,
-                 connect_timeout: float = 10.0, read_timeout: float = 60.0) -> None:
+                 part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
+                 retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
+                 timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
+                 read_timeout: float = 60.0, credential_provider: Any = None) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
         if self.part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got {self.part_size}")
-        if int(retries) < 0:
-            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        self.policy = _retry.RetryPolicy.from_options(
+            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
+        self.retries = self.policy.max_attempts - 1
+        self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
+        self._old_clients: list[Any] = []
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
         self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
         self.region = (region or creds.get("region_name") or creds.get("region") or os.environ.get("AWS_REGION")
                        or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
-        self.retries = int(retries)
         self.anon = bool(anon)
         key = access_key_id or creds.get("aws_access_key_id") or creds.get("access_key_id")
         secret = secret_access_key or creds.get("aws_secret_access_key") or creds.get("secret_access_key")
@@ -86,12 +119,16 @@ class S3Backend(Backend):
         if bool(key) != bool(secret):
             raise CredentialsError(credentials_file or "s3 options",
                                    "S3 credentials need both an access key id and a secret access key")
+        if not key and self._refresher.provider is not None and not self.anon:
+            key, secret, token = self._credentials_from(self._refresher.provider())
         extra = {"profile": profile} if profile else {}
         self._fs = s3fs.S3FileSystem(
             anon=self.anon, key=key, secret=secret, token=token, endpoint_url=self.endpoint_url,
             client_kwargs={"region_name": self.region}, skip_instance_cache=True, use_listings_cache=False,
-            config_kwargs={"connect_timeout": float(connect_timeout), "read_timeout": float(read_timeout),
-                           "retries": {"max_attempts": self.retries + 1, "mode": "standard"},
+            # botocore's retries are off: RetryPolicy owns them (read_timeout: no bytes for that long)
+            config_kwargs={"connect_timeout": float(connect_timeout),
+                           "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
+                           "retries": {"max_attempts": 1, "mode": "standard"},
                            "max_pool_connections": max(10, 2 * self.concurrency)},
             **extra)
         self._client: Any = None
@@ -109,9 +146,40 @@ class S3Backend(Backend):
             self._client = await self._fs.set_session()
         return self._client
 
+    @staticmethod
+    def _credentials_from(creds: Any) -> tuple[str | None, str | None, str | None]:
+        if not isinstance(creds, dict):
+            raise CredentialsError("s3 credential_provider", "the S3 credential_provider must return a dict with "
+                                   "access_key_id, secret_access_key and optionally session_token")
+        c = {str(k).lower(): v for k, v in creds.items()}
+        return (c.get("access_key_id") or c.get("aws_access_key_id"),
+                c.get("secret_access_key") or c.get("aws_secret_access_key"),
+                c.get("session_token") or c.get("aws_session_token") or c.get("token"))
+
+    async def _apply_credentials(self, creds: Any) -> None:
+        self._fs.key, self._fs.secret, self._fs.token = self._credentials_from(creds)
+        if self._client is not None:
+            self._old_clients.append(self._client)  # requests in flight still use it; closed in close()
+        self._client = await self._fs.set_session(refresh=True)
+
+    def describe(self, e: BaseException, uri: str) -> str:
+        if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError)):
+            return f"{type(e).__name__}: {e}"
+        return str(self.translate(e, uri))
+
+    async def _op(self, uri: str, what: str, fn: Callable[[Any], Awaitable[Any]],
+                  on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+        """``fn(client)`` under the retry policy (one request, retried on transient errors)."""
+        async def attempt() -> Any:
+            return await fn(await self._s3())
+
+        return await self.policy.run(attempt, uri=uri, what=what, classify=classify,
+                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
+                                     on_retry=on_retry)
+
     def _call(self, uri: str, method: str, **kwargs: Any) -> Any:
         async def go() -> Any:
-            return await getattr(await self._s3(), method)(**kwargs)
+            return await self._op(uri, method, lambda s3: getattr(s3, method)(**kwargs))
 
         try:
             return _parallel.run(self._loop, go)
@@ -160,18 +228,22 @@ class S3Backend(Backend):
         return bucket, key
 
     def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and self._loop.is_running():
-            try:
-                _parallel.run(self._loop, client.close)
-            except Exception:  # closing a dead connection pool must not fail reset()
-                pass
+        clients = [c for c in (self._client, *self._old_clients) if c is not None]
+        self._client, self._old_clients = None, []
+        for client in clients:
+            if self._loop.is_running():
+                try:
+                    _parallel.run(self._loop, client.close)
+                except Exception:  # closing a dead connection pool must not fail reset()
+                    pass
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _fetch_into(self, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
-        async def once() -> int:
+    async def _fetch_into(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+        stall = self.policy.stall_timeout
+
+        async def once(s3: Any) -> int:
             try:
-                resp = await (await self._s3()).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+                resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") == "InvalidRange":
                     return 0  # starts past the end of the object
@@ -179,15 +251,17 @@ class S3Backend(Backend):
             body, pos = resp["Body"], 0
             try:
                 while pos < len(view):
-                    n = await body.readinto(view[pos:])
+                    n = await _retry.stall_guard(body.readinto(view[pos:]), stall)
                     if not n:
                         break
                     pos += n
             finally:
                 body.close()
+            headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            _retry.check_range(len(view), pos, headers.get("content-range"), headers.get("content-length"))
             return pos
 
-        return await _parallel.retrying(once, self.retries, (ResponseStreamingError, asyncio.TimeoutError))
+        return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         bucket, key = self._split(uri)
@@ -195,7 +269,8 @@ class S3Backend(Backend):
 
         async def go() -> int:
             return await _parallel.parallel_readinto(
-                lambda s, e, v: self._fetch_into(bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency)
+                lambda s, e, v: self._fetch_into(uri, bucket, key, s, e, v), mv, offset, self.part_size,
+                self.concurrency)
 
         try:
             n = _parallel.run(self._loop, go)
@@ -302,32 +377,69 @@ class _S3Writer(_parallel.MultipartWriter):
     def _body(data: Buffer) -> bytes | bytearray:
         return data if isinstance(data, (bytes, bytearray)) else bytes(data)  # botocore refuses memoryview
 
+    async def _request(self, what: str, fn: Callable[[Any], Awaitable[Any]],
+                       committed: Callable[[], Awaitable[bool]] | None = None) -> Any:
+        """One request under the retry policy. If an attempt may have reached S3 (the connection
+        broke, no answer) and a retry then fails its precondition, ``committed()`` checks whether
+        that earlier attempt in fact succeeded, so a lost response never turns into a false error."""
+        ambiguous = False
+
+        async def on_retry(e: BaseException) -> None:
+            nonlocal ambiguous
+            ambiguous = ambiguous or not isinstance(e, ClientError)
+
+        try:
+            return await self._b._op(self.uri, what, fn, on_retry)
+        except ClientError as e:
+            if ambiguous and committed is not None and _code(e)[0] in (_EXISTS | {"NoSuchUpload"}) \
+                    and await committed():
+                return None
+            raise
+
+    async def _etag_is(self, etag: str) -> bool:
+        try:
+            h = await self._b._op(self.uri, "HEAD", lambda s3: s3.head_object(Bucket=self._bucket, Key=self._key))
+        except ClientError:
+            return False
+        return str(h.get("ETag", "")).strip('"') == etag
+
     async def put_single(self, data: Buffer) -> None:
-        s3 = await self._b._s3()
-        await s3.put_object(Bucket=self._bucket, Key=self._key, Body=self._body(data), **self._cond)
+        body = self._body(data)
+        await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key, Body=body,
+                                                            **self._cond),
+                            lambda: self._etag_is(hashlib.md5(body).hexdigest()))
 
     async def begin(self) -> Any:
-        s3 = await self._b._s3()
         if self._cond:  # fail before uploading gigabytes; the conditional complete stays authoritative
             try:
-                await s3.head_object(Bucket=self._bucket, Key=self._key)
+                await self._b._op(self.uri, "HEAD", lambda s3: s3.head_object(Bucket=self._bucket, Key=self._key))
                 raise AlreadyExistsError(self.uri)
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") not in _NOT_FOUND:
                     raise
-        return (await s3.create_multipart_upload(Bucket=self._bucket, Key=self._key))["UploadId"]
+        r = await self._request("CreateMultipartUpload",
+                                lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key))
+        return r["UploadId"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
-        s3 = await self._b._s3()
-        r = await s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle, PartNumber=number,
-                                 Body=self._body(data))
+        body = self._body(data)
+        r = await self._request(f"part {number} (bytes {offset}-{offset + len(body) - 1})",
+                                lambda s3: s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle,
+                                                          PartNumber=number, Body=body))
         return {"PartNumber": number, "ETag": r["ETag"]}
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
-        s3 = await self._b._s3()
-        await s3.complete_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle,
-                                           MultipartUpload={"Parts": tokens}, **self._cond)
+        digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens)).hexdigest()
+        await self._request(f"CompleteMultipartUpload ({len(tokens)} parts)",
+                            lambda s3: s3.complete_multipart_upload(Bucket=self._bucket, Key=self._key,
+                                                                    UploadId=handle,
+                                                                    MultipartUpload={"Parts": tokens}, **self._cond),
+                            lambda: self._etag_is(f"{digest}-{len(tokens)}"))
 
     async def abort_upload(self, handle: Any) -> None:
-        s3 = await self._b._s3()
-        await s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle)
+        try:
+            await self._request("AbortMultipartUpload", lambda s3: s3.abort_multipart_upload(
+                Bucket=self._bucket, Key=self._key, UploadId=handle))
+        except ClientError as e:
+            if _code(e)[0] not in _NOT_FOUND:  # already gone (an earlier attempt's answer was lost)
+                raise

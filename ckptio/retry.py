@@ -1,0 +1,250 @@
+"""Retries, deadlines and credential refresh for remote operations.
+
+Every request an object-store backend makes (a part of a multipart upload, one ranged read, a
+stat, a list page, a delete) runs through :meth:`RetryPolicy.run`: it is retried on transient
+errors with exponential backoff and full jitter, up to ``max_attempts`` attempts and within a
+total ``deadline``; each attempt is bounded by ``timeout``, and a transfer that receives no bytes
+for ``stall_timeout`` seconds is abandoned (:func:`stall_guard`) and retried. A failed part is
+retried on its own: the rest of the object is not sent again.
+
+What is transient is decided by the backend's ``classify(exc)``, which returns one of
+``TRANSIENT`` (throttling, 500/502/503/504, connection reset, timeouts, truncated bodies),
+``EXPIRED`` (the credentials expired: refresh them through the ``credential_provider`` hook and
+retry at once) or ``PERMANENT`` (403, 404, 412 and every other client error: raised immediately).
+:func:`classify_common` handles the errors every HTTP client shares.
+
+When retries run out, the error is a :class:`~ckptio.errors.TransferError` that names the URI,
+the part and the attempt count, with the last client error as its ``__cause__``.
+
+Backend options (settings ``[backends.s3]``, ``[aliases.NAME.options]``, or keywords):
+``max_attempts`` (or ``retries`` = attempts - 1), ``deadline``, ``timeout``, ``stall_timeout``,
+``credential_provider`` (a callable or ``"module:function"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import http.client
+import importlib
+import logging
+import random
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from .errors import CkptioError, SettingsError, TransferError
+
+log = logging.getLogger("ckptio.retry")
+
+TRANSIENT, EXPIRED, PERMANENT = "transient", "expired", "permanent"
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequestsException", "ProvisionedThroughputExceededException",
+                            "RequestThrottled", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                            "RequestTimeTooSkewed", "BandwidthLimitExceeded", "EC2ThrottledException"})
+EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired"})
+
+
+class TruncatedBodyError(ConnectionError):
+    """The server sent fewer bytes than it announced (Content-Length / Content-Range)."""
+
+
+class StalledError(TimeoutError):
+    """No bytes moved for ``stall_timeout`` seconds."""
+
+
+def classify_common(exc: BaseException) -> str | None:
+    """The classification of errors shared by all HTTP clients, or None if this is not one of them."""
+    if isinstance(exc, CkptioError):
+        return PERMANENT
+    if isinstance(exc, (TruncatedBodyError, StalledError, asyncio.TimeoutError, TimeoutError, socket.timeout,
+                        ConnectionError, http.client.IncompleteRead)):
+        return TRANSIENT
+    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
+                                                  errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                                                  errno.ENETUNREACH, errno.ENETRESET):
+        return TRANSIENT
+    return None
+
+
+def classify_status(status: int | None, code: str = "") -> str:
+    """HTTP status plus (for S3) the error code -> TRANSIENT / EXPIRED / PERMANENT."""
+    if code in EXPIRED_CODES:
+        return EXPIRED
+    if code in THROTTLE_CODES or (status is not None and status in RETRY_STATUS):
+        return TRANSIENT
+    return PERMANENT
+
+
+def load_provider(spec: Any) -> Callable[[], Any] | None:
+    """``credential_provider``: a callable, or ``"package.module:function"`` naming one."""
+    if spec is None or callable(spec):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise SettingsError(f"credential_provider: expected a callable or 'module:function', got {type(spec).__name__}")
+    mod, _, attr = spec.partition(":")
+    try:
+        fn: Any = importlib.import_module(mod)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as e:
+        raise SettingsError(f"credential_provider {spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise SettingsError(f"credential_provider {spec!r} is not callable")
+    return fn
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one request is retried. ``deadline`` bounds all attempts of one request together."""
+
+    max_attempts: int = 5
+    deadline: float = 600.0
+    timeout: float | None = None  # per attempt; None: only the deadline bounds an attempt
+    stall_timeout: float = 60.0
+    base_delay: float = 0.1
+    max_delay: float = 10.0
+
+    def __post_init__(self) -> None:
+        if int(self.max_attempts) < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        for name in ("deadline", "stall_timeout", "base_delay", "max_delay"):
+            if not float(getattr(self, name)) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.timeout is not None and not float(self.timeout) > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout!r}")
+
+    @classmethod
+    def from_options(cls, *, retries: int | None = None, max_attempts: int | None = None,
+                     deadline: float | None = None, timeout: float | None = None,
+                     stall_timeout: float | None = None, **defaults: Any) -> "RetryPolicy":
+        """Build from backend options; ``max_attempts`` wins over ``retries`` (= attempts - 1)."""
+        if retries is not None and int(retries) < 0:
+            raise ValueError(f"retries must be >= 0, got {retries!r}")
+        kw: dict[str, Any] = dict(defaults)
+        if max_attempts is not None:
+            kw["max_attempts"] = int(max_attempts)
+        elif retries is not None:
+            kw["max_attempts"] = int(retries) + 1
+        if deadline is not None:
+            kw["deadline"] = float(deadline)
+        if timeout is not None:
+            kw["timeout"] = float(timeout)
+        if stall_timeout is not None:
+            kw["stall_timeout"] = float(stall_timeout)
+        return cls(**kw)
+
+    def backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(max_delay, base_delay * 2**attempt)]."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** attempt))
+
+    async def run(self, fn: Callable[[], Awaitable[Any]], *, uri: str, what: str,
+                  classify: Callable[[BaseException], str], describe: Callable[[BaseException], str],
+                  refresh: "CredentialRefresher | None" = None,
+                  on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+        """Await ``fn()`` until it succeeds, a permanent error occurs, or attempts/deadline run out.
+
+        ``refresh`` is awaited on EXPIRED errors; it returns False when no provider is configured
+        (the error is then raised as it is). ``on_retry(exc)`` runs before each retry
+        (e.g. to find out how much of an upload chunk the server kept). ``describe(exc)`` is the
+        backend's one-line description of a client error (never containing credentials).
+        """
+        start = time.monotonic()
+        attempt = 0
+        refreshed = 0
+        while True:
+            attempt += 1
+            remaining = self.deadline - (time.monotonic() - start)
+            limit = remaining if self.timeout is None else min(self.timeout, remaining)
+            gen = refresh.generation if refresh is not None else 0
+            try:
+                if limit <= 0:
+                    raise asyncio.TimeoutError()
+                return await asyncio.wait_for(fn(), limit)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                if isinstance(e, asyncio.TimeoutError) and not isinstance(e, StalledError):
+                    e = StalledError(f"no response within {limit:.3g}s") if limit > 0 else e
+                kind = classify(e)
+                elapsed = time.monotonic() - start
+                if kind == EXPIRED and refresh is not None and refreshed < 2 and await refresh(gen):
+                    refreshed += 1
+                    attempt -= 1  # a refresh is not a failed attempt
+                    log.info("credentials expired for %s (%s); refreshed, retrying", uri, what)
+                    continue
+                if kind != TRANSIENT:
+                    raise
+                out_of_time = elapsed + 0.001 >= self.deadline
+                if attempt >= self.max_attempts or out_of_time:
+                    why = (f"deadline of {self.deadline:g}s exceeded" if out_of_time
+                           else f"gave up after {attempt} attempt(s) in {elapsed:.1f}s")
+                    code = errno.ETIMEDOUT if isinstance(e, TimeoutError) or out_of_time else errno.EIO
+                    err = TransferError(code, f"{what} of {uri} failed: {why}; last error: {describe(e)}", uri)
+                    err.attempts = attempt  # type: ignore[attr-defined]
+                    raise err from e
+                delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
+                log.warning("retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)", what, uri, describe(e),
+                            attempt, self.max_attempts, delay)
+                await asyncio.sleep(delay)
+                if on_retry is not None:
+                    await on_retry(e)
+
+
+class CredentialRefresher:
+    """Calls ``provider`` at most once per expiry, however many requests see the error at once.
+
+    ``apply(credentials)`` installs what the provider returned (on the backend's client).
+    The returned credentials are never logged or shown.
+    """
+
+    def __init__(self, provider: Callable[[], Any] | None, apply: Callable[[Any], Awaitable[None]]) -> None:
+        self.provider = provider
+        self._apply = apply
+        self._lock: asyncio.Lock | None = None
+        self.generation = 0
+
+    def __repr__(self) -> str:
+        return f"<CredentialRefresher generation={self.generation}>"
+
+    async def __call__(self, seen: int) -> bool:
+        if self.provider is None:
+            return False
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.generation == seen:
+                creds = self.provider()
+                if asyncio.iscoroutine(creds):
+                    creds = await creds
+                await self._apply(creds)
+                self.generation += 1
+        return True
+
+
+async def stall_guard(read: Awaitable[Any], stall_timeout: float) -> Any:
+    """Await one read of a body; :class:`StalledError` if no bytes arrive for ``stall_timeout`` seconds."""
+    try:
+        return await asyncio.wait_for(read, stall_timeout)
+    except asyncio.TimeoutError:
+        raise StalledError(f"no bytes received for {stall_timeout:g}s") from None
+
+
+def check_range(view_len: int, got: int, content_range: str | None, content_length: str | None) -> None:
+    """Raise :class:`TruncatedBodyError` when a ranged body ended before the bytes its headers announced."""
+    expected = None
+    if content_range and content_range.startswith("bytes ") and "-" in content_range:
+        try:
+            span, _, total = content_range[6:].partition("/")
+            s, _, e = span.partition("-")
+            expected = int(e) - int(s) + 1
+            if total not in ("*", "") and int(e) + 1 < int(total) and expected < view_len:
+                raise TruncatedBodyError(f"server returned bytes {span} of {total}, fewer than the {view_len} asked for")
+        except ValueError:
+            expected = None
+    if expected is None and content_length and content_length.isdigit():
+        expected = int(content_length)
+    if expected is not None and got < min(expected, view_len):
+        raise TruncatedBodyError(f"response body ended after {got} of {min(expected, view_len)} bytes")
