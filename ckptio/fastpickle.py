@@ -25,7 +25,9 @@ against the file before allocating anything, then reads only the payloads it nee
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import gc
 import io
 import math
 import mmap as _mmap
@@ -96,7 +98,7 @@ def _path_str(path: Sequence[Any]) -> str:
 # ------------------------------------------------------------------------------------------
 # public values returned by inspect() and used as placeholders
 # ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # cheap to build by the ten thousand; hashable by identity, as tensors are
 class TensorInfo:
     """What the file says about one tensor or array, without its bytes."""
 
@@ -135,6 +137,11 @@ class Inspection:
 # ------------------------------------------------------------------------------------------
 # encoding
 # ------------------------------------------------------------------------------------------
+def _tensor_ref(idx: int) -> msgpack.ExtType:
+    """A tree node pointing at entry ``idx`` of the tensor table: the index as 4 little-endian bytes."""
+    return msgpack.ExtType(EXT_TENSOR, idx.to_bytes(4, "little"))
+
+
 class _Storage:
     __slots__ = ("data", "nbytes", "location", "offset", "checksum", "path")
 
@@ -170,7 +177,7 @@ class _Encoder:
                 return x
             return msgpack.ExtType(EXT_BIGINT, x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True))
         if t is torch.Tensor or t is torch.nn.Parameter:
-            return msgpack.ExtType(EXT_TENSOR, _pack(self._tensor(x, path)))
+            return self._tensor(x, path)
         if t is dict or t is list or t is tuple or t is set or t is frozenset or t is collections.OrderedDict:
             return self._container(x, t, path)
         if t is complex:
@@ -182,7 +189,7 @@ class _Encoder:
         if t is torch.device:
             return msgpack.ExtType(EXT_DEVICE, str(x).encode())
         if t is np.ndarray:
-            return msgpack.ExtType(EXT_TENSOR, _pack(self._ndarray(x, path)))
+            return self._ndarray(x, path)
         if isinstance(x, np.generic) and x.dtype.kind in _NP_KINDS:
             return self._ext(EXT_NPSCALAR, [x.dtype.str, x.tobytes()])
         if t is np.dtype or isinstance(x, np.dtype):
@@ -238,7 +245,7 @@ class _Encoder:
     def _tensor(self, x: torch.Tensor, path: list) -> Any:
         idx = self._tensor_ids.get(id(x))
         if idx is not None:
-            return idx
+            return _tensor_ref(idx)
         if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
             kind = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
             return self._fallback(x, path, f"{kind} tensors")
@@ -275,7 +282,7 @@ class _Encoder:
     def _ndarray(self, a: np.ndarray, path: list) -> Any:
         idx = self._tensor_ids.get(id(a))
         if idx is not None:
-            return idx
+            return _tensor_ref(idx)
         if a.dtype.kind not in _NP_KINDS or a.dtype.fields is not None or a.dtype.subdtype is not None:
             return self._fallback(a, path, f"numpy arrays of dtype {a.dtype}")
         c = np.ascontiguousarray(a)
@@ -284,11 +291,11 @@ class _Encoder:
         entry = [KIND_NUMPY, sidx, a.dtype.str, list(a.shape), [], 0, 0, _path_str(path), None]
         return self._add_entry(a, entry)
 
-    def _add_entry(self, obj: Any, entry: list) -> int:
+    def _add_entry(self, obj: Any, entry: list) -> msgpack.ExtType:
         self.tensors.append(entry)
         self._tensor_ids[id(obj)] = len(self.tensors) - 1
         self._keep.append(obj)
-        return len(self.tensors) - 1
+        return _tensor_ref(len(self.tensors) - 1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -618,14 +625,15 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         out_s.append((off, nbytes, checksum, loc))
     out_t: list[TensorInfo] = []
     qparams: dict[int, list] = {}
+    nstor, lim, kinds = len(out_s), size * 8, ("torch", "numpy", "quantized")
     for i, e in enumerate(tensors):
         if type(e) is not list or len(e) != 9:
             raise bad(f"tensor {i} is not a 9-item list")
         kind, sidx, dtype, shape, stride, soff, tflags, path, extra = e
-        if not (_is_int(kind, 0, 2) and _is_int(sidx, 0, len(out_s) - 1) and type(dtype) is str
-                and type(shape) is list and type(stride) is list and len(shape) <= MAX_NDIM
-                and all(_is_int(d, 0, size * 8) for d in shape) and all(_is_int(d, 0, size * 8) for d in stride)
-                and _is_int(soff, 0, size * 8) and _is_int(tflags, 0, 3) and type(path) is str):
+        if not (type(kind) is int and type(sidx) is int and type(soff) is int and type(tflags) is int
+                and 0 <= kind <= 2 and 0 <= sidx < nstor and 0 <= soff <= lim and 0 <= tflags <= 3
+                and type(dtype) is str and type(path) is str and type(shape) is list and type(stride) is list
+                and len(shape) <= MAX_NDIM and _dims_ok(shape, lim) and _dims_ok(stride, lim)):
             raise bad(f"tensor {i} has invalid fields")
         nbytes = out_s[sidx][1]
         numel = math.prod(shape)
@@ -649,10 +657,14 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                     raise bad(f"tensor {path!r}: invalid quantization parameters")
                 qparams[i] = extra
         off, nb, checksum, loc = out_s[sidx]
-        out_t.append(TensorInfo(i, path, ("torch", "numpy", "quantized")[kind], dtype, tuple(shape), tuple(stride),
-                                soff, bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
+        out_t.append(TensorInfo(i, path, kinds[kind], dtype, tuple(shape), tuple(stride), soff,
+                                bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
                                 checksum, loc))
     return _Meta(name, size, flags, out_s, out_t, qparams, tree)
+
+
+def _dims_ok(dims: list, lim: int) -> bool:
+    return not dims or (all(type(d) is int for d in dims) and min(dims) >= 0 and max(dims) <= lim)
 
 
 def _valid_qextra(extra: Any, shape: list) -> bool:
@@ -810,9 +822,9 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
 
     def hook(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
-            idx = msgpack.unpackb(data)
-            if not _is_int(idx, 0, ntensors - 1):
-                raise FormatError(f"tensor reference {idx!r} out of range")
+            idx = int.from_bytes(data, "little")
+            if len(data) != 4 or idx >= ntensors:
+                raise FormatError(f"tensor reference {data!r} out of range")
             return tensor(idx)
         if code in (EXT_TUPLE, EXT_SET, EXT_FROZENSET, EXT_SIZE, EXT_ODICT, EXT_GDICT):
             items = unpack(data)
@@ -898,11 +910,15 @@ def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location
     storages: dict[int, torch.UntypedStorage] = {}
     made: dict[int, Any] = {}
 
+    cpu_only = map_location is None or (isinstance(map_location, (str, torch.device)) and str(map_location) == "cpu")
+
     def storage(sidx: int) -> torch.UntypedStorage:
         st = storages.get(sidx)
         if st is None:
-            st = storages[sidx] = _target_storage(payloads[sidx].untyped_storage(), meta.storages[sidx][3],
-                                                  map_location)
+            st = payloads[sidx].untyped_storage()
+            if not (cpu_only and meta.storages[sidx][3] == "cpu"):
+                st = _target_storage(st, meta.storages[sidx][3], map_location)
+            storages[sidx] = st
         return st
 
     def make(idx: int) -> Any:
@@ -1033,10 +1049,23 @@ def _load_source(src: _Source, *, map_location: Any = None, mmap: bool = False, 
     return _decode_tree(meta, make, allow_pickle)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Building ten thousands of small objects would otherwise trigger full collections over everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _with_source(uri_or_file: Any, backend_options: dict, fn: Callable[[_Source], Any]) -> Any:
     src = _open_source(uri_or_file, backend_options)
     try:
-        return fn(src)
+        with _gc_paused():
+            return fn(src)
     finally:
         src.close()
 
@@ -1086,7 +1115,8 @@ class FastpickleFormat(Format):
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
         src = _source_for(backend, uri)
         try:
-            return _load_source(src, **kwargs)
+            with _gc_paused():
+                return _load_source(src, **kwargs)
         finally:
             src.close()
 

@@ -221,6 +221,7 @@ def test_lying_tree_references():
     flags, payload, meta_bytes = split(SAMPLE)
     meta = msgpack.unpackb(meta_bytes, strict_map_key=False)
     for tree in (msgpack.ExtType(fp.EXT_TENSOR, msgpack.packb(10 ** 6)), msgpack.ExtType(99, b""),
+                 msgpack.ExtType(fp.EXT_TENSOR, (10 ** 6).to_bytes(4, "little")),
                  msgpack.ExtType(fp.EXT_GDICT, msgpack.packb([[1], 2])), msgpack.ExtType(fp.EXT_COMPLEX, b"short"),
                  msgpack.ExtType(fp.EXT_NPSCALAR, msgpack.packb(["|O", b"12345678"])),
                  msgpack.ExtType(fp.EXT_DTYPE, b"__import__"), msgpack.ExtType(fp.EXT_DEVICE, b"nonsense:x"),
