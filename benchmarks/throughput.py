@@ -388,7 +388,7 @@ class Target:
     impls: list[Impl]
     local_dir: str | None = None  # set for local targets: enables cold loads
     cleanup: Callable[[str], None] | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[dict[str, str]] = field(default_factory=list)  # {"impl", "reason"} for cells left out
 
 
 def _remove(u: str) -> None:
@@ -590,25 +590,27 @@ def table(doc: dict[str, Any]) -> str:
                 lines.append(f"{b:<10}{name:<{w}}{cells[0]:>8}{cells[1]:>8}{cells[2]:>11}{rss_s:>13}")
         rs = [x for x in doc["ratios"] if x["size_bytes"] == size]
         if rs:
-            lines.append("ratio = baseline time / ckptio time (>1: ckptio faster), save | load | load cold:")
-            for b in backends:
-                for impl in dict.fromkeys(x["impl"] for x in rs if x["backend"] == b):
-                    parts = []
-                    for base in dict.fromkeys(x["baseline"] for x in rs if x["backend"] == b):
-                        vals = []
-                        for op, _ in OP_COLUMNS:
-                            v = next((x["ratio"] for x in rs if x["backend"] == b and x["impl"] == impl
-                                      and x["baseline"] == base and x["op"] == op), None)
-                            if v is not None:
-                                vals.append(f"{v:.2f}x")
-                        if vals:
-                            parts.append(f"{base}: {' | '.join(vals)}")
-                    lines.append(f"  {b:<8}{impl:<14} vs " + ("; ".join(parts) or "-"))
+            lines.append("\nratio = baseline time / ckptio time (>1: ckptio faster); save/load/load cold")
+        for b in backends:
+            mine = list(dict.fromkeys(x["impl"] for x in rs if x["backend"] == b))
+            bases = list(dict.fromkeys(x["baseline"] for x in rs if x["backend"] == b))
+            if not mine:
+                continue
+            cw = [max(len(x), 16) + 2 for x in bases]
+            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw)))
+            for impl in mine:
+                cells = []
+                for base in bases:
+                    vals = [next((f"{x['ratio']:.2f}" for x in rs if x["backend"] == b and x["impl"] == impl
+                                  and x["baseline"] == base and x["op"] == op), None) for op, _ in OP_COLUMNS]
+                    cells.append("/".join(v for v in vals if v is not None) or "-")
+                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw)))
     if doc["skipped"]:
         lines.append("\nnot measured:")
         for s in doc["skipped"]:
-            lines.append(f"  {s['backend']} {s['impl']} ({human_bytes(s['size_bytes'])}): {s['reason']}")
-    return "\n".join(lines)
+            at = f" ({human_bytes(s['size_bytes'])})" if s["size_bytes"] else ""
+            lines.append(f"  {s['backend']} {s['impl']}{at}: {s['reason']}")
+    return "\n".join(ln.rstrip() for ln in lines)
 
 
 def chart(doc: dict[str, Any], path: str) -> str | None:
@@ -682,7 +684,8 @@ def _has_dcp() -> bool:
 
 
 @contextlib.contextmanager
-def embedded_targets(names: list[str], tmp: str, log: Callable[[str], None]) -> Iterator[list[Target]]:
+def embedded_targets(names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False
+                     ) -> Iterator[list[Target]]:
     mine = ckptio_impls(_has_format(".fpk"), _has_dcp())
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
@@ -695,17 +698,17 @@ def embedded_targets(names: list[str], tmp: str, log: Callable[[str], None]) -> 
                 targets.append(Target("memory", f"memory://bench-{uuid.uuid4().hex[:8]}", mine + memory_baselines()))
             elif name in ("s3", "gcs"):
                 try:
-                    targets.append(stack.enter_context(_server_target(name, log)))
+                    targets.append(stack.enter_context(_server_target(name, log, quick)))
                 except Exception as e:  # noqa: BLE001 - missing server packages skip the column with a note
                     log(f"skipping {name}: {type(e).__name__}: {e}")
-                    targets.append(Target(name, "", [], notes=[f"{type(e).__name__}: {e}"]))
+                    targets.append(Target(name, "", [], notes=[{"impl": "*", "reason": f"{type(e).__name__}: {e}"}]))
             else:
                 raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(EMBEDDED)} or pass --uri")
         yield targets
 
 
 @contextlib.contextmanager
-def _server_target(name: str, log: Callable[[str], None]) -> Iterator[Target]:
+def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -> Iterator[Target]:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket
 
@@ -734,7 +737,13 @@ def _server_target(name: str, log: Callable[[str], None]) -> Iterator[Target]:
             ckptio.configure(backends={"gcs": {"endpoint_url": srv.url, "anon": True, "project": "bench"}})
             opts = {"token": "anon", "project": "bench", "endpoint_url": srv.url}
             fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **opts)
-            yield Target("gcs", f"gs://{bucket}", mine + fsspec_baselines(fs, "gs", opts))
+            impls, notes = mine + fsspec_baselines(fs, "gs", opts), []
+            if quick:  # the emulator has no moveTo API: gcsfs renames by copy + delete, ~30 s for 32 MiB here
+                impls = [i for i in impls if i.name != "torch DCP FsspecWriter"]
+                notes.append({"impl": "torch DCP FsspecWriter", "reason": "left out of --quick: the GCS emulator "
+                              "has no rename (moveTo) API, so gcsfs falls back to copy + delete and one save takes "
+                              "tens of seconds; --full or --sizes includes it"})
+            yield Target("gcs", f"gs://{bucket}", impls, notes=notes)
 
 
 def user_targets(uris: list[str]) -> list[Target]:
@@ -785,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         if not args.quiet:
-            print(("\r" if bar.enabled else "") + msg, file=sys.stderr)
+            bar.write(msg)
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = args.name or f"throughput-{stamp}"
@@ -793,10 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckptio-bench-") as tmp, \
             Bar(0, "bench", enabled=False if args.quiet else None) as bar, \
-            embedded_targets(names, tmp, log) as targets:
+            embedded_targets(names, tmp, log, quick=not (args.full or args.sizes)) as targets:
+        missing = [{"backend": t.name, "size_bytes": 0, **n} for t in targets for n in t.notes]
         targets = [t for t in targets if t.impls] + user_targets(args.uri)
-        missing = [{"backend": t, "impl": "*", "size_bytes": 0, "reason": "server could not start"}
-                   for t in names if t not in {x.name for x in targets}]
         if not _has_format(".fpk"):
             missing.append({"backend": "*", "impl": "ckptio .fpk", "size_bytes": 0,
                             "reason": "ckptio.fastpickle is not available in this checkout"})

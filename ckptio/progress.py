@@ -12,6 +12,7 @@ when stderr is not a terminal, when ``enabled=False`` (``--quiet``), or when
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import threading
@@ -96,8 +97,13 @@ class Bar:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
+                try:
+                    cols = os.get_terminal_size(self.file.fileno()).columns
+                except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+                    cols = 0
+                size = {"dynamic_ncols": True} if cols else {"ncols": 100}  # a pty without a size reports 0
                 self._tqdm = tqdm(total=self.total or None, desc=desc or None, unit="B", unit_scale=True,
-                                  unit_divisor=1024, file=self.file, leave=False, dynamic_ncols=True)
+                                  unit_divisor=1024, file=self.file, leave=False, **size)
 
     def __call__(self, bytes_done: int, bytes_total: int) -> None:
         if not self.enabled:
@@ -137,6 +143,18 @@ class Bar:
         self._line_len = len(line)
         self.file.write("\r" + line + pad)
         self.file.flush()
+
+    def write(self, msg: str) -> None:
+        """Print a line to the bar's stream without garbling the bar."""
+        with self._lock:
+            if self._tqdm is not None:
+                self._tqdm.write(msg, file=self.file)
+                return
+            if self.enabled and self._line_len:
+                self.file.write("\r" + " " * self._line_len + "\r")
+                self._line_len = 0
+            self.file.write(msg + "\n")
+            self.file.flush()
 
     def set_description(self, desc: str) -> None:
         self.desc = desc
