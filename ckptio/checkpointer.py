@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import random
+import sys
 import threading
 import time
 import warnings
@@ -146,6 +147,15 @@ def _py_rng_flat() -> tuple:
     return (version, *internal, gauss)
 
 
+def _lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it creates)."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError as e:
+            log.debug("could not lower the persist thread's priority: %s", e)
+
+
 # ---------------------------------------------------------------------------------------------
 # staging for async save
 
@@ -244,6 +254,8 @@ class Checkpointer:
     ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
     ``process_group``: the group to coordinate over (default: a new gloo group when
     ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
+    ``background_nice``: the async persist thread (and the threads it starts) runs at this nice
+    increment on Linux, so background I/O yields the CPU to training; ``None`` leaves it unchanged.
     ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
     ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads.
     """
@@ -252,7 +264,7 @@ class Checkpointer:
                  keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = False, process_group: Any = None,
                  timeout: float = 600.0, weights_only: bool = True, save_options: Mapping[str, Any] | None = None,
-                 load_options: Mapping[str, Any] | None = None) -> None:
+                 load_options: Mapping[str, Any] | None = None, background_nice: int | None = 10) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -267,6 +279,7 @@ class Checkpointer:
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
+        self.background_nice = background_nice
         self.timeout = float(timeout)
         self.weights_only = bool(weights_only)
         self.save_options = dict(save_options or {})
@@ -421,7 +434,8 @@ class Checkpointer:
             return
         staged = self._stager.stage(sd)
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptio-checkpointer")
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptio-checkpointer",
+                                               initializer=_lower_priority, initargs=(self.background_nice,))
         self._future = self._pool.submit(self._persist, step, staged, metrics)
 
     def wait(self) -> None:
