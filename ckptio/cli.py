@@ -137,7 +137,8 @@ def _up_to_date(src: ObjectInfo, dst_backend: Backend, dst: str) -> bool:
         return False
     if src.version is not None and src.version == d.version:
         return True
-    return src.mtime is None or d.mtime is None or d.mtime >= src.mtime
+    # object stores report whole seconds: a copy made in the same second as the source's change counts as newer
+    return src.mtime is None or d.mtime is None or d.mtime >= math.floor(src.mtime)
 
 
 def _copy_one(sb: Backend, src: ObjectInfo, db: Backend, dst: str, add: Callable[[int], None], chunk_max: int) -> None:
