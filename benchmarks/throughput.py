@@ -90,6 +90,28 @@ def _u8(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def pack(state: dict[str, torch.Tensor]) -> bytearray:
+    """The tensor bytes back to back in one buffer (what a raw write stores)."""
+    buf, pos = bytearray(nbytes(state)), 0
+    for t in state.values():
+        mv = _u8(t)
+        buf[pos: pos + len(mv)] = mv
+        pos += len(mv)
+    return buf
+
+
+def unpack(ref: dict[str, torch.Tensor], data: Any) -> dict[str, torch.Tensor]:
+    """Fresh tensors shaped like ``ref`` filled from ``pack``ed bytes."""
+    data, out, pos = memoryview(data).cast("B"), {}, 0
+    for k, v in ref.items():
+        t = torch.empty_like(v)
+        mv = _u8(t)
+        mv[:] = data[pos: pos + len(mv)]
+        pos += len(mv)
+        out[k] = t
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # implementations: a save and a load on one kind of target
 
@@ -211,26 +233,11 @@ def memory_baselines() -> list[Impl]:
         return torch.load(b, weights_only=True)
 
     def msave(s: dict, u: str) -> None:
-        buf = bytearray(nbytes(s))
-        pos = 0
-        for t in s.values():
-            mv = _u8(t)
-            buf[pos: pos + len(mv)] = mv
-            pos += len(mv)
-        store[u] = buf
-
-    def mload(r: dict, u: str) -> dict:
-        buf, out, pos = memoryview(store.pop(u)), {}, 0
-        for k, v in r.items():
-            t = torch.empty_like(v)
-            mv = _u8(t)
-            mv[:] = buf[pos: pos + len(mv)]
-            pos += len(mv)
-            out[k] = t
-        return out
+        store[u] = pack(s)
 
     return [Impl("torch.save/load BytesIO", True, ".pt", tsave, tload),
-            Impl("raw memcpy", True, ".raw", msave, mload, "copy of the tensor bytes into one buffer and back")]
+            Impl("raw memcpy", True, ".raw", msave, lambda r, u: unpack(r, store.pop(u)),
+                 "copy of the tensor bytes into one buffer and back")]
 
 
 def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl]:
@@ -245,15 +252,7 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
                 f.write(_u8(t))
 
     def rload(r: dict, u: str) -> dict:
-        data = memoryview(fs.cat_file(path(u)))
-        out, pos = {}, 0
-        for k, v in r.items():
-            t = torch.empty_like(v)
-            mv = _u8(t)
-            mv[:] = data[pos: pos + len(mv)]
-            pos += len(mv)
-            out[k] = t
-        return out
+        return unpack(r, fs.cat_file(path(u)))
 
     def tsave(s: dict, u: str) -> None:
         with fs.open(path(u), "wb") as f:
@@ -289,28 +288,8 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
 
 def backend_raw_baseline() -> Impl:
     """For user URIs: the storage's own speed for the same bytes, through ckptio's backend (no serialization)."""
-
-    def save(s: dict, u: str) -> None:
-        buf = bytearray(nbytes(s))
-        pos = 0
-        for t in s.values():
-            mv = _u8(t)
-            buf[pos: pos + len(mv)] = mv
-            pos += len(mv)
-        ckptio.put(buf, u)
-
-    def load(r: dict, u: str) -> dict:
-        data = memoryview(ckptio.get(u))
-        out, pos = {}, 0
-        for k, v in r.items():
-            t = torch.empty_like(v)
-            mv = _u8(t)
-            mv[:] = data[pos: pos + len(mv)]
-            pos += len(mv)
-            out[k] = t
-        return out
-
-    return Impl("raw put/get", True, ".raw", save, load, "one ckptio.put/get of the tensor bytes")
+    return Impl("raw put/get", True, ".raw", lambda s, u: ckptio.put(pack(s), u),
+                lambda r, u: unpack(r, ckptio.get(u)), "one ckptio.put/get of the tensor bytes")
 
 
 # ---------------------------------------------------------------------------------------------
