@@ -176,6 +176,7 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
     sd = make_state(mib, n=8)
     size = nbytes(sd)
     part = 16 << 20
+    our_part = 5 << 20  # small parts keep ckptio's upload buffers within max(64 MiB, 10%)
     with MotoServer() as server:
         ep = server.url
         ckptio.configure(backends={"s3": {"endpoint_url": ep, "access_key_id": "testing",
@@ -211,7 +212,7 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
                 f"s3://{bucket}/{fresh()}", thread_count=tc_, **fs_opts)))
 
         def our_save():
-            return timed(lambda: cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=part))
+            return timed(lambda: cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=our_part))
 
         def raw_put():
             return timed(lambda: client.upload_fileobj(io.BytesIO(raw), bucket, fresh(), Config=tc))
@@ -242,7 +243,7 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
             f"raw boto3 upload_fileobj, {threads * 4} threads": with_cleanup(raw_put),
             f"ckptio StorageWriter thread_count={threads}": with_cleanup(our_save),
         }, repeats)
-        report(f"S3 (moto) save, part {part >> 20} MiB", size, saves, f"ckptio StorageWriter thread_count={threads}")
+        report(f"S3 (moto) save, part {part >> 20} MiB (ckptio {our_part >> 20} MiB)", size, saves, f"ckptio StorageWriter thread_count={threads}")
         loads = interleave({
             "torch FsspecReader (default)": fs_load,
             f"raw boto3 download_fileobj, {threads * 4} threads": raw_get,
@@ -252,7 +253,7 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
         assert all(torch.equal(dest[k], sd[k]) for k in sd)
         print("  (FsspecReader has no thread option: its default is its only setting)")
         with PeakRSS() as m:
-            cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=part)
+            cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=our_part)
         print(f"\n  peak RSS above the state dict during ckptio S3 save: {m.peak / (1 << 20):.1f} MiB "
               f"(limit max(64 MiB, 10% of payload) = {max(64 << 20, size // 10) / (1 << 20):.0f} MiB)")
         cleanup()

@@ -63,6 +63,7 @@ from torch.futures import Future
 
 from . import uri as _uri
 from .backends.base import Backend
+from .backends.local import LocalBackend
 from .context import resolve
 from .errors import AlreadyExistsError, IncompleteCheckpointError, IntegrityError
 
@@ -288,13 +289,15 @@ class StorageWriter(_storage.StorageWriter):
     memory by its backend writer); ``part_size``/``concurrency`` go to the backend (multipart part
     size and parallel parts per object); ``overwrite`` allows replacing a committed checkpoint;
     ``checksums=False`` skips recording checksums; ``durable=False`` skips fsync on local
-    storage. Other keyword arguments are backend options (as for :func:`ckptio.resolve`).
+    storage; ``max_buffer_bytes`` caps upload buffers on object stores (default max(64 MiB,
+    10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments are backend options (as for :func:`ckptio.resolve`).
     """
 
     def __init__(self, uri: str | os.PathLike, *, thread_count: int = 4, part_size: int | None = None,
                  concurrency: int | None = None, overwrite: bool = False, checksums: bool = True,
-                 durable: bool = True, **backend_options: Any) -> None:
+                 durable: bool = True, max_buffer_bytes: int | None = None, **backend_options: Any) -> None:
         super().__init__()
+        self.max_buffer_bytes = max_buffer_bytes
         if int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
         self.thread_count = int(thread_count)
@@ -355,11 +358,12 @@ class StorageWriter(_storage.StorageWriter):
         cancel = threading.Event()
         jobs = [(f"{prefix}{n}{DATA_SUFFIX}", g) for n, g in enumerate(groups)]
         results: list[WriteResult] = []
-        if len(jobs) <= 1:
+        workers = self._bound_memory(sum(_item_nbytes(i) for i in plan.items), len(jobs))
+        if workers <= 1:
             for name, g in jobs:
                 results += self._write_object(name, g, planner, cancel)
         else:
-            with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptio-dcp-write") as pool:
+            with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-dcp-write") as pool:
                 futs = [pool.submit(self._write_object, name, g, planner, cancel) for name, g in jobs]
                 try:
                     for f in futs:
@@ -371,14 +375,36 @@ class StorageWriter(_storage.StorageWriter):
         fut.set_result(results)
         return fut
 
+    def _bound_memory(self, payload: int, objects: int) -> int:
+        """Objects to write at once, and the write backend's parts in flight, within the memory budget.
+
+        Object-store writers buffer about ``(concurrency + 1) * part_size`` per object (and the
+        client may copy each part in flight once more); local files are written straight from
+        tensor memory. The budget is ``max_buffer_bytes``, by default max(64 MiB, payload / 10).
+        """
+        self._write_backend = self.backend
+        if isinstance(self.backend, LocalBackend) or objects == 0:
+            return objects
+        budget = self.max_buffer_bytes or max(64 << 20, payload // 10)
+        part = self.backend.part_size
+        per_part = 2 * part  # the part buffer plus the client's copy of it
+        parts = max(1, budget // per_part)  # parts this rank may hold at once
+        workers = max(1, min(objects, parts // 2))
+        concurrency = self.backend.concurrency
+        if "concurrency" not in self._options:
+            concurrency = max(1, min(concurrency, parts // workers - 1))
+            if concurrency != self.backend.concurrency:
+                self._write_backend, _ = resolve(self.uri, **{**self._options, "concurrency": concurrency})
+        return workers
+
     def _write_object(self, name: str, items: list[WriteItem], planner: SavePlanner,
                       cancel: threading.Event) -> list[WriteResult]:
         uri = self._path(name)
         results: list[WriteResult] = []
         item: WriteItem | None = None
-        chunk = max(self.backend.part_size, 8 << 20)
+        chunk = 8 << 20  # largest staging copy for a non-contiguous or non-CPU tensor
         try:
-            with self.backend.open_writer(uri, mode="overwrite", durable=self.durable) as w:
+            with self._write_backend.open_writer(uri, mode="overwrite", durable=self.durable) as w:
                 offset = 0
                 for item in items:
                     if cancel.is_set():
