@@ -602,14 +602,23 @@ def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> st
 # commands
 
 
+def _as_given(given: str, resolved: str, child: str) -> str:
+    """``child`` (a resolved URI under ``resolved``) spelled the way the user wrote ``given`` (alias, mapping)."""
+    if given == resolved:
+        return child
+    if child.rstrip("/") == resolved.rstrip("/"):
+        return given
+    return _uri.join_path(given, child[len(resolved.rstrip("/")):].lstrip("/"))
+
+
 def cmd_ls(args: argparse.Namespace, out: Out) -> int:
     backend, uri = resolve(args.uri)
     if _kind(backend, uri) == "file":
         entries = [backend.stat(uri)]
     else:
         entries = sorted(backend.list(uri, recursive=args.recursive), key=lambda i: i.uri)
-    rows = [{"uri": i.uri if args.uri == uri else _uri.join_path(args.uri, _rel(uri, i.uri)) if i.uri != uri else args.uri,
-             "size": i.size, "mtime": i.mtime, "version": i.version, "is_dir": i.is_dir} for i in entries]
+    rows = [{"uri": _as_given(args.uri, uri, i.uri), "size": i.size, "mtime": i.mtime, "version": i.version,
+             "is_dir": i.is_dir} for i in entries]
 
     def text() -> str:
         if not args.long:
@@ -647,7 +656,7 @@ def cmd_rm(args: argparse.Namespace, out: Out) -> int:
             raise UsageError(f"{args.uri} is a directory; pass -r to remove it and everything under it")
         victims = [i.uri for i in backend.list(uri, recursive=True) if not i.is_dir]
         backend.rmtree(uri)
-        if backend.__class__.__name__ == "LocalBackend":  # object stores have no empty directories to leave
+        if _uri.scheme_of(uri) in ("", "file"):  # local directories stay behind empty; object stores have none
             import shutil
 
             shutil.rmtree(uri.removeprefix("file://"), ignore_errors=True)
