@@ -53,3 +53,15 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys):
     import ckptio
 
     assert not ckptio.exists(f"{s3_uri}/b") or not ckptio.ls(f"{s3_uri}/b", recursive=True)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ckptio_bench_command(tmp_path, capsys):
+    from ckptio import cli
+
+    code = cli.main(["--json", "bench", "--sizes", "64KiB", "--repeats", "1", "--backends", "memory", "--out",
+                     str(tmp_path), "--name", "cmd", "--no-chart"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["outputs"]["json"] == str(tmp_path / "cmd.json") and doc["outputs"]["png"] is None
+    assert {r["backend"] for r in doc["results"]} == {"memory"}
