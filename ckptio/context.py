@@ -58,9 +58,12 @@ class Context:
             self._drop()
 
     def _drop(self) -> None:
-        for b in self._backends.values():
-            b.close()
+        if os.getpid() == self._pid:
+            for b in self._backends.values():
+                b.close()
+        # in a forked child the inherited clients belong to the parent: forget them, never close them
         self._backends.clear()
+        self._pid = os.getpid()
         self._settings = None
 
     def resolve(self, uri: str | os.PathLike, *, cache: Any = None, **options: Any) -> tuple[Backend, str]:
