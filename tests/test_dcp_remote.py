@@ -92,3 +92,12 @@ def test_big_state_on_s3_after_interrupted_save(s3_uri):
     assert not cd.is_complete(uri)
     with pytest.raises(CheckpointException, match="incomplete"):
         cd.load({k: torch.zeros_like(v) for k, v in W.big_state(1).items()}, uri)
+
+
+def test_upload_buffers_are_bounded(s3_uri, tmp_path):
+    w = cd.StorageWriter(f"{s3_uri}/x", part_size=5 << 20)  # 64 MiB budget, ~10 MiB per part in flight
+    assert w._bound_memory(256 << 20, 2) == 2 and w._write_backend.concurrency == 2
+    w = cd.StorageWriter(f"{s3_uri}/x", part_size=5 << 20, max_buffer_bytes=20 << 20)
+    assert w._bound_memory(256 << 20, 4) == 1 and w._write_backend.concurrency == 1
+    w = cd.StorageWriter(str(tmp_path / "x"))  # local files are written from tensor memory: no cap
+    assert w._bound_memory(256 << 20, 4) == 4
