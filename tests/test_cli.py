@@ -279,3 +279,24 @@ target = "{s3_uri}/ck"
     r = _cli(["config", "--json"], str(cfg))
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["sources"] == [str(cfg)] and doc["backends"]["s3"]["secret_access_key"] == "***"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_verify_dcp_written_by_torch(tmp_path, capsys):
+    import struct
+    import zipfile
+
+    import torch.distributed.checkpoint as tdcp
+
+    root = tmp_path / "tdcp"
+    tdcp.save({"w": torch.randn(32, 32)}, storage_writer=tdcp.FileSystemWriter(str(root)))
+    code, doc = run_json(capsys, "verify", str(root))
+    assert code == 0 and doc["checked"] == 1 and doc["unchecked"] == 0
+    obj = next(root.glob("*.distcp"))
+    data = bytearray(obj.read_bytes())
+    member = next(i for i in zipfile.ZipFile(io.BytesIO(bytes(data))).infolist() if i.filename.endswith("data/0"))
+    n, e = struct.unpack("<HH", data[member.header_offset + 26: member.header_offset + 30])
+    data[member.header_offset + 30 + n + e + 17] ^= 0xFF  # a byte of the tensor
+    obj.write_bytes(bytes(data))
+    code, out, err = run(capsys, "verify", str(root))
+    assert code == cli.EXIT_FAILURE and "CRC mismatch" in err
