@@ -257,7 +257,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 RSS_CHILD = r"""
-import os, resource, sys, time
+import os, sys
 sys.path.insert(0, sys.argv[3])
 import torch, psutil
 from ckptio import fastpickle as fp
@@ -268,7 +268,8 @@ if kind == "fastpickle":
     out = fp.load(path)
 else:
     out = torch.load(path, weights_only=True)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report the (large) parent's peak
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(before, peak)
 """
 

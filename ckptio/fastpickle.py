@@ -716,8 +716,11 @@ def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> 
     bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}
     part = getattr(src, "part_size", CHUNK)
+    # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
+    # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
+    limit = COALESCE_MAX if src.fd is not None else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
-    for run in _runs(idxs, meta.storages, COALESCE_GAP, COALESCE_MAX):
+    for run in _runs(idxs, meta.storages, COALESCE_GAP, limit):
         first, last = meta.storages[run[0]], meta.storages[run[-1]]
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
             for pos in range(0, first[1], part):
