@@ -243,3 +243,13 @@ class MultipartWriter(Writer):
         tokens = [f.result() for f in self._futures]
         run(self._loop, self.complete, self._handle, tokens, self._offset)
         self._state = "closed"
+
+
+def no_hidden_retries(session: Any) -> Any:
+    """Stop an ``aiohttp.ClientSession`` from silently re-sending an idempotent request (GET, PUT,
+    HEAD, DELETE) once when a pooled connection breaks: :class:`ckptio.retry.RetryPolicy` owns
+    retries, and a hidden re-send of an upload chunk can corrupt a resumable upload's offsets.
+    aiohttp has no public switch; the private flag is set only where it exists."""
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session

@@ -135,7 +135,7 @@ class GCSBackend(Backend):
                        parse_json: bool = False) -> tuple[int, Any, Any]:
         """One HTTP request. ``into``: stream the body there and return its length as the body."""
         stall = self.policy.stall_timeout
-        session = await self._fs._set_session()
+        session = _parallel.no_hidden_retries(await self._fs._set_session())
         hdrs = self._fs._get_headers(headers)
         if self._bearer is not None:
             hdrs["Authorization"] = f"Bearer {self._bearer}"
@@ -305,7 +305,24 @@ class GCSBackend(Backend):
 
     def delete(self, uri: str) -> None:
         bucket, key = self._split(uri)
-        self._call(uri, "DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204))
+        ambiguous = False
+
+        async def on_retry(e: BaseException) -> None:
+            nonlocal ambiguous
+            ambiguous = ambiguous or not isinstance(e, _HTTPStatus)
+
+        async def go() -> None:
+            try:
+                await self._retrying(uri, "DELETE", lambda: self._attempt(
+                    "DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204)), on_retry)
+            except _HTTPStatus as e:
+                if not (e.status == 404 and ambiguous):  # 404 after a lost answer: our delete went through
+                    raise
+
+        try:
+            _parallel.run(self._loop, go)
+        except Exception as e:
+            raise self.translate(e, uri) from None
 
 
 class _GCSWriter(_parallel.MultipartWriter):

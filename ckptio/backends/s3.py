@@ -119,7 +119,7 @@ class S3Backend(Backend):
         if bool(key) != bool(secret):
             raise CredentialsError(credentials_file or "s3 options",
                                    "S3 credentials need both an access key id and a secret access key")
-        if not key and self._refresher.provider is not None and not self.anon:
+        if self._refresher.provider is not None and not self.anon:  # the provider is the credentials' source
             key, secret, token = self._credentials_from(self._refresher.provider())
         extra = {"profile": profile} if profile else {}
         self._fs = s3fs.S3FileSystem(
@@ -128,7 +128,7 @@ class S3Backend(Backend):
             # botocore's retries are off: RetryPolicy owns them (read_timeout: no bytes for that long)
             config_kwargs={"connect_timeout": float(connect_timeout),
                            "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
-                           "retries": {"max_attempts": 1, "mode": "standard"},
+                           "retries": {"total_max_attempts": 1, "mode": "standard"},
                            "max_pool_connections": max(10, 2 * self.concurrency)},
             **extra)
         self._client: Any = None
@@ -143,8 +143,20 @@ class S3Backend(Backend):
 
     async def _s3(self) -> Any:
         if self._client is None:
-            self._client = await self._fs.set_session()
+            self._client = self._own_retries(await self._fs.set_session())
         return self._client
+
+    @staticmethod
+    def _own_retries(client: Any) -> Any:
+        """Make aiobotocore's aiohttp sessions leave retries to our policy (see ``no_hidden_retries``)."""
+        hs = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        get = getattr(hs, "_get_session", None)
+        if get is not None and not getattr(hs, "_ckptio_owned", False):
+            async def get_session(*a: Any, **kw: Any) -> Any:
+                return _parallel.no_hidden_retries(await get(*a, **kw))
+
+            hs._get_session, hs._ckptio_owned = get_session, True
+        return client
 
     @staticmethod
     def _credentials_from(creds: Any) -> tuple[str | None, str | None, str | None]:
@@ -160,7 +172,7 @@ class S3Backend(Backend):
         self._fs.key, self._fs.secret, self._fs.token = self._credentials_from(creds)
         if self._client is not None:
             self._old_clients.append(self._client)  # requests in flight still use it; closed in close()
-        self._client = await self._fs.set_session(refresh=True)
+        self._client = self._own_retries(await self._fs.set_session(refresh=True))
 
     def describe(self, e: BaseException, uri: str) -> str:
         if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError)):
