@@ -128,7 +128,8 @@ class GCSBackend(Backend):
     def describe(self, e: BaseException, uri: str) -> str:
         if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError, json.JSONDecodeError)):
             return f"{type(e).__name__}: {e}"
-        return str(self.translate(e, uri))
+        t = self.translate(e, uri)
+        return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
 
     async def _attempt(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
                        data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None,

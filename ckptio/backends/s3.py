@@ -38,7 +38,7 @@ try:
     import s3fs
     import aiohttp
     from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
-                                     HTTPClientError, IncompleteReadError, NoCredentialsError,
+                                     FlexibleChecksumError, HTTPClientError, IncompleteReadError, NoCredentialsError,
                                      PartialCredentialsError, ResponseStreamingError)
     from botocore.parsers import ResponseParserError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
@@ -55,7 +55,9 @@ _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
 _DENIED = {"AccessDenied", "403", "AllAccessDisabled", "Forbidden"}
+# FlexibleChecksumError: the body did not match the checksum S3 sent with it (truncated or damaged in flight)
 _TRANSIENT_CLIENT = (ResponseStreamingError, BotoConnectionError, HTTPClientError, IncompleteReadError,
+                     FlexibleChecksumError,
                      ResponseParserError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
 
 
@@ -177,7 +179,8 @@ class S3Backend(Backend):
     def describe(self, e: BaseException, uri: str) -> str:
         if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError)):
             return f"{type(e).__name__}: {e}"
-        return str(self.translate(e, uri))
+        t = self.translate(e, uri)
+        return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
 
     async def _op(self, uri: str, what: str, fn: Callable[[Any], Awaitable[Any]],
                   on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
