@@ -1,7 +1,10 @@
 """``torch.save`` files (``.pt``, ``.pth``, ``.ckpt``, ``.pth.tar``).
 
 Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=False`` only for
-files you trust. Local files are loaded from their path, so ``mmap=True`` works.
+files you trust. Loads go through ``backend.get_local_path``: a local (or node-cached) file is read
+in place, a remote object is first fetched with parallel ranged reads into a temporary file (torch's
+zip reader over a remote stream would issue one small sequential request per record). ``mmap=True``
+works everywhere; the mapping outlives the temporary file.
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 from typing import IO, Any
 
 from ..backends.base import Backend
-from ..backends.local import LocalBackend, local_path
 from .base import StreamFormat
 
 
@@ -26,10 +28,8 @@ class TorchFormat(StreamFormat):
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
-        if isinstance(backend, LocalBackend):
-            import torch
+        import torch
 
-            kw.setdefault("weights_only", True)
-            backend.stat(uri)  # FileNotFoundError naming the URI
-            return torch.load(local_path(uri), **kw)
-        return super().load(backend, uri, **kw)
+        kw.setdefault("weights_only", True)
+        with backend.get_local_path(uri) as path:
+            return torch.load(path, **kw)
