@@ -54,12 +54,20 @@ from .registry import register_backend, register_format
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # lazy: the Checkpointer imports torch, ``import ckptio`` does not
+_LAZY_MODULES = ("fastpickle", "dcp", "distributed", "checkpointer", "cli", "progress")
+
+
+def __getattr__(name: str):  # lazy: these import torch (and torch.distributed); ``import ckptio`` does not
     if name == "Checkpointer":
         from .checkpointer import Checkpointer
 
         return Checkpointer
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ckptio' has no attribute {name!r}")
+
 
 __all__ = [
     "AccessDeniedError", "AlreadyExistsError", "Backend", "Checkpointer", "CkptioError", "Context", "CredentialsError", "Format",

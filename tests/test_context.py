@@ -36,3 +36,13 @@ def test_backends_are_cached_per_options_and_dropped_by_reset():
     assert b1 is b2 and b3 is not b1
     ckptio.reset()
     assert ckptio.resolve("memory://a/x")[0] is not b1
+
+
+def test_import_is_cheap_and_submodules_load_on_first_use():
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptio; assert 'torch' not in sys.modules and 's3fs' not in sys.modules; "
+            "ckptio.fastpickle.inspect, ckptio.dcp.is_complete, ckptio.distributed.load, ckptio.Checkpointer; "
+            "assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
