@@ -46,8 +46,11 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise TransferError(errno.ENOSPC, f"no space left on device while writing {uri}", uri) from e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+            raise TransferError(e.errno, f"{what} while writing {uri}", uri) from e
+        if e.errno == errno.EROFS:
+            raise AccessDeniedError(uri, "read-only file system") from e
         raise
 
 

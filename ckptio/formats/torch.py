@@ -19,7 +19,13 @@ class TorchFormat(StreamFormat):
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         import torch
 
-        torch.save(obj, f, **kw)
+        try:
+            torch.save(obj, f, **kw)
+        except RuntimeError as e:  # torch's zip writer hides a failed write (disk full...) behind its own error
+            err = e.__context__
+            if isinstance(err, OSError):
+                raise err from e
+            raise
 
     def load_file(self, f: IO, **kw: Any) -> Any:
         import torch

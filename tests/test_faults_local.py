@@ -1,0 +1,167 @@
+"""Local faults: a filesystem that fills up, a read-only mount, files damaged after writing.
+
+Writes that fail part-way raise a ckptio error naming the URI, leave no temporary file behind and
+leave the existing object (or checkpoint) under the same name untouched. Damage after writing is
+detected by checksums on load (fastpickle, DCP), naming the object and the byte range.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import dcp
+from ckptio.checkpointer import Checkpointer
+from ckptio.errors import AccessDeniedError, IntegrityError, TransferError
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+
+
+def _mount(path, *opts: str) -> None:
+    path.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(opts), "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {r.stderr.decode().strip()}")
+
+
+def _umount(path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs."""
+    d = tmp_path / "small"
+    _mount(d, "size=1m")
+    yield d
+    _umount(d)
+
+
+@pytest.fixture
+def ro_fs(tmp_path):
+    """A tmpfs holding one committed checkpoint file, then remounted read-only (root ignores mode bits)."""
+    d = tmp_path / "ro"
+    _mount(d, "size=4m")
+    ckptio.dump({"w": torch.ones(10)}, str(d / "old.pt"))
+    r = subprocess.run(["mount", "-o", "remount,ro", str(d)], capture_output=True)
+    if r.returncode != 0:
+        _umount(d)
+        pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
+    yield d
+    _umount(d)
+
+
+def _names(d) -> list[str]:
+    return sorted(p.name for p in d.rglob("*"))
+
+
+@pytest.mark.parametrize("ext", [".pt", ".fpk", ".bin"])
+def test_disk_full_raises_cleans_up_and_keeps_existing(small_fs, ext):
+    old = {"w": torch.arange(1000.0)}
+    target = str(small_fs / f"ckpt{ext}")
+    if ext == ".bin":
+        ckptio.put(b"old bytes", target)
+    else:
+        ckptio.dump(old, target)
+    before = open(target, "rb").read()
+    big = os.urandom(2 * 1024 * 1024)
+    with pytest.raises(TransferError) as ei:
+        if ext == ".bin":
+            ckptio.put(big, target)
+        else:
+            ckptio.dump({"w": torch.frombuffer(bytearray(big), dtype=torch.uint8)}, target)
+    assert ei.value.errno == errno.ENOSPC and target in str(ei.value)
+    assert _names(small_fs) == [f"ckpt{ext}"]  # no temporary file left
+    assert open(target, "rb").read() == before
+    if ext != ".bin":
+        assert torch.equal(ckptio.load(target)["w"], old["w"])
+
+
+def test_disk_full_during_checkpointer_save_keeps_last_commit(small_fs):
+    root = str(small_fs / "run")
+    ck = Checkpointer(root, format="fpk")
+    ck.save(1, {"model": {"w": torch.ones(1000)}})
+    with pytest.raises(OSError) as ei:
+        ck.save(2, {"model": {"w": torch.ones(400_000)}})  # 1.6 MB > 1 MiB
+    assert ei.value.errno == errno.ENOSPC
+    fresh = Checkpointer(root, format="fpk")
+    state = {"model": {"w": torch.zeros(1000)}}
+    assert fresh.latest() == 1 and fresh.load(state) == 1 and torch.equal(state["model"]["w"], torch.ones(1000))
+    assert not any(".ckptio-tmp-" in n for n in _names(small_fs))
+
+
+def test_read_only_mount(ro_fs):
+    target = str(ro_fs / "old.pt")
+    with pytest.raises(AccessDeniedError) as ei:
+        ckptio.dump({"w": torch.zeros(10)}, target)
+    assert target in str(ei.value) and "read-only" in str(ei.value)
+    with pytest.raises(PermissionError):
+        ckptio.put(b"x", str(ro_fs / "new.bin"))
+    assert torch.equal(ckptio.load(target)["w"], torch.ones(10))
+    assert _names(ro_fs) == ["old.pt"]
+
+
+# ---- damage after writing ----------------------------------------------------------------------
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_fpk_bit_flip_is_detected_with_object_and_range(tmp_path):
+    p = str(tmp_path / "s.fpk")
+    ckptio.dump({"w": torch.randn(300, 300)}, p)
+    _flip(p, os.path.getsize(p) // 2)
+    with pytest.raises(IntegrityError) as ei:
+        ckptio.load(p)
+    assert p in str(ei.value) and "'w'" in str(ei.value) and "bytes [" in str(ei.value)
+
+
+def test_fpk_truncation_is_detected(tmp_path):
+    p = str(tmp_path / "s.fpk")
+    ckptio.dump({"w": torch.randn(300, 300)}, p)
+    os.truncate(p, os.path.getsize(p) - 1000)
+    with pytest.raises(IntegrityError, match="truncated") as ei:
+        ckptio.load(p)
+    assert p in str(ei.value)
+
+
+def test_dcp_bit_flip_is_detected_with_object_and_range(tmp_path):
+    d = str(tmp_path / "ck")
+    dcp.save({"w": torch.randn(300, 300)}, d)
+    data = [n for n in os.listdir(d) if n.endswith(".distcp")][0]
+    _flip(os.path.join(d, data), os.path.getsize(os.path.join(d, data)) // 2)
+    with pytest.raises(BaseException) as ei:  # torch wraps it in CheckpointException
+        dcp.load({"w": torch.zeros(300, 300)}, d)
+    text = str(ei.value)
+    assert "IntegrityError" in text and data in text and "bytes [" in text
+
+
+def test_dcp_truncated_data_is_detected(tmp_path):
+    d = str(tmp_path / "ck")
+    dcp.save({"w": torch.randn(300, 300)}, d)
+    data = os.path.join(d, [n for n in os.listdir(d) if n.endswith(".distcp")][0])
+    os.truncate(data, os.path.getsize(data) // 2)
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"w": torch.zeros(300, 300)}, d)
+    assert os.path.basename(data) in str(ei.value)
+
+
+def test_remote_fpk_bit_flip_is_detected(s3_uri):
+    uri = s3_uri + "/s.fpk"
+    ckptio.dump({"w": torch.randn(300, 300)}, uri)
+    raw = bytearray(ckptio.get(uri))
+    raw[len(raw) // 2] ^= 0x01
+    ckptio.put(bytes(raw), uri)
+    with pytest.raises(IntegrityError) as ei:
+        ckptio.load(uri)
+    assert uri in str(ei.value) and "bytes [" in str(ei.value)
