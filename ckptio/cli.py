@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from . import config as _config
 from . import uri as _uri
 from .backends.base import Backend, ObjectInfo
+from .backends.local import ensure_inside
 from .context import default_context, resolve
 from .errors import (
     FormatError,
@@ -183,6 +184,7 @@ def copy(src: str, dst: str, *, recursive: bool = False, jobs: int = 4, skip_exi
                 pairs.append((info, _uri.join_path(d, *_rel(s, info.uri).split("/"))))
     todo, skipped = [], []
     for info, target in pairs:
+        ensure_inside(db, d, target)
         if skip_existing and _up_to_date(info, db, target):
             skipped.append(target)
         else:

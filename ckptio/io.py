@@ -15,6 +15,7 @@ from typing import IO, Any, Iterator, Mapping
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend, WriteMode, copy_between
+from .backends.local import ensure_inside
 from .backends.cached import CachedBackend
 from .context import default_context
 from .errors import SettingsError
@@ -295,6 +296,7 @@ def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = Non
         if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
             raise SettingsError(f"refusing to copy {info.uri!r}: its key escapes {src!r}")
         target = _uri.join_path(d, *rel.split("/"))
+        ensure_inside(db, d, target)
         if sb is db:
             sb.copy(info.uri, target, mode=mode)
         else:

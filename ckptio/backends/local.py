@@ -54,6 +54,20 @@ def translate_os_errors(uri: str) -> Iterator[None]:
         raise
 
 
+def ensure_inside(backend: Backend, root: str, target: str) -> None:
+    """For a local destination: refuse ``target`` if, with symlinks resolved, it is not under ``root``.
+
+    Tree copies and cache fills call this so a key (``../``) or a symlink already in the
+    destination cannot make them write outside the directory the caller named."""
+    if not isinstance(backend, LocalBackend):
+        return
+    real_root = os.path.realpath(local_path(root))
+    real = os.path.realpath(local_path(target))
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise AccessDeniedError(target, f"refusing to write outside {root} (the path leaves it through a "
+                                "symlink or '..')")
+
+
 def fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):  # some filesystems refuse O_RDONLY on directories
         fd = os.open(path, os.O_RDONLY)
