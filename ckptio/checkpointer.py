@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import functools
 import json
 import logging
 import os
@@ -245,6 +246,14 @@ def _apply(target: Any, source: Any, prefix: str, res: LoadResult) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+def _report_background_failure(uri: str, fut: cf.Future) -> None:
+    """Log a failed background save at once: if the program ends without another call, the error
+    would otherwise vanish. It is still raised by the next ``save``/``wait``/``close``."""
+    exc = fut.exception()
+    if exc is not None:
+        log.error("background save of %s failed; it will be raised by the next save/wait/close: %r", uri, exc)
+
+
 class Checkpointer:
     """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
 
@@ -437,6 +446,7 @@ class Checkpointer:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptio-checkpointer",
                                                initializer=_lower_priority, initargs=(self.background_nice,))
         self._future = self._pool.submit(self._persist, step, staged, metrics)
+        self._future.add_done_callback(functools.partial(_report_background_failure, self.uri(step)))
 
     def wait(self) -> None:
         """Wait for the background save, if any; re-raise its exception if it failed."""

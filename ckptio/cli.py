@@ -159,13 +159,15 @@ def _copy_one(sb: Backend, src: ObjectInfo, db: Backend, dst: str, add: Callable
             pos += n
 
 
-def copy(src: str, dst: str, *, recursive: bool = False, jobs: int = 4, skip_existing: bool = True,
+def copy(src: str, dst: str, *, recursive: bool = False, jobs: int = 4, skip_existing: bool = False,
          progress: Callable[[int, int], None] | None = None) -> CopyResult:
     """Copy an object, or (``recursive=True``) every object under a prefix, from any backend to any backend.
 
     A ``dst`` ending in ``/`` or naming an existing directory receives the source's basename.
-    ``skip_existing`` makes reruns resume: destination objects with the source's size and a version
-    or mtime at least as new are left alone. ``jobs`` files move in parallel.
+    ``skip_existing`` (``cp --resume``) continues an interrupted copy: destination objects with the
+    source's size and an equal version, or an mtime at least as new, are left alone. It is opt-in
+    because a same-size, newer but different destination would be skipped too (checkpoints of one
+    model all have the same size). ``jobs`` files move in parallel.
     """
     t0 = time.perf_counter()
     sb, s = resolve(src)
@@ -651,7 +653,7 @@ def cmd_ls(args: argparse.Namespace, out: Out) -> int:
 
 def cmd_cp(args: argparse.Namespace, out: Out) -> int:
     with out.bar(0, "cp") as bar:
-        res = copy(args.src, args.dst, recursive=args.recursive, jobs=args.jobs, skip_existing=not args.force,
+        res = copy(args.src, args.dst, recursive=args.recursive, jobs=args.jobs, skip_existing=args.resume,
                    progress=bar)
     rate = res.bytes_copied / res.seconds / 1e9 if res.seconds > 0 else 0.0
     data = {"copied": len(res.copied), "skipped": len(res.skipped), "bytes": res.bytes_copied,
@@ -823,7 +825,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("dst")
     a.add_argument("-r", "--recursive", action="store_true")
     a.add_argument("-j", "--jobs", type=int, default=4, help="files copied in parallel (default 4)")
-    a.add_argument("-f", "--force", action="store_true", help="copy even when the destination looks up to date")
+    a.add_argument("--resume", action="store_true",
+                   help="continue an interrupted copy: skip destination files with the same size and an equal "
+                        "version or a newer mtime (a same-size, newer destination is assumed complete)")
     a.set_defaults(func=cmd_cp)
 
     a = sub.add_parser("rm", parents=[common], help="remove an object (-r: a directory/prefix)")

@@ -40,13 +40,17 @@ else:  # pragma: no cover
 
 ENV_CONFIG = "CKPTIO_CONFIG"
 REDACTED = "***"
-_SECRET_RE = re.compile(r"secret|token|password|passwd|session|access_key|private|credential_json|api_key", re.I)
+_SECRET_RE = re.compile(
+    r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
+    r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$", re.I)
+_URL_USERINFO_RE = re.compile(r"(^[a-z][a-z0-9+.\-]*://)[^/@\s]+@", re.I)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def is_secret(key: str) -> bool:
+    """Whether an option name holds a secret (s3fs ``key``/``secret``, ``*_token``, adlfs ``account_key``...)."""
     return bool(_SECRET_RE.search(key))
 
 
@@ -57,7 +61,12 @@ def redact(options: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(v, Mapping):
             out[k] = redact(v)
         else:
-            out[k] = REDACTED if (is_secret(str(k)) and v is not None) else v
+            if is_secret(str(k)) and v is not None:
+                out[k] = REDACTED
+            elif isinstance(v, str):
+                out[k] = _URL_USERINFO_RE.sub(rf"\1{REDACTED}@", v)  # https://user:pass@host
+            else:
+                out[k] = v
     return out
 
 

@@ -18,7 +18,7 @@ from .backends.base import Backend, WriteMode, copy_between
 from .backends.local import ensure_inside
 from .backends.cached import CachedBackend
 from .context import default_context
-from .errors import SettingsError
+from .errors import SettingsError, UnknownSchemeError
 from .formats.base import Format
 
 
@@ -71,8 +71,19 @@ def _resolve(uri: str | os.PathLike, backend_args: Mapping[str, Any] | None = No
         best = max((p for p in mapping if uri.startswith(p)), key=len, default=None)
         if best is not None:
             uri = mapping[best] + uri[len(best):]
-        options = {**extra, **options}
+        if extra and (backend is None or _backend_name(uri) == _BACKEND_NAMES[backend]):
+            # only the backend the args are for gets its options: in copyfile_to_local(s3 -> /tmp,
+            # backend_args=s3 credentials) the local side must not receive credentials_file
+            options = {**extra, **options}
     return ctx.resolve(uri, **options)
+
+
+def _backend_name(uri: str) -> str | None:
+    s = default_context().settings
+    try:
+        return _registry.backends.find(s.resolve_alias(s.map_path(uri))[0]).name
+    except UnknownSchemeError:
+        return None
 
 
 def _format_for(uri: str, file_format: str | None) -> Format:

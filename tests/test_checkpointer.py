@@ -325,3 +325,14 @@ def test_async_failure_raises_on_next_call(memory_uri, monkeypatch):
     ck.save(2, {"v": torch.ones(4)})
     with pytest.raises(FlakyError):
         ck.wait()
+
+
+def test_failed_background_save_is_reported_even_if_the_program_just_ends(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import torch, ckptio\n"
+            f"ck = ckptio.Checkpointer({str(tmp_path / 'ck')!r}, format='fpk', async_save=True)\n"
+            "ck.save(1, {'m': {'w': torch.ones(3)}, 't': {'o': object()}})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "background save" in r.stderr and "failed" in r.stderr, r.stderr

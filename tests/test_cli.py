@@ -67,14 +67,14 @@ def test_ls_cp_rm_across_backends(request, capsys, src_fx, dst_fx):
     for rel, data in files.items():
         assert ckptio.get(f"{dst}/{rel}") == data
 
-    code, res = run_json(capsys, "cp", "-r", src, dst)  # resumable: nothing left to do
+    code, res = run_json(capsys, "cp", "-r", "--resume", src, dst)  # resumable: nothing left to do
     assert code == 0 and res["copied"] == 0 and res["skipped"] == 3
-    code, res = run_json(capsys, "cp", "-r", "--force", src, dst)
+    code, res = run_json(capsys, "cp", "-r", src, dst)  # without --resume everything is copied again
     assert code == 0 and res["copied"] == 3
 
     code, res = run_json(capsys, "cp", f"{src}/a.bin", dst + "/one/")  # into a directory, keeping the name
     assert code == 0 and res["files"] == [f"{dst}/one/a.bin"]
-    code, res = run_json(capsys, "cp", f"{src}/a.bin", dst)  # an existing directory: the same
+    code, res = run_json(capsys, "cp", "--resume", f"{src}/a.bin", dst)  # an existing directory: the same
     assert code == 0 and res["skipped_files"] == [f"{dst}/a.bin"]
 
     assert run(capsys, "rm", dst)[0] == cli.EXIT_USAGE  # a directory needs -r
@@ -91,9 +91,19 @@ def test_cp_resumes_after_partial_copy(local_uri, s3_uri, capsys):
         ckptio.put(bytes([i]) * 50_000, f"{src}/f{i}.bin")
     ckptio.put(bytes([0]) * 50_000, f"{dst}/f0.bin")  # already there (as if a previous run copied it)
     ckptio.put(b"short", f"{dst}/f1.bin")  # a different size: copied again
-    code, res = run_json(capsys, "cp", "-r", src, dst)
+    code, res = run_json(capsys, "cp", "-r", "--resume", src, dst)
     assert code == 0 and res["skipped"] == 1 and res["copied"] == 3
     assert ckptio.get(f"{dst}/f1.bin") == bytes([1]) * 50_000
+
+
+def test_cp_without_resume_replaces_same_size_newer_destination(local_uri, capsys):
+    src, dst = f"{local_uri}/old.bin", f"{local_uri}/new.bin"
+    ckptio.put(b"A" * 1000, src)
+    os.utime(src, (1_000_000, 1_000_000))  # an older checkpoint of the same size
+    ckptio.put(b"B" * 1000, dst)
+    code, res = run_json(capsys, "cp", src, dst)
+    assert code == 0 and res["copied"] == 1
+    assert ckptio.get(dst) == b"A" * 1000
 
 
 @pytest.mark.parametrize("fx", ["local_uri", "s3_uri", "gcs_uri"])

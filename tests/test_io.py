@@ -270,3 +270,17 @@ def test_ordered_dict_roundtrip_pt(root):
     uri = ckptio.join_path(root, "od.pt")
     ckptio.dump(od, uri)
     assert list(ckptio.load(uri)) == ["b", "a"]
+
+
+def test_backend_args_apply_only_to_their_backend(tmp_path):
+    """Cosmos calls copyfile_to_local(s3_uri, local, backend_args={s3 creds}): the local side ignores them."""
+    creds = tmp_path / "creds.json"
+    creds.write_text(json.dumps({"aws_access_key_id": "k", "aws_secret_access_key": "s"}))
+    args = {"backend": "s3", "s3_credential_path": str(creds)}
+    ckptio.put(b"x", "memory://m/a.bin")
+    ckptio.copyfile_to_local("memory://m/a.bin", str(tmp_path / "a.bin"), backend_args=args)
+    assert (tmp_path / "a.bin").read_bytes() == b"x"
+    assert ckptio.exists(str(tmp_path / "a.bin"), backend_args=args)
+    ckptio.set_s3_backend(key="team", backend_args=args)
+    ckptio.copyfile_from_local(str(tmp_path / "a.bin"), "memory://m/b.bin", backend_key="team")
+    assert ckptio.get("memory://m/b.bin") == b"x"

@@ -148,3 +148,16 @@ def test_configure_settings_file_and_reset(tmp_path):
     ckptio.reset()
     with pytest.raises(ckptio.UnknownSchemeError):
         ckptio.resolve("zz://k")
+
+
+@pytest.mark.parametrize("key", ["key", "secret", "token", "account_key", "connection_string", "sas_token",
+                                 "api_key", "aws_access_key_id", "aws_secret_access_key", "session_token"])
+def test_fsspec_style_secret_names_are_redacted(key):
+    ckptio.configure(backends={"abfs": {key: "S3CR3T-VALUE"}})
+    assert "S3CR3T-VALUE" not in repr(ckptio.settings())
+
+
+def test_credentials_in_urls_are_redacted():
+    ckptio.configure(backends={"s3": {"endpoint_url": "https://user:S3CR3T@host:9000"}})
+    shown = ckptio.settings()["backends"]["s3"]["endpoint_url"]
+    assert "S3CR3T" not in shown and shown.endswith("@host:9000")

@@ -369,8 +369,12 @@ class CachedBackend(Backend):
                 mv, n = nxt.result()
                 nxt = pool.submit(fetch, i + 1, pos + n) if pos + n < info.size else None
                 h.update(mv)
-                f.write(mv)
+                done = 0
+                while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
+                    done += f.write(mv[done:])
                 pos, i = pos + n, i + 1
+            if pos != info.size:
+                raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
             if self.fsync:
                 os.fsync(f.fileno())
         return h.hexdigest()
