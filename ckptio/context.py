@@ -107,7 +107,8 @@ class Context:
                 if unknown:
                     raise SettingsError(
                         f"backend {entry.name!r} (for {uri!r}) does not accept option(s) {unknown}; "
-                        f"it accepts {sorted(accepted or ())}"
+                        f"it accepts {sorted(accepted or ())}. Settings came from: "
+                        f"{', '.join(self.settings.sources) or 'defaults'} (and call arguments)"
                     )
                 try:
                     backend = cls(**opts)
