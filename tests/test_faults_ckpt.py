@@ -83,8 +83,9 @@ def test_dcp_permanent_fault_leaves_no_commit(faults):
     assert same(out, make_state(1))
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "fpk", "pt"])
-def test_checkpointer_save_resume_under_transient_faults(faults, fmt):
+@pytest.mark.parametrize("store,fmt", [("s3", "dcp"), ("gcs", "dcp"), ("s3", "fpk"), ("gcs", "pt")])
+def test_checkpointer_save_resume_under_transient_faults(request, store, fmt):
+    faults = request.getfixturevalue(f"{store}_faults")
     root = faults.uri + "/run"
     ck = Checkpointer(root, format=fmt, keep_last=2)
     ck.save(1, make_state(1))
@@ -96,8 +97,9 @@ def test_checkpointer_save_resume_under_transient_faults(faults, fmt):
     assert same(out, make_state(3)) and faults.fired() >= 3
 
 
-@pytest.mark.parametrize("fmt", ["dcp", "fpk"])
-def test_checkpointer_permanent_fault_keeps_last_commit(faults, fmt):
+@pytest.mark.parametrize("store,fmt", [("s3", "dcp"), ("gcs", "dcp"), ("s3", "fpk"), ("gcs", "pt")])
+def test_checkpointer_permanent_fault_keeps_last_commit(request, store, fmt):
+    faults = request.getfixturevalue(f"{store}_faults")
     root = faults.uri + "/run"
     ck = Checkpointer(root, format=fmt)
     ck.save(1, make_state(1))
