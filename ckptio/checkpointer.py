@@ -266,7 +266,8 @@ class Checkpointer:
     ``background_nice``: the async persist thread (and the threads it starts) runs at this nice
     increment on Linux, so background I/O yields the CPU to training; ``None`` leaves it unchanged.
     ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
-    ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads.
+    ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads. With ``"dcp"``, failures raise the
+    failed rank's error as :func:`ckptio.dcp.save`/``load`` do, never torch's ``CheckpointException``.
     """
 
     def __init__(self, root_uri: str | os.PathLike, *, format: str = "dcp", keep_last: int | None = None,

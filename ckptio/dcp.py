@@ -13,6 +13,10 @@ Layout (compatible with torch's ``FileSystemWriter``/``FileSystemReader`` both w
     <uri>/__<rank>_<n>.distcp   items back to back; a tensor item is a torch.save zip archive
     <uri>/.metadata             pickled ``Metadata``: the commit marker, written last
 
+``.metadata`` is read with a restricted unpickler (:func:`loads_metadata`) that builds only the
+classes DCP metadata contains; anything else is refused with a :class:`FormatError`, so a crafted
+``.metadata`` cannot run code.
+
 Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zip CRC fields are
 zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a
 known offset, so a load reads only the tensor bytes it needs. Every item's
@@ -46,6 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import xxhash
 from torch.distributed.checkpoint import storage as _storage
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -65,9 +70,10 @@ from . import uri as _uri
 from .backends.base import Backend
 from .backends.local import LocalBackend
 from .context import resolve
-from .errors import AlreadyExistsError, IncompleteCheckpointError, IntegrityError
+from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
 
-__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "METADATA_NAME"]
+__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "loads_metadata", "surface_error",
+           "METADATA_NAME"]
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -100,6 +106,56 @@ def is_complete(uri: str | os.PathLike, **backend_options: Any) -> bool:
     """Whether ``uri`` holds a committed DCP checkpoint (its ``.metadata`` exists)."""
     backend, root = resolve(uri, **backend_options)
     return backend.isfile(_uri.join_path(root, METADATA_NAME))
+
+
+# What a DCP ``.metadata`` legitimately contains (torch's FileSystemWriter/FsspecWriter and ckptio's
+# writer): the metadata dataclasses, torch.Size, dtypes, layouts (pickled as
+# ``torch.serialization._get_layout(name)``), the path torch keeps as checkpoint_id, and containers.
+# ckptio's per-item ``ckptio`` attribute holds only plain dicts, lists, ints and strings.
+_METADATA_CLASSES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch": frozenset({"Size"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, uri: str) -> None:
+        super().__init__(file)
+        self._uri = uri
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # dtypes pickle as the global torch.<name>
+        raise FormatError(f"{self._uri}: DCP metadata refers to {module}.{name}, which DCP metadata never "
+                          f"contains; refusing to unpickle it (the file may be crafted to run code)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise FormatError(f"{self._uri}: DCP metadata holds a persistent reference; refusing to unpickle it")
+
+
+def loads_metadata(data: bytes | bytearray | memoryview, uri: str = METADATA_NAME) -> Metadata:
+    """Unpickle a DCP ``.metadata`` (``uri`` names it in errors), building only DCP metadata classes.
+
+    Raises :class:`FormatError` for any other class (nothing is executed) and for malformed data.
+    """
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), uri).load()
+    except FormatError:
+        raise
+    except Exception as e:  # UnpicklingError, EOFError, a bad enum value, ...
+        raise FormatError(f"{uri}: not readable DCP metadata ({type(e).__name__}: {e})") from e
+    if not isinstance(metadata, Metadata):
+        raise FormatError(f"{uri}: not DCP metadata (holds a {type(metadata).__name__})")
+    return metadata
 
 
 def _uint8(t: torch.Tensor) -> torch.Tensor:
@@ -538,6 +594,7 @@ class StorageReader(_storage.StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
+        self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
 
     def _set_uri(self, uri: str | os.PathLike) -> None:
         self.uri = os.fspath(uri)
@@ -552,13 +609,25 @@ class StorageReader(_storage.StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._metadata_error = None
         if checkpoint_id:
             self._set_uri(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        meta = self._path(_metadata_name(rank, rank is None))
+        try:
+            metadata = self._read_metadata(self._path(_metadata_name(rank, rank is None)))
+        except Exception as e:
+            if rank is None:
+                self._metadata_error = e
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _read_metadata(self, meta: str) -> Metadata:
         try:
             data = self.backend.read(meta)
         except FileNotFoundError:
@@ -567,11 +636,7 @@ class StorageReader(_storage.StorageReader):
                     f"checkpoint {self.uri!r} is incomplete: it has no {_uri.basename(meta)} (the save was "
                     f"interrupted or is still running)") from None
             raise
-        metadata = pickle.loads(data)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return loads_metadata(data, meta)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -808,29 +873,95 @@ class _ReadOnlyBuffer(io.RawIOBase):
 
 # ---------------------------------------------------------------------------------------------
 # conveniences
+#
+# torch's dcp.save/load raise CheckpointException, a BaseException (``except Exception`` misses it)
+# holding each failed rank's exception. StorageWriter/StorageReader used with torch's own functions
+# keep that behaviour; the functions below (and Checkpointer) raise the underlying error instead.
+
+
+def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
+                  metadata_error: BaseException | None = None) -> BaseException:
+    """The exception to raise instead of torch's ``CheckpointException`` ``exc`` (kept as its ``__cause__``).
+
+    The failure of the lowest failed rank that is a ckptio error or an ``OSError`` (or a
+    ``KeyboardInterrupt``-like ``BaseException``) is re-raised with a note naming the rank; any
+    other failure becomes a :class:`CkptioError` listing every rank's error.
+    ``metadata_error``: what the reader's ``read_metadata`` raised, which torch's load reports
+    only as an ``AssertionError`` ("metadata is None").
+    """
+    failures = sorted(((r, x) for r, (x, _tb) in exc.failures.items()), key=lambda f: str(f[0]))
+    summary = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures) or str(exc)
+    where = f"ckptio.dcp: {action} of {os.fspath(uri)}"
+    for r, x in failures:
+        if isinstance(x, AssertionError) and metadata_error is not None:
+            x = metadata_error
+        if isinstance(x, (CkptioError, OSError)) or not isinstance(x, Exception):
+            others = f" (all failures: {summary})" if len(failures) > 1 else ""
+            x.add_note(f"{where} failed on rank {r}{others}")
+            x.__cause__ = exc
+            return x
+    err = CkptioError(f"{where} failed: {summary}")
+    err.__cause__ = exc
+    return err
+
+
+def _surfaced(fut: cf.Future, uri: str | os.PathLike) -> cf.Future:
+    out: cf.Future = cf.Future()
+
+    def done(f: cf.Future) -> None:
+        try:
+            out.set_result(f.result())
+        except CheckpointException as e:
+            out.set_exception(surface_error(e, "save", uri))
+        except BaseException as e:  # noqa: BLE001 - handed on through the future
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
          process_group: Any = None, **options: Any) -> Metadata:
-    """``torch.distributed.checkpoint.save`` to ``uri`` with a :class:`StorageWriter` built from ``options``."""
+    """``torch.distributed.checkpoint.save`` to ``uri`` with a :class:`StorageWriter` built from ``options``.
+
+    Failures raise the failed rank's ckptio error or ``OSError`` (see :func:`surface_error`), not
+    torch's ``CheckpointException``.
+    """
     import torch.distributed.checkpoint as dcp
 
-    return dcp.save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
-                    process_group=process_group)
+    writer = StorageWriter(uri, **options)
+    try:
+        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+    except CheckpointException as e:
+        raise surface_error(e, "save", uri) from e
 
 
 def async_save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
                process_group: Any = None, **options: Any):
-    """``torch.distributed.checkpoint.async_save`` to ``uri``; returns torch's future."""
+    """``torch.distributed.checkpoint.async_save`` to ``uri``; returns torch's future (or its
+    ``AsyncSaveResponse``) whose upload fails with the errors :func:`save` raises."""
     import torch.distributed.checkpoint as dcp
 
-    return dcp.async_save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
-                          process_group=process_group)
+    try:
+        res = dcp.async_save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
+                             process_group=process_group)
+    except CheckpointException as e:
+        raise surface_error(e, "save", uri) from e
+    if isinstance(res, cf.Future):
+        return _surfaced(res, uri)
+    return dataclasses.replace(res, upload_completion=_surfaced(res.upload_completion, uri))
 
 
 def load(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: LoadPlanner | None = None,
          process_group: Any = None, **options: Any) -> None:
-    """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place)."""
+    """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place).
+
+    Failures raise as for :func:`save` (a missing ``.metadata``: :class:`IncompleteCheckpointError`).
+    """
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, storage_reader=StorageReader(uri, **options), planner=planner, process_group=process_group)
+    reader = StorageReader(uri, **options)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+    except CheckpointException as e:
+        raise surface_error(e, "load", uri, reader._metadata_error) from e

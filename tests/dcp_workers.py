@@ -66,13 +66,20 @@ def save_rank(rank: int, world: int, port: int, uri: str, backends: dict | None,
             _fail_on_object(f"__{rank}_1.distcp")
         sd = _sharded(mesh, full_state(1))
         sd["extra"] = {"step": 7, "rank_count": world}
-        try:
-            cd.save(sd, uri, thread_count=2)
-            outcome = "ok"
-        except BaseException as e:  # CheckpointException is a BaseException
-            outcome = f"{type(e).__name__}\n{e}"
+        outcomes = []
+        saves = [lambda: cd.save(sd, uri, thread_count=2)]
+        if fail_rank is not None:  # torch's own save with ckptio's writer too
+            import torch.distributed.checkpoint as dcp
+
+            saves.insert(0, lambda: dcp.save(sd, storage_writer=cd.StorageWriter(uri, thread_count=2)))
+        for save in saves:
+            try:
+                save()
+                outcomes.append("ok")
+            except BaseException as e:  # CheckpointException is a BaseException
+                outcomes.append(f"{type(e).__name__}\n{''.join(traceback.format_exception(e))}")
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(outcome)
+            f.write("\n=====\n".join(outcomes))
     finally:
         _shutdown()
 

@@ -336,3 +336,61 @@ def test_failed_background_save_is_reported_even_if_the_program_just_ends(tmp_pa
             "ck.save(1, {'m': {'w': torch.ones(3)}, 't': {'o': object()}})\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "background save" in r.stderr and "failed" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_dcp_failures_are_ckptio_errors_not_checkpoint_exceptions(tmp_path, monkeypatch, async_save):
+    """torch's CheckpointException is a BaseException; Checkpointer raises the storage error itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptio.backends import local
+
+    ck = Checkpointer(str(tmp_path / "run"), format="dcp", async_save=async_save)
+    ck.save(1, {"m": {"w": torch.ones(4)}})
+    ck.wait()
+    real = local.LocalWriter.write
+
+    def write(self, data):
+        if "000000000002" in self._path and self._path.endswith(".distcp"):
+            raise FlakyError(5, "injected disk failure")
+        return real(self, data)
+
+    monkeypatch.setattr(local.LocalWriter, "write", write)
+    try:
+        ck.save(2, {"m": {"w": torch.zeros(4)}})
+        ck.wait()
+    except Exception as e:  # noqa: BLE001 - the point: `except Exception` sees it
+        err = e
+    else:
+        pytest.fail("the save did not fail")
+    assert isinstance(err, FlakyError) and isinstance(err.__cause__, CheckpointException)
+    assert "rank 0" in "".join(err.__notes__)
+    monkeypatch.undo()
+    assert ck.list() == [1] and ck.latest() == 1
+
+
+def test_dcp_load_errors_are_ckptio_errors(tmp_path):
+    import pickle
+
+    from ckptio.errors import FormatError, IntegrityError
+
+    ck = Checkpointer(str(tmp_path / "run"), format="dcp")
+    ck.save(1, {"m": {"w": torch.randn(1000)}})
+    d = tmp_path / "run" / "000000000001"
+    data = d / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0xFF  # inside the tensor bytes (the zip trailer follows them)
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        ck.load({"m": {"w": torch.zeros(1000)}})
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'PWNED'}",))
+
+    (d / ".metadata").write_bytes(pickle.dumps(Evil()))
+    for step in (1, str(d)):
+        with pytest.raises(FormatError, match="system"):
+            Checkpointer(str(tmp_path / "run"), format="dcp").load({"m": {"w": torch.zeros(1000)}}, step=step)
+    assert not (tmp_path / "PWNED").exists()

@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import struct
+import traceback
 import uuid
 import warnings
 
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptio
 import ckptio.dcp as cd
 from ckptio.backends import local as local_backend
-from ckptio.errors import AlreadyExistsError, IntegrityError
+from ckptio.errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -191,19 +192,27 @@ def test_framing_zip64_for_large_tensors(tmp_path):
 
 
 # ---- commit rules --------------------------------------------------------------------------------
+# ckptio.dcp.save/load raise the failed rank's own error (torch's CheckpointException is its cause);
+# torch's dcp.save/load with ckptio's StorageWriter/Reader keep raising CheckpointException.
 
 def _failure(exc: CheckpointException) -> BaseException:
     (err, _tb), = exc.failures.values()
     return err
 
 
+def _text(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))
+
+
 def test_existing_checkpoint_needs_overwrite(root):
     uri = join(root, "ckpt")
     cd.save({"x": torch.ones(3)}, uri)
-    with pytest.raises(CheckpointException) as ei:
+    with pytest.raises(AlreadyExistsError, match="overwrite=True") as ei:
         cd.save({"x": torch.zeros(3)}, uri)
-    err = _failure(ei.value)
-    assert isinstance(err, AlreadyExistsError) and "overwrite=True" in str(err)
+    assert isinstance(ei.value.__cause__, CheckpointException) and "on rank 0" in _text(ei.value)
+    with pytest.raises(CheckpointException) as ei:  # torch's own save keeps torch's exception
+        dcp.save({"x": torch.zeros(3)}, storage_writer=cd.StorageWriter(uri))
+    assert isinstance(_failure(ei.value), AlreadyExistsError)
     out = {"x": torch.zeros(3)}
     cd.load(out, uri)
     assert torch.equal(out["x"], torch.ones(3))  # untouched
@@ -234,8 +243,10 @@ def test_incomplete_checkpoint_is_reported(root):
     backend, r = ckptio.resolve(uri)
     backend.delete(f"{r}/.metadata")  # as if the save died before its commit
     assert not cd.is_complete(uri)
-    with pytest.raises(CheckpointException, match="incomplete"):
+    with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         cd.load({"x": torch.zeros(3)}, uri)
+    with pytest.raises(CheckpointException, match="incomplete"):
+        dcp.load({"x": torch.zeros(3)}, storage_reader=cd.StorageReader(uri))
 
 
 def test_write_failure_commits_nothing(tmp_path, monkeypatch):
@@ -248,10 +259,10 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
         return original(self, data)
 
     monkeypatch.setattr(local_backend.LocalWriter, "write", write)
-    with pytest.raises(CheckpointException) as ei:
+    with pytest.raises(OSError, match="injected I/O error") as ei:
         cd.save({f"t{i}": torch.randn(100) for i in range(4)}, uri, thread_count=2)
-    text = str(ei.value)
-    assert "injected I/O error" in text and "__0_1.distcp" in text and "rank 0" in text
+    text = _text(ei.value)
+    assert "__0_1.distcp" in text and "rank 0" in text
     assert not cd.is_complete(uri)
     assert not any(n.startswith(".__0_1") for n in os.listdir(uri))  # the failed object's temp file is gone
 
@@ -273,10 +284,9 @@ def test_corruption_names_object_and_item(tmp_path):
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     info = next(v for k, v in md.storage_data.items() if k.fqn == "b")
     _corrupt(str(tmp_path / "c" / info.relative_path), info.offset + info.ckptio["data"] + 100)
-    with pytest.raises(CheckpointException) as ei:
+    with pytest.raises(IntegrityError) as ei:
         cd.load({"a": torch.zeros(1000), "b": torch.zeros(1000)}, uri)
-    err = _failure(ei.value)
-    assert isinstance(err, IntegrityError)
+    err = ei.value
     assert "__0_0.distcp" in str(err) and "'b'" in str(err)
     out = {"a": torch.zeros(1000)}
     cd.load(out, uri)  # the intact item still loads
@@ -292,7 +302,7 @@ def test_corrupt_bytes_item(tmp_path):
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     info = next(iter(md.storage_data.values()))
     _corrupt(str(tmp_path / "c" / info.relative_path), info.offset + 10)
-    with pytest.raises(CheckpointException, match="checksum mismatch"):
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
         cd.load({"blob": io.BytesIO()}, uri)
 
 
@@ -301,7 +311,7 @@ def test_truncated_object(tmp_path):
     cd.save({"a": torch.randn(5000)}, uri)
     path = tmp_path / "c" / "__0_0.distcp"
     os.truncate(path, os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointException, match="truncated"):
+    with pytest.raises(IntegrityError, match="truncated"):
         cd.load({"a": torch.zeros(5000)}, uri)
 
 
@@ -343,3 +353,69 @@ def test_validate_checkpoint_id():
     assert cd.StorageWriter.validate_checkpoint_id("memory://x/y")
     assert cd.StorageReader.validate_checkpoint_id("/tmp/x")
     assert not cd.StorageReader.validate_checkpoint_id("nosuchscheme-zz://x")
+
+
+def test_other_failures_become_ckptio_errors(tmp_path):
+    uri = str(tmp_path / "c")
+    cd.save({"x": torch.ones(3)}, uri)
+    with pytest.raises(CkptioError, match="Missing key") as ei:  # torch's planner raises RuntimeError
+        cd.load({"x": torch.zeros(3), "nope": torch.zeros(2)}, uri)
+    assert "rank 0" in str(ei.value) and isinstance(ei.value.__cause__, CheckpointException)
+
+
+def test_async_save_failure_surfaces_ckptio_error(tmp_path):
+    uri = str(tmp_path / "c")
+    cd.save({"x": torch.ones(3)}, uri)
+    fut = cd.async_save({"x": torch.zeros(3)}, uri)
+    with pytest.raises(AlreadyExistsError):
+        fut.result(timeout=60)
+
+
+# ---- the .metadata pickle is read by a restricted unpickler -------------------------------------
+
+class _Evil:
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+def test_crafted_metadata_runs_nothing(tmp_path):
+    uri = str(tmp_path / "c")
+    cd.save({"x": torch.ones(3)}, uri)
+    marker = tmp_path / "PWNED"
+    md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    md.planner_data = {"x": _Evil(f"touch {marker}")}  # hidden deep inside legitimate metadata
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    for attempt in (lambda: cd.load({"x": torch.zeros(3)}, uri), lambda: cd.StorageReader(uri).read_metadata(),
+                    lambda: cd.loads_metadata((tmp_path / "c" / ".metadata").read_bytes(), "m")):
+        with pytest.raises(FormatError, match=r"\.metadata.*posix\.system|m: .*posix\.system"):
+            attempt()
+    with pytest.raises(CheckpointException, match="system"):
+        dcp.load({"x": torch.zeros(3)}, storage_reader=cd.StorageReader(uri))
+    from ckptio import cli
+
+    for cmd in ("info", "verify"):
+        assert cli.main([cmd, uri]) != 0
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", [b"not a pickle", pickle.dumps({"a": 1}), pickle.dumps(b"x" * 10)[:-3]])
+def test_malformed_metadata_is_a_format_error(payload):
+    with pytest.raises(FormatError, match="some/.metadata"):
+        cd.loads_metadata(payload, "some/.metadata")
+
+
+def test_metadata_allows_what_torch_writers_store(tmp_path):
+    sd = sample()
+    sd["cl"] = torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    for i, single in enumerate((True, False)):
+        path = str(tmp_path / f"t{i}")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=single))
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            data = f.read()
+        assert cd.loads_metadata(data) == pickle.loads(data)
+    cd.save(sd, str(tmp_path / "ck"))
+    data = (tmp_path / "ck" / ".metadata").read_bytes()
+    assert cd.loads_metadata(data) == pickle.loads(data)

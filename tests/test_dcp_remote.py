@@ -8,9 +8,9 @@ import io
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio.dcp as cd
+from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
 import dcp_workers as W
 from test_dcp import assert_same, blank, sample
 from test_dcp_dist import save_2_load_1_and_3
@@ -27,7 +27,7 @@ def test_round_trip_every_backend(any_uri):
     out = blank(sd)
     cd.load(out, uri)
     assert_same(out, sample())
-    with pytest.raises(CheckpointException, match="overwrite=True"):
+    with pytest.raises(AlreadyExistsError, match="overwrite=True"):
         cd.save(sd, uri)
     cd.save({"x": torch.ones(4)}, uri, overwrite=True)
     out = {"x": torch.zeros(4)}
@@ -90,7 +90,7 @@ def test_big_state_on_s3_after_interrupted_save(s3_uri):
     backend, root = cd.resolve(uri)
     backend.delete(f"{root}/.metadata")
     assert not cd.is_complete(uri)
-    with pytest.raises(CheckpointException, match="incomplete"):
+    with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         cd.load({k: torch.zeros_like(v) for k, v in W.big_state(1).items()}, uri)
 
 
