@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import gc
 import io
@@ -70,7 +71,7 @@ TF_REQUIRES_GRAD, TF_PARAMETER = 1, 2
  EXT_DEVICE, EXT_SIZE, EXT_NPSCALAR, EXT_NPDTYPE, EXT_PICKLE) = range(1, 15)
 
 CHUNK = 64 << 20  # largest single write/read/hash step
-SMALL = 4 << 20  # payloads below this are hashed inline while saving
+GATHER = 8 << 20  # payloads below this are gathered into vectored writes (and hashed in batches) of this size
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 MAX_IOV = 512
@@ -84,6 +85,7 @@ _QUANT_INT = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: 
 _NP_KINDS = "biufcmMSU"
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _ZEROS = bytes(ALIGN)
+_EMPTY_HASH = xxhash.xxh3_64_intdigest(b"")
 _pack = functools.partial(msgpack.packb, use_bin_type=True, strict_types=True)
 
 
@@ -92,7 +94,7 @@ def _align(n: int) -> int:
 
 
 def _path_str(path: Sequence[Any]) -> str:
-    return ".".join(str(p) for p in path) if path else "<root>"
+    return ".".join(map(str, path)) if path else "<root>"
 
 
 # ------------------------------------------------------------------------------------------
@@ -143,12 +145,23 @@ def _tensor_ref(idx: int) -> msgpack.ExtType:
 
 
 class _Storage:
-    __slots__ = ("data", "nbytes", "location", "offset", "checksum", "path")
+    __slots__ = ("data", "nbytes", "location", "offset", "checksum")
 
-    def __init__(self, data: Any, nbytes: int, location: str, path: str) -> None:
-        self.data = data  # a uint8 CPU tensor / numpy uint8 array, or a uint8 device tensor
-        self.nbytes, self.location, self.path = nbytes, location, path
+    def __init__(self, data: Any, nbytes: int, location: str) -> None:
+        self.data = data  # a torch UntypedStorage (any device) or a contiguous numpy uint8 array
+        self.nbytes, self.location = nbytes, location
         self.offset = self.checksum = 0
+
+
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
+_LOCATIONS: dict[torch.device, str] = {}
+
+
+def _location(dev: torch.device) -> str:
+    loc = _LOCATIONS.get(dev)
+    if loc is None:
+        loc = _LOCATIONS[dev] = str(dev)
+    return loc
 
 
 class _Encoder:
@@ -233,10 +246,10 @@ class _Encoder:
         except Exception as e:
             raise TypeError(f"cannot pickle {what} (at {_path_str(path)!r}): {e}") from e
 
-    def _add_storage(self, key: tuple | None, data: Any, nbytes: int, location: str, path: list) -> int:
+    def _add_storage(self, key: tuple | None, data: Any, nbytes: int, location: str) -> int:
         if key is not None and key in self._storage_ids:
             return self._storage_ids[key]
-        self.storages.append(_Storage(data, nbytes, location, _path_str(path)))
+        self.storages.append(_Storage(data, nbytes, location))
         idx = len(self.storages) - 1
         if key is not None:
             self._storage_ids[key] = idx
@@ -246,15 +259,17 @@ class _Encoder:
         idx = self._tensor_ids.get(id(x))
         if idx is not None:
             return _tensor_ref(idx)
-        if x.layout != torch.strided or x.is_nested or x.device.type == "meta":
+        dev = x.device
+        if x.layout is not torch.strided or x.is_nested or dev.type == "meta":
             kind = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
             return self._fallback(x, path, f"{kind} tensors")
         flags = (TF_REQUIRES_GRAD if x.requires_grad else 0) | (TF_PARAMETER if type(x) is torch.nn.Parameter else 0)
-        t = x.detach()
+        t = x  # storage, shape and stride need no detach(); only a conj/neg view is materialized
         if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
+            t = t.detach().resolve_conj().resolve_neg()
         extra: Any = None
         if t.is_quantized:
+            t = t.detach()
             qs = t.qscheme()
             if t.dtype not in _QUANT_INT or qs not in (torch.per_tensor_affine, torch.per_channel_affine):
                 return self._fallback(x, path, f"quantized tensors with dtype {t.dtype} and scheme {qs}")
@@ -263,18 +278,18 @@ class _Encoder:
             else:
                 extra = ["per_channel_affine", t.q_per_channel_scales().tolist(),
                          t.q_per_channel_zero_points().tolist(), int(t.q_per_channel_axis())]
-            dtype_name = str(t.dtype).removeprefix("torch.")
+            dtype_name = _DTYPE_NAMES[t.dtype]
             t = t.int_repr()
             self._keep.append(t)
             kind = KIND_QUANT
         else:
-            dtype_name = str(t.dtype).removeprefix("torch.")
+            dtype_name = _DTYPE_NAMES[t.dtype]
             kind = KIND_TORCH
         st = t.untyped_storage()
         nbytes = st.nbytes()
-        u8 = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-        key = (str(st.device), st.data_ptr(), nbytes) if nbytes else None
-        sidx = self._add_storage(key, u8, nbytes, str(st.device), path)
+        loc = _location(dev)
+        key = (loc, st.data_ptr(), nbytes) if nbytes else None
+        sidx = self._add_storage(key, st, nbytes, loc)
         entry = [kind, sidx, dtype_name, list(t.shape), list(t.stride()), t.storage_offset(), flags,
                  _path_str(path), extra]
         return self._add_entry(x, entry)
@@ -287,7 +302,7 @@ class _Encoder:
             return self._fallback(a, path, f"numpy arrays of dtype {a.dtype}")
         c = np.ascontiguousarray(a)
         u8 = c.reshape(-1).view(np.uint8)
-        sidx = self._add_storage(None, u8, c.nbytes, "cpu", path)
+        sidx = self._add_storage(None, u8, c.nbytes, "cpu")
         entry = [KIND_NUMPY, sidx, a.dtype.str, list(a.shape), [], 0, 0, _path_str(path), None]
         return self._add_entry(a, entry)
 
@@ -314,55 +329,124 @@ def _get_staging() -> torch.Tensor:
 
 
 def _cpu_view(data: Any) -> memoryview:
-    arr = data.numpy() if isinstance(data, torch.Tensor) else data
-    return memoryview(arr).cast("B")
+    """The bytes of a CPU storage or numpy array, without a copy (the caller keeps ``data`` alive)."""
+    if isinstance(data, np.ndarray):
+        return memoryview(data).cast("B")
+    return memoryview((ctypes.c_ubyte * data.nbytes()).from_address(data.data_ptr())).cast("B")
 
 
-def _write_stream(enc: _Encoder, tree: bytes, write: Callable[[Any], Any]) -> int:
-    """Write the whole file through ``write``; returns its size."""
+class _Sink:
+    """Where a file's bytes go: ``write`` for large buffers, ``writev`` for a batch of small ones.
+
+    A local file is written with ``os.writev`` on its descriptor (thousands of small payloads cost a
+    few dozen system calls instead of one each); any other writer gets the pieces one by one (an
+    object-store writer copies them into its part buffers anyway).
+    """
+
+    def __init__(self, write: Callable[[Any], Any], fd: int | None = None, name: str = "") -> None:
+        self.write, self.fd, self.name = write, fd, name
+
+    def writev(self, mvs: list[memoryview]) -> None:
+        if self.fd is None:
+            for m in mvs:
+                self.write(m)
+            return
+        with translate_os_errors(self.name):
+            while mvs:
+                n = os.writev(self.fd, mvs)
+                while mvs and n >= len(mvs[0]):
+                    n -= len(mvs[0])
+                    mvs = mvs[1:]
+                if mvs and n:
+                    mvs = [mvs[0][n:], *mvs[1:]]
+
+
+def _sink_for(w: Any) -> _Sink:
+    from .backends.local import LocalWriter
+
+    return _Sink(w.write, w.fileno() if type(w) is LocalWriter else None, w.uri)
+
+
+def _hash_into(items: list[tuple[_Storage, memoryview]]) -> None:
+    for s, mv in items:
+        s.checksum = xxhash.xxh3_64_intdigest(mv)
+
+
+def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
+    """Write the whole file to ``out``; returns its size.
+
+    Payloads go out straight from tensor memory; small ones are gathered into vectored writes of up
+    to GATHER bytes. Checksums are computed on another core, off the write path (large payloads one
+    by one, small ones in batches), and only the metadata written at the end waits for them.
+    """
     flags = FLAG_PICKLE if enc.used_pickle else 0
     header = HEADER.pack(MAGIC, VERSION, flags, ALIGN)
-    write(header)
     pos = HEADER.size
     for s in enc.storages:
         s.offset = _align(pos)
         pos = s.offset + s.nbytes
     pos = HEADER.size
-    pending: list[tuple[_Storage, Any]] = []
+    zeros = memoryview(_ZEROS)
+    gather: list[memoryview] = [memoryview(header)]
+    gathered = len(header)
+    to_hash: list[tuple[_Storage, memoryview]] = []
+    hashing = 0
+    futures: list[Any] = []
     with ThreadPoolExecutor(1, thread_name_prefix="fpk-hash") as hasher:
+        def flush() -> None:
+            nonlocal gathered
+            if gather:
+                out.writev(gather)
+                gather.clear()
+                gathered = 0
+
         for s in enc.storages:
             if s.offset > pos:
-                write(_ZEROS[: s.offset - pos])
+                gather.append(zeros[: s.offset - pos])
+                gathered += s.offset - pos
+            pos = s.offset + s.nbytes
             if s.nbytes == 0:
-                s.checksum = xxhash.xxh3_64_intdigest(b"")
-            elif isinstance(s.data, torch.Tensor) and s.data.device.type != "cpu":
-                s.checksum = _write_device(s.data, write)
+                s.checksum = _EMPTY_HASH
+            elif s.location != "cpu":
+                flush()
+                s.checksum = _write_device(torch.empty(0, dtype=torch.uint8, device=s.data.device).set_(s.data),
+                                           out.write)
+            elif s.nbytes >= GATHER:
+                flush()
+                mv = _cpu_view(s.data)
+                futures.append(hasher.submit(_hash_into, [(s, mv)]))
+                for i in range(0, s.nbytes, CHUNK):
+                    out.write(mv[i: i + CHUNK])
             else:
                 mv = _cpu_view(s.data)
-                if s.nbytes >= SMALL:  # hash on another core while this one writes
-                    pending.append((s, hasher.submit(xxhash.xxh3_64_intdigest, mv)))
-                else:
-                    s.checksum = xxhash.xxh3_64_intdigest(mv)
-                for i in range(0, s.nbytes, CHUNK):
-                    write(mv[i: i + CHUNK])
-            pos = s.offset + s.nbytes
-        for s, fut in pending:
-            s.checksum = fut.result()
+                to_hash.append((s, mv))
+                hashing += s.nbytes
+                if hashing >= GATHER:
+                    futures.append(hasher.submit(_hash_into, to_hash))
+                    to_hash, hashing = [], 0
+                gather.append(mv)
+                gathered += s.nbytes
+                if gathered >= GATHER or len(gather) >= MAX_IOV:
+                    flush()
+        flush()
+        _hash_into(to_hash)
+        for fut in futures:
+            fut.result()
     meta = _pack({
         "checksum": "xxh3_64",
         "storages": [[s.offset, s.nbytes, s.checksum, s.location] for s in enc.storages],
         "tensors": enc.tensors,
         "tree": tree,
     })
-    write(meta)
     meta_offset = pos
     size = meta_offset + len(meta) + FOOTER.size
     h = xxhash.xxh3_64()
     h.update(header)
     h.update(meta)
     body = struct.pack("<QQQQHH12x", meta_offset, len(meta), h.intdigest(), size, VERSION, flags)
-    write(FOOTER.pack(meta_offset, len(meta), h.intdigest(), size, VERSION, flags,
-                      xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC))
+    footer = FOOTER.pack(meta_offset, len(meta), h.intdigest(), size, VERSION, flags,
+                         xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC)
+    out.writev([memoryview(meta), memoryview(footer)])
     return size
 
 
@@ -400,16 +484,21 @@ def save(obj: Any, uri_or_file: Any, *, allow_pickle: bool = False, durable: boo
     pickles them (the file is then marked and needs ``allow_pickle=True`` to load). ``durable=False``
     skips fsync on local files.
     """
-    enc = _Encoder(allow_pickle)
-    tree = enc.encode(obj)  # fails before anything is created
     if isinstance(uri_or_file, (str, os.PathLike)):
         from .context import resolve
 
         backend, uri = resolve(uri_or_file, **backend_options)
-        with backend.open_writer(uri, mode=mode, durable=durable) as w:
-            _write_stream(enc, tree, w.write)
+        FastpickleFormat().dump(obj, backend, uri, mode=mode, durable=durable, allow_pickle=allow_pickle)
     else:
-        _write_stream(enc, tree, _writer_for(uri_or_file.write))
+        with _gc_paused():
+            enc, tree = _encode(obj, allow_pickle)
+            _write_stream(enc, tree, _Sink(_writer_for(uri_or_file.write)))
+
+
+def _encode(obj: Any, allow_pickle: bool) -> tuple[_Encoder, bytes]:
+    """Encode the tree (fails on unsupported types before anything is written)."""
+    enc = _Encoder(allow_pickle)
+    return enc, enc.encode(obj)
 
 
 # ------------------------------------------------------------------------------------------
@@ -532,6 +621,11 @@ def _source_for(backend: Backend, uri: str) -> _Source:
     if isinstance(backend, LocalBackend):
         with translate_os_errors(uri):
             fd = os.open(local_path(uri), os.O_RDONLY)
+        return _FdSource(fd, uri, owned=True)
+    as_local = getattr(backend, "as_local", None)  # a node-local cache: read (or map) its entry as a plain file
+    if as_local is not None:
+        with as_local(uri) as (_local, path), translate_os_errors(uri):
+            fd = os.open(path, os.O_RDONLY)  # the open file outlives the entry's pin (eviction only unlinks)
         return _FdSource(fd, uri, owned=True)
     return _BackendSource(backend, uri)
 
@@ -1064,8 +1158,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _with_source(uri_or_file: Any, backend_options: dict, fn: Callable[[_Source], Any]) -> Any:
-    src = _open_source(uri_or_file, backend_options)
+def _with_source(src: _Source, fn: Callable[[_Source], Any]) -> Any:
     try:
         with _gc_paused():
             return fn(src)
@@ -1084,7 +1177,7 @@ def load(uri_or_file: Any, *, map_location: Any = None, mmap: bool = False, keys
     unless ``verify=False`` (with ``mmap=True`` only when ``verify=True``, since it reads every page);
     the metadata checksum is always verified.
     """
-    return _with_source(uri_or_file, backend_options, lambda src: _load_source(
+    return _with_source(_open_source(uri_or_file, backend_options), lambda src: _load_source(
         src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle))
 
 
@@ -1094,7 +1187,7 @@ def inspect(uri_or_file: Any, **backend_options: Any) -> Inspection:
         meta = _read_meta(src)
         tree = _decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
         return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
-    return _with_source(uri_or_file, backend_options, run)
+    return _with_source(_open_source(uri_or_file, backend_options), run)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1110,18 +1203,13 @@ class FastpickleFormat(Format):
              allow_pickle: bool = False, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"fastpickle dump got unexpected options {sorted(kwargs)}")
-        enc = _Encoder(allow_pickle)
-        tree = enc.encode(obj)
-        with backend.open_writer(uri, mode=mode, durable=durable) as w:
-            _write_stream(enc, tree, w.write)
+        with _gc_paused():
+            enc, tree = _encode(obj, allow_pickle)  # fails before anything is created
+            with backend.open_writer(uri, mode=mode, durable=durable) as w:
+                _write_stream(enc, tree, _sink_for(w))
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
-        src = _source_for(backend, uri)
-        try:
-            with _gc_paused():
-                return _load_source(src, **kwargs)
-        finally:
-            src.close()
+        return _with_source(_source_for(backend, uri), lambda src: _load_source(src, **kwargs))
 
     def dump_file(self, obj: Any, f: IO, **kwargs: Any) -> None:
         save(obj, f, **kwargs)
