@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import uri as _uri
-from .backends.base import Backend
+from .backends.base import Backend, BytesReader
 from .backends.local import LocalBackend
 from .context import resolve
 from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
@@ -333,12 +333,37 @@ def _tensor_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[memoryview]:
         yield memoryview(_uint8(t[i: i + step].to("cpu").contiguous()).numpy())
 
 
+class _AtURI:
+    """What the writer and the reader share: the checkpoint URI, its backend and paths under it."""
+
+    _options: dict[str, Any]
+
+    def _set_uri(self, uri: str | os.PathLike) -> None:
+        self.uri = os.fspath(uri)
+        self.backend, self.root = resolve(self.uri, **self._options)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.uri
+
+    def _path(self, name: str) -> str:
+        return _uri.join_path(self.root, name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            resolve(checkpoint_id)
+        except Exception:
+            return False
+        return True
+
+
 @dataclasses.dataclass
 class _Prefix:
     prefix: str
 
 
-class StorageWriter(_storage.StorageWriter):
+class StorageWriter(_AtURI, _storage.StorageWriter):
     """Write a DCP checkpoint to any ckptio URI.
 
     ``thread_count`` data objects per rank are written concurrently (each streamed with bounded
@@ -366,17 +391,6 @@ class StorageWriter(_storage.StorageWriter):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
-
-    def _set_uri(self, uri: str | os.PathLike) -> None:
-        self.uri = os.fspath(uri)
-        self.backend, self.root = resolve(self.uri, **self._options)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.uri
-
-    def _path(self, name: str) -> str:
-        return _uri.join_path(self.root, name)
 
     # ---- the StorageWriter protocol --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -527,18 +541,6 @@ class StorageWriter(_storage.StorageWriter):
                 meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded"
             ) from e
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid(checkpoint_id)
-
-
-def _valid(checkpoint_id: str | os.PathLike) -> bool:
-    try:
-        resolve(checkpoint_id)
-    except Exception:
-        return False
-    return True
-
 
 # ---------------------------------------------------------------------------------------------
 # reader
@@ -572,7 +574,7 @@ def _contiguous_span(shape: Sequence[int], offsets: Sequence[int], lengths: Sequ
     return start, start + count
 
 
-class StorageReader(_storage.StorageReader):
+class StorageReader(_AtURI, _storage.StorageReader):
     """Read a DCP checkpoint (ckptio's or torch's ``FileSystemWriter``/``FsspecWriter`` layout) from any URI.
 
     Reads are ranged: only the bytes of the requested items (widened to checksum blocks when
@@ -595,17 +597,6 @@ class StorageReader(_storage.StorageReader):
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
         self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
-
-    def _set_uri(self, uri: str | os.PathLike) -> None:
-        self.uri = os.fspath(uri)
-        self.backend, self.root = resolve(self.uri, **self._options)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.uri
-
-    def _path(self, name: str) -> str:
-        return _uri.join_path(self.root, name)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -649,10 +640,6 @@ class StorageReader(_storage.StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid(checkpoint_id)
 
     # ---- reading ---------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -817,7 +804,7 @@ class StorageReader(_storage.StorageReader):
         unit = _Unit(req, obj, lambda: None, temp_bytes=sinfo.length)
 
         def finish() -> None:
-            stream: Any = _ReadOnlyBuffer(memoryview(buf.numpy()))
+            stream: Any = BytesReader(buf.numpy(), obj)
             descriptors = getattr(sinfo, "transform_descriptors", None)
             if descriptors:
                 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
@@ -840,35 +827,6 @@ class StorageReader(_storage.StorageReader):
         unit.finish = finish
         fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))
         return unit
-
-
-class _ReadOnlyBuffer(io.RawIOBase):
-    """A seekable file over a memoryview, without copying it (``io.BytesIO`` would)."""
-
-    def __init__(self, mv: memoryview) -> None:
-        super().__init__()
-        self._mv, self._pos = mv, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._mv) - self._pos))
-        out[:n] = self._mv[self._pos: self._pos + n]
-        self._pos += n
-        return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -897,7 +855,9 @@ def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
             x = metadata_error
         if isinstance(x, (CkptioError, OSError)) or not isinstance(x, Exception):
             others = f" (all failures: {summary})" if len(failures) > 1 else ""
-            x.add_note(f"{where} failed on rank {r}{others}")
+            note = f"{where} failed on rank {r}{others}"
+            if hasattr(x, "add_note"):  # Python >= 3.11
+                x.add_note(note)
             x.__cause__ = exc
             return x
     err = CkptioError(f"{where} failed: {summary}")

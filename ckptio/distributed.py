@@ -22,7 +22,6 @@ Ranks with the same identity must share the cache directory, ranks with differen
 from __future__ import annotations
 
 import datetime
-import io
 import os
 import pickle
 import socket
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import registry as _registry
-from .backends.base import Backend, ObjectInfo
+from .backends.base import Backend, BytesReader, ObjectInfo
 from .backends.cached import CachedBackend
 from .context import resolve
 from .errors import CkptioError
@@ -217,37 +216,9 @@ def _load_network(uri: str, fmt: Any, group: Any, timeout: float, src: int, chun
         _wait(dist.broadcast(buf[off: off + n], src_global, group=group, async_op=True), timeout,
               f"broadcasting {uri} (bytes {off}-{off + n} of {size}) from rank {src}")
     try:
-        return fmt.load_file(_MemoryFile(mv), **kwargs)
+        return fmt.load_file(BytesReader(mv, uri), **kwargs)
     except NotImplementedError:
         raise ValueError(f"mode='network' cannot load {uri!r}: format {fmt.name!r} cannot read from memory") from None
-
-
-class _MemoryFile(io.RawIOBase):
-    """A seekable read-only file over a memoryview (no copy of the whole object)."""
-
-    def __init__(self, mv: memoryview) -> None:
-        super().__init__()
-        self._mv, self._pos = mv, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = max(0, (0, self._pos, len(self._mv))[whence] + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:  # type: ignore[override]
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._mv) - self._pos))
-        out[:n] = self._mv[self._pos: self._pos + n]
-        self._pos += n
-        return n
 
 
 def load_dcp(state_dict: dict[str, Any], uri: str | os.PathLike, *, cache: Any = None, group: Any = None,

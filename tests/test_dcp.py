@@ -419,3 +419,20 @@ def test_metadata_allows_what_torch_writers_store(tmp_path):
     cd.save(sd, str(tmp_path / "ck"))
     data = (tmp_path / "ck" / ".metadata").read_bytes()
     assert cd.loads_metadata(data) == pickle.loads(data)
+
+
+def test_bytes_reader_is_a_seekable_file_without_copies():
+    from ckptio.backends.base import BytesReader
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(10)}, buf)
+    data = bytearray(buf.getvalue())
+    r = BytesReader(memoryview(data), "mem://x")
+    assert torch.equal(torch.load(r, weights_only=True)["w"], torch.arange(10))
+    r.seek(-4, io.SEEK_END)
+    assert r.read() == bytes(data[-4:]) and r.read(3) == b"" and r.tell() == len(data)
+    r.seek(2)
+    data[2] = data[2] ^ 0xFF  # a view over the caller's memory
+    assert r.read(1) == bytes([data[2]])
+    with pytest.raises(ValueError, match="mem://x"):
+        r.seek(-1)

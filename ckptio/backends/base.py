@@ -109,16 +109,12 @@ class BufferedWriter(Writer):
         self._buf = None
 
 
-class RangeReader(io.RawIOBase):
-    """A seekable, read-only file over any backend, built on ``Backend.readinto``.
+class _SeekableReader(io.RawIOBase):
+    """A seekable, read-only raw file of ``size`` bytes; subclasses provide ``readinto``."""
 
-    Wrap in ``io.BufferedReader`` for many small reads; large ``readinto`` calls go straight to
-    the backend (which may split them into parallel ranged requests).
-    """
-
-    def __init__(self, backend: "Backend", uri: str, size: int) -> None:
-        super().__init__()
-        self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
+    uri: str
+    size: int
+    _pos: int
 
     def readable(self) -> bool:
         return True
@@ -137,6 +133,23 @@ class RangeReader(io.RawIOBase):
         self._pos = pos
         return pos
 
+    def readall(self) -> bytes:
+        out = bytearray(max(0, self.size - self._pos))
+        n = self.readinto(out)
+        return bytes(out[:n])
+
+
+class RangeReader(_SeekableReader):
+    """A seekable, read-only file over any backend, built on ``Backend.readinto``.
+
+    Wrap in ``io.BufferedReader`` for many small reads; large ``readinto`` calls go straight to
+    the backend (which may split them into parallel ranged requests).
+    """
+
+    def __init__(self, backend: "Backend", uri: str, size: int) -> None:
+        super().__init__()
+        self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
+
     def readinto(self, b) -> int:  # type: ignore[override]
         mv = memoryview(b).cast("B")
         n = min(len(mv), max(0, self.size - self._pos))
@@ -146,10 +159,24 @@ class RangeReader(io.RawIOBase):
         self._pos += got
         return got
 
-    def readall(self) -> bytes:
-        out = bytearray(max(0, self.size - self._pos))
-        n = self.readinto(out)
-        return bytes(out[:n])
+
+class BytesReader(_SeekableReader):
+    """A seekable, read-only file over memory the caller keeps (``io.BytesIO`` would copy it).
+
+    ``uri`` only names the bytes in errors.
+    """
+
+    def __init__(self, data: Buffer, uri: str = "<memory>") -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self.uri, self.size, self._pos = uri, len(self._mv), 0
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self.size - self._pos))
+        out[:n] = self._mv[self._pos: self._pos + n]
+        self._pos += n
+        return n
 
 
 class Backend(abc.ABC):
