@@ -4,18 +4,15 @@ rank 0 alone writes the pointer and runs retention. Every child group runs under
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from servers import free_port
+from multiproc import results, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TIMEOUT = 120
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -78,22 +75,6 @@ def _save_and_resume(rank: int, root: str) -> None:
     assert fresh_optim.param_groups[0]["lr"] == 0.01
 
 
-def run_ranks(world: int, *args) -> list[str]:
-    out_dir = args[1]
-    ctx = mp.start_processes(_worker, args=(world, free_port(), *args), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish within {TIMEOUT}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(world)]
-
-
 def test_two_ranks_dcp_save_resume_local_and_s3(tmp_path, s3_uri, s3_endpoint):
     from conftest import S3_TEST_OPTIONS
 
@@ -101,7 +82,8 @@ def test_two_ranks_dcp_save_resume_local_and_s3(tmp_path, s3_uri, s3_endpoint):
 
     root = str(tmp_path / "run")
     backends = {"s3": {"endpoint_url": s3_endpoint, **S3_TEST_OPTIONS}}
-    assert run_ranks(2, [root, s3_uri + "/run"], str(tmp_path), backends) == ["ok", "ok"]
+    run_ranks(_worker, 2, [root, s3_uri + "/run"], str(tmp_path), backends)
+    assert results(str(tmp_path), 2) == ["ok", "ok"]
     assert sorted(os.listdir(root)) == ["000000000003", "000000000004", "latest.txt"]
     assert Checkpointer(root).manifest(4)["world_size"] == 2
     assert Checkpointer(s3_uri + "/run").list() == [3, 4]

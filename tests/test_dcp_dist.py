@@ -4,37 +4,15 @@ and a backend failure on one rank. Every child group runs under a timeout."""
 from __future__ import annotations
 
 import os
-import time
-import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ckptio.dcp as cd
 import dcp_workers as W
-from servers import free_port
+from multiproc import results, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TIMEOUT = 120
-
-
-def run_ranks(fn, world: int, *args) -> None:
-    """Spawn ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after TIMEOUT seconds."""
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {TIMEOUT}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-
-
-def results(d, world: int) -> list[str]:
-    return [open(os.path.join(d, f"rank{r}.txt")).read() for r in range(world)]
 
 
 def save_2_load_1_and_3(uri: str, tmp_path, backends: dict | None = None, load_3: bool = True) -> None:

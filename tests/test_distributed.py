@@ -9,34 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ckptio
 import ckptio.dcp as cd
 import cache_workers as W
 from conftest import S3_TEST_OPTIONS
-from servers import free_port
+from multiproc import run_ranks
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.timeout(150)]
 WORLD = 4
-TIMEOUT = 120
-
-
-def run_ranks(fn, world: int, *args) -> None:
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {TIMEOUT}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
 
 
 def gets(proxy, key: str) -> int:

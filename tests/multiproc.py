@@ -1,0 +1,35 @@
+"""Spawned gloo rank groups for the multi-process tests, each group under a deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.multiprocessing as mp
+
+from servers import free_port
+
+TIMEOUT = 120
+
+
+def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
+    """Spawn ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after ``timeout`` seconds."""
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish within {timeout}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def results(out_dir: str, world: int) -> list[str]:
+    """What each rank wrote to ``out_dir/rank<r>.txt``."""
+    out = []
+    for r in range(world):
+        with open(os.path.join(out_dir, f"rank{r}.txt")) as f:
+            out.append(f.read())
+    return out
