@@ -847,8 +847,10 @@ def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
     ``metadata_error``: what the reader's ``read_metadata`` raised, which torch's load reports
     only as an ``AssertionError`` ("metadata is None").
     """
-    failures = sorted(((r, x) for r, (x, _tb) in exc.failures.items()), key=lambda f: str(f[0]))
-    summary = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures) or str(exc)
+    failures = sorted(((r, x) for r, (x, _tb) in exc.failures.items()), key=lambda f: f[0])
+    summary = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures[:4]) or str(exc)
+    if len(failures) > 4:
+        summary += f"; and {len(failures) - 4} more ranks"
     where = f"ckptio.dcp: {action} of {os.fspath(uri)}"
     for r, x in failures:
         if isinstance(x, AssertionError) and metadata_error is not None:
@@ -856,8 +858,10 @@ def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
         if isinstance(x, (CkptioError, OSError)) or not isinstance(x, Exception):
             others = f" (all failures: {summary})" if len(failures) > 1 else ""
             note = f"{where} failed on rank {r}{others}"
-            if hasattr(x, "add_note"):  # Python >= 3.11
+            if hasattr(x, "add_note"):
                 x.add_note(note)
+            else:  # Python 3.10
+                x.__notes__ = [*getattr(x, "__notes__", []), note]
             x.__cause__ = exc
             return x
     err = CkptioError(f"{where} failed: {summary}")
