@@ -6,7 +6,8 @@ S3: a moto server on loopback started here; ckptio's ``write``/``readinto`` agai
 ``pipe``/``cat`` and boto3's TransferManager ``upload_fileobj``/``download_fileobj``. Local: ckptio
 against ``open().write()`` and ``readinto`` into the same preallocated buffer, with and without
 fsync (stated per row). Runs are interleaved (A B C A B C ...), each to a fresh key/path; the
-median is reported with the ratio to the best baseline. Loads touch every byte (they fill a
+median is reported with the ratio to the best baseline. Streaming uploads (``open_writer``
+in 1 MiB, 16 MiB and whole-object writes) also report their extra peak RSS (VmHWM, fresh process). Loads touch every byte (they fill a
 preallocated buffer that is reused across runs, so page faults are not measured). The server is
 the bottleneck on loopback (see PERF.md), which is why only same-run ratios mean anything.
 """
@@ -33,6 +34,7 @@ from servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # 
 
 MiB = 1024 * 1024
 TUNING: dict = {}  # backend options from --part-size-mib / --concurrency
+RSS = True  # also measure the peak RSS of streaming uploads (--no-rss: skip)
 
 
 def measure(cases: dict[str, Callable[[int], None]], repeats: int) -> dict[str, list[float]]:
@@ -94,6 +96,8 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
         }
         out["s3_get"] = report(f"S3 get {size // MiB} MiB", size, measure(get, repeats),
                                ["ckptio readinto"], ["s3fs cat", "boto3 download_fileobj"])
+        if RSS:
+            out["s3_stream_rss"] = bench_stream_rss("s3", server.url, bucket, size)
         ckptio.reset()
     return out
 
@@ -116,7 +120,54 @@ def bench_gcs(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
                "gcsfs cat": lambda r: fs.cat(f"{bucket}/fs-0")}
         out["gcs_get"] = report(f"GCS get {size // MiB} MiB", size, measure(get, repeats),
                                 ["ckptio readinto"], ["gcsfs cat"])
+        if RSS:
+            out["gcs_stream_rss"] = bench_stream_rss("gcs", server.url, bucket, size)
         ckptio.reset()
+    return out
+
+
+_RSS_CHILD = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import ckptio
+scheme, url, uri, size, chunk = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+opts = ({"endpoint_url": url, "access_key_id": "testing", "secret_access_key": "testing"} if scheme == "s3"
+        else {"endpoint_url": url, "anon": True})
+ckptio.configure(backends={scheme: opts})
+backend, u = ckptio.resolve(uri)
+backend.write(u + ".warm", b"x" * (6 << 20))  # clients, pools, imports
+data = bytearray(size)
+data[:] = os.urandom(1 << 20) * (size >> 20)
+
+def hwm():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak to the current RSS
+base = hwm()
+mv = memoryview(data)
+t0 = time.perf_counter()
+with backend.open_writer(u) as w:
+    for i in range(0, size, chunk):
+        w.write(mv[i: i + chunk])
+print(f"{hwm() - base:.1f} {time.perf_counter() - t0:.3f}")
+"""
+
+
+def bench_stream_rss(scheme: str, url: str, bucket: str, size: int) -> dict:
+    """Extra peak RSS (VmHWM) of a streaming upload through ``open_writer``, in a fresh process."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = {}
+    for chunk in (MiB, 16 * MiB, size):
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, root, scheme, url,
+                            f"{'s3' if scheme == 's3' else 'gs'}://{bucket}/rss-{chunk}", str(size), str(chunk)],
+                           check=True, capture_output=True, text=True)
+        extra, secs = map(float, r.stdout.split())
+        out[f"chunks_{chunk // MiB}MiB"] = {"extra_rss_mib": extra, "gbps": size / secs / 1e9}
+        print(f"  streaming {scheme} upload of {size // MiB} MiB in {chunk // MiB} MiB writes: extra peak RSS "
+              f"{extra:.0f} MiB ({extra * MiB / size:.1%} of the payload), {size / secs / 1e9:.3f} GB/s")
     return out
 
 
@@ -163,8 +214,11 @@ def main() -> None:
     p.add_argument("--no-local", action="store_true")
     p.add_argument("--part-size-mib", type=int, default=None, help="override the backends' part_size")
     p.add_argument("--concurrency", type=int, default=None, help="override the backends' concurrency")
+    p.add_argument("--no-rss", action="store_true", help="skip the streaming-upload peak RSS measurement")
     p.add_argument("--json", default="benchmarks/results/transfer.json")
     args = p.parse_args()
+    global RSS
+    RSS = not args.no_rss
     size = args.size_mib * MiB
     if args.part_size_mib:
         TUNING["part_size"] = args.part_size_mib * MiB

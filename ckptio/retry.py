@@ -232,6 +232,15 @@ async def stall_guard(read: Awaitable[Any], stall_timeout: float) -> Any:
         raise StalledError(f"no bytes received for {stall_timeout:g}s") from None
 
 
+def check_ranged_status(status: int | None, start: int, uri: str) -> None:
+    """A ranged GET from ``start`` > 0 answered 200 (not 206) carries the object from byte 0: the
+    server ignored ``Range``. Raise instead of handing those bytes back as if they were the range."""
+    if status == 200 and start > 0:
+        raise TransferError(errno.EIO, f"ranged read of {uri} from byte {start} failed: the server ignored the "
+                            "Range header (HTTP 200 with the object from byte 0); use a server that supports "
+                            "ranged GETs", uri)
+
+
 def check_range(view_len: int, got: int, content_range: str | None, content_length: str | None) -> None:
     """Raise :class:`TruncatedBodyError` when a ranged body ended before the bytes its headers announced."""
     expected = None

@@ -17,6 +17,8 @@ Faults (``kind``):
   nothing for ``stall`` seconds before closing.
 * ``truncate``: forward, then send a consistent but short response: half the body, with
   ``Content-Length`` shrunk to match (only a client that checks ``Content-Range`` notices).
+* ``ignore_range``: forward without the ``Range`` header, as a server that ignores it would
+  (the whole object comes back with 200).
 
 A rule matches requests by ``method`` and a substring of the path (``path``); it fires on the
 ``nth`` matching request (1-based) and the ``times - 1`` after it, or with probability
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-KINDS = ("status", "expired", "reset", "stall", "truncate")
+KINDS = ("status", "expired", "reset", "stall", "truncate", "ignore_range")
 
 
 @dataclass
@@ -139,8 +141,9 @@ class FaultProxy:
                         self.rfile.readline()
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-            def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+            def _forward(self, body: bytes, drop: tuple[str, ...] = ()) -> tuple[int, str, list[tuple[str, str]], bytes]:
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection", *drop)}
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
@@ -197,8 +200,10 @@ class FaultProxy:
                     if kind == "stall":
                         proxy._stop.wait(fault.stall)
                     return self._reset()
-                status, reason, headers, data = self._forward(body)
+                status, reason, headers, data = self._forward(body, ("range",) if kind == "ignore_range" else ())
                 seen.status = status
+                if kind == "ignore_range":
+                    kind = None
                 head_len = next((v for k, v in headers if k.lower() == "content-length"), None)
                 if kind is None:
                     self._head(status, reason, headers, int(head_len) if self.command == "HEAD" and head_len

@@ -5,11 +5,14 @@ halves every fast object store needs, independent of the client:
 
 * :func:`parallel_readinto`: split a read into ``part_size`` ranges and fetch up to
   ``concurrency`` of them at once, each streamed straight into its slice of the caller's buffer.
-* :class:`MultipartWriter`: a streaming :class:`~ckptio.backends.base.Writer` that uploads
-  ``part_size`` parts with at most ``concurrency`` in flight (memory is bounded by about
-  ``(concurrency + 1) * part_size``), commits on ``close`` and aborts the upload on failure.
-  Small objects (one part) go up in a single request. ``ordered=True`` (GCS resumable uploads)
-  uploads parts one after another while the caller fills the next one.
+* :class:`MultipartWriter`: a streaming :class:`~ckptio.backends.base.Writer` that uploads parts
+  with at most ``concurrency`` in flight and the bytes it copies bounded by ``max_buffer_bytes``
+  (large writes go up straight from the caller's memory), commits on ``close`` and aborts the
+  upload on failure; every error it raises is translated. Small objects (one part) go up in a
+  single request. ``ordered=True`` (GCS resumable uploads) uploads parts one after another while
+  the caller fills the next one.
+* :class:`MemoryBody`: a request body over the caller's memory that neither botocore nor aiohttp
+  copies.
 
 A backend supplies the client calls as coroutines; errors are translated by the backend's
 ``translate(exc, uri)`` so callers only ever see :mod:`ckptio.errors`.
@@ -19,12 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import threading
 from typing import Any, Awaitable, Callable
 
+import aiohttp
+import aiohttp.payload
 from fsspec.asyn import sync
 
 from .base import Buffer, Writer
+
+DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
+SEND_CHUNK = 1024 * 1024  # what an upload hands the socket at a time
 
 FetchInto = Callable[[int, int, memoryview], Awaitable[int]]
 
@@ -77,24 +86,115 @@ async def parallel_readinto(fetch_into: FetchInto, buf: memoryview, offset: int,
     return total
 
 
+class MemoryBody(io.RawIOBase):
+    """A read-only, seekable file over a buffer, sent without copying it.
+
+    botocore hashes and measures it through ``read``/``seek``/``tell``; aiohttp sends it through
+    :class:`_MemoryPayload` in ``SEND_CHUNK`` slices. A plain ``bytes``/``bytearray`` body would be
+    handed to the socket transport whole, which (Python < 3.12) copies the unsent rest of it, i.e.
+    a second copy of every part in flight. Make a new one for each attempt of a request.
+    """
+
+    def __init__(self, data: Buffer) -> None:
+        super().__init__()
+        self.view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self.view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self.view) - self._pos))
+        out[:n] = self.view[self._pos: self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self.view) if size is None or size < 0 else min(len(self.view), self._pos + size)
+        out = bytes(self.view[self._pos: end]) if end > self._pos else b""
+        self._pos = max(self._pos, end)
+        return out
+
+    def close(self) -> None:  # aiohttp closes payloads; the view stays usable for a retry's new body
+        pass
+
+
+class _MemoryPayload(aiohttp.payload.Payload):
+    """aiohttp's payload for :class:`MemoryBody`: slices of the caller's memory, with backpressure."""
+
+    def __init__(self, value: Any, *args: Any, **kwargs: Any) -> None:
+        body = getattr(value, "__wrapped__", value)  # aiobotocore wraps file objects in a proxy
+        kwargs.setdefault("content_type", "application/octet-stream")
+        super().__init__(body, *args, **kwargs)
+        self._size = len(body.view) - body.tell()
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value.view[self._value.tell():]).decode(encoding, errors)
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        view = self._value.view[self._value.tell():]
+        if content_length is not None:
+            view = view[:content_length]
+        for i in range(0, len(view), SEND_CHUNK):
+            await writer.write(view[i: i + SEND_CHUNK])  # drains when the transport holds > 64 KiB
+
+
+aiohttp.payload.register_payload(_MemoryPayload, MemoryBody, order=aiohttp.payload.Order.try_first)
+
+
 class MultipartWriter(Writer):
     """Streaming writer over an object store's multipart (or resumable) upload.
 
     Subclasses implement the coroutines ``put_single``, ``begin``, ``upload_part``, ``complete`` and
     ``abort_upload``, and ``translate``. ``upload_part(handle, number, offset, data, total)`` gets
-    ``total`` (the object's size) only for the last part, and ``None`` before it.
+    ``total`` (the object's size) only for the last part, and ``None`` before it; ``data`` may be
+    the caller's memory (send it with :class:`MemoryBody`, never keep it).
+
+    Memory: the bytes copied into part buffers (the part being filled, parts in flight, free
+    buffers) stay within ``max_buffer_bytes``: streamed parts are ``part_size`` or smaller, so that
+    ``concurrency`` of them plus the one being filled fit. A ``write`` of at least
+    ``max_buffer_bytes`` is uploaded straight from the caller's memory (whole parts, up to
+    ``concurrency`` at once) and returns when they are up; only its unaligned ends are copied.
     """
 
     ordered = False  # True: parts must arrive in order (one in flight), e.g. GCS resumable uploads
+    min_part_size = 1  # the store's minimum for every part but the last
+    part_align = 1  # streamed part sizes are multiples of this
+    max_parts: int | None = None  # with a limit, streamed parts double in size every ``max_parts // 10`` parts
 
-    def __init__(self, uri: str, loop: asyncio.AbstractEventLoop, part_size: int, concurrency: int) -> None:
+    def __init__(self, uri: str, loop: asyncio.AbstractEventLoop, part_size: int, concurrency: int,
+                 max_buffer_bytes: int | None = None) -> None:
         self.uri = uri
         self._loop = loop
         self.part_size = part_size
-        self._sem = threading.BoundedSemaphore(1 if self.ordered else concurrency)
-        self._buf = bytearray(part_size)
-        self._fill = 0
+        self.max_buffer_bytes = int(max_buffer_bytes or DEFAULT_MAX_BUFFER_BYTES)
+        self._slots = 1 if self.ordered else concurrency
+        fit = self.max_buffer_bytes // (self._slots + 1) // self.part_align * self.part_align
+        self._stream_part = max(self.min_part_size, min(part_size, fit))
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._allocated = 0  # bytes of part buffers that exist (filling, in flight, free)
         self._free: list[bytearray] = []
+        self._buf = bytearray()
+        self._fill = 0
         self._handle: Any = None
         self._started = False
         self._offset = 0  # bytes handed to parts so far
@@ -126,13 +226,24 @@ class MultipartWriter(Writer):
             raise ValueError(f"write to a {self._state} writer: {self.uri}")
         mv = memoryview(data).cast("B")
         total = len(mv)
-        while mv:
-            if self._fill == self.part_size:  # full, and more data follows: not the last part
-                self._send_buffer(last=False)
-            k = min(self.part_size - self._fill, len(mv))
-            self._buf[self._fill: self._fill + k] = mv[:k]
-            self._fill += k
-            mv = mv[k:]
+        try:
+            borrowed = len(mv) >= self.max_buffer_bytes
+            if borrowed and self._fill:  # top up the part being filled, then send it
+                k = min(len(self._buf) - self._fill, len(mv))
+                self._buf[self._fill: self._fill + k] = mv[:k]
+                self._fill, mv = self._fill + k, mv[k:]
+                if mv:
+                    self._send_buffer(last=False)
+            first = len(self._futures)
+            while borrowed and len(mv) > self._part_size():  # the last bytes are copied: close sends them
+                n = self._part_size()
+                self._submit(mv[:n], None)
+                mv = mv[n:]
+            self._copy(mv)
+            self._wait(self._futures[first:] if borrowed else [])  # the caller may reuse its memory now
+        except BaseException as e:
+            self._abort_quietly()
+            raise self._translated(e) from None
         return total
 
     def write_all(self, data: Buffer) -> None:
@@ -160,7 +271,7 @@ class MultipartWriter(Writer):
             return
         try:
             if not self._started:
-                data = self._buf if self._fill == self.part_size else memoryview(self._buf)[: self._fill]
+                data = self._buf if self._fill == len(self._buf) else memoryview(self._buf)[: self._fill]
                 run(self._loop, self.put_single, data)
                 self._state = "closed"
                 return
@@ -170,18 +281,16 @@ class MultipartWriter(Writer):
             self._abort_quietly()
             raise self._translated(e) from None
         finally:
-            self._buf = bytearray()
-            self._free.clear()
+            self._release_buffers()
 
     def abort(self) -> None:
         if self._state != "open":
             return
         self._state = "aborted"
-        self._buf = bytearray()
-        self._free.clear()
         for f in self._futures:
             f.cancel()
         concurrent.futures.wait(self._futures)
+        self._release_buffers()
         if self._started:
             try:
                 run(self._loop, self.abort_upload, self._handle)
@@ -202,32 +311,82 @@ class MultipartWriter(Writer):
         except Exception:
             pass
 
+    def _release_buffers(self) -> None:
+        with self._cv:
+            self._buf, self._fill = bytearray(), 0
+            self._free.clear()
+            self._allocated = 0
+
+    def _part_size(self) -> int:
+        """The size of the next streamed part: it grows when a part-count limit would be reached."""
+        if self.max_parts is None:
+            return self._stream_part
+        return min(self._stream_part << (len(self._futures) // (self.max_parts // 10)), 5 << 30)
+
+    def _copy(self, mv: memoryview) -> None:
+        """Copy ``mv`` into part buffers, sending each full one when more data follows."""
+        while mv:
+            if self._fill == len(self._buf):
+                if self._fill:  # full, and more data follows: not the last part
+                    self._send_buffer(last=False)
+                self._buf, self._fill = self._new_buffer(), 0
+            k = min(len(self._buf) - self._fill, len(mv))
+            self._buf[self._fill: self._fill + k] = mv[:k]
+            self._fill += k
+            mv = mv[k:]
+
+    def _new_buffer(self) -> bytearray:
+        size = self._part_size()
+        with self._cv:
+            while True:
+                self._raise_failed()
+                if self._free and len(self._free[-1]) == size:
+                    return self._free.pop()
+                while self._free:  # a smaller size from before the parts grew
+                    self._allocated -= len(self._free.pop())
+                if self._allocated + size <= max(self.max_buffer_bytes, 2 * size):
+                    self._allocated += size
+                    return bytearray(size)
+                self._cv.wait()
+
     def _send_buffer(self, last: bool) -> None:
         buf, fill = self._buf, self._fill
-        if fill < len(buf):
-            del buf[fill:]  # the last, short part: shrink in place instead of copying
-        self._submit(buf, self._offset + fill if last else None, recycle=buf)
-        self._buf = self._free.pop() if self._free else bytearray(self.part_size)
-        self._fill = 0
+        recycle = fill == len(buf)
+        data = buf if recycle else memoryview(buf)[:fill]  # the last, short part
+        self._buf, self._fill = bytearray(), 0
+        self._submit(data, self._offset + fill if last else None, recycle=buf if recycle else None)
 
     def _submit(self, data: Buffer, total: int | None, recycle: bytearray | None = None) -> None:
-        self._sem.acquire()  # bounds the parts in flight, hence memory
+        with self._cv:  # bounds the parts in flight
+            while True:
+                self._raise_failed()
+                if self._inflight < self._slots:
+                    self._inflight += 1
+                    break
+                self._cv.wait()
         try:
-            self._raise_failed()
             if not self._started:
                 self._handle = run(self._loop, self.begin)
                 self._started = True
             number, offset = len(self._futures) + 1, self._offset
             self._offset += len(data)
-            fut = asyncio.run_coroutine_threadsafe(self.upload_part(self._handle, number, offset, data, total), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(self.upload_part(self._handle, number, offset, data, total),
+                                                   self._loop)
         except BaseException:
-            self._sem.release()
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
             raise
 
         def done(f: concurrent.futures.Future) -> None:
-            if recycle is not None and not f.cancelled() and f.exception() is None and len(recycle) == self.part_size:
-                self._free.append(recycle)
-            self._sem.release()
+            with self._cv:
+                self._inflight -= 1
+                if recycle is not None and self._state == "open":
+                    if len(recycle) == self._part_size():
+                        self._free.append(recycle)
+                    else:
+                        self._allocated -= len(recycle)
+                self._cv.notify_all()
 
         fut.add_done_callback(done)
         self._futures.append(fut)
@@ -237,9 +396,13 @@ class MultipartWriter(Writer):
             if f.done() and not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
 
+    def _wait(self, futures: list[concurrent.futures.Future]) -> None:
+        if futures:
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            self._raise_failed()
+
     def _finish(self) -> None:
-        concurrent.futures.wait(self._futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-        self._raise_failed()
+        self._wait(self._futures)
         tokens = [f.result() for f in self._futures]
         run(self._loop, self.complete, self._handle, tokens, self._offset)
         self._state = "closed"

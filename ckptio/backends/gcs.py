@@ -75,8 +75,10 @@ class GCSBackend(Backend):
                  anon: bool = False, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
                  retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
                  timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, credential_provider: Any = None) -> None:
+                 read_timeout: float = 60.0, credential_provider: Any = None,
+                 max_buffer_bytes: int = _parallel.DEFAULT_MAX_BUFFER_BYTES) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
+        self.max_buffer_bytes = int(max_buffer_bytes)
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
@@ -133,8 +135,9 @@ class GCSBackend(Backend):
 
     async def _attempt(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
                        data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None,
-                       parse_json: bool = False) -> tuple[int, Any, Any]:
-        """One HTTP request. ``into``: stream the body there and return its length as the body."""
+                       parse_json: bool = False, range_start: int = 0, uri: str = "gs://") -> tuple[int, Any, Any]:
+        """One HTTP request. ``into``: stream the body (of a ranged GET from ``range_start``) there
+        and return its length as the body."""
         stall = self.policy.stall_timeout
         session = _parallel.no_hidden_retries(await self._fs._set_session())
         hdrs = self._fs._get_headers(headers)
@@ -146,6 +149,7 @@ class GCSBackend(Backend):
             if into is None:
                 body = await _retry.stall_guard(r.read(), stall)
                 return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
+            _retry.check_ranged_status(r.status, range_start, uri)
             pos = 0
             while pos < len(into):
                 chunk = await _retry.stall_guard(r.content.read(len(into) - pos), stall)
@@ -166,7 +170,7 @@ class GCSBackend(Backend):
     async def _request(self, method: str, url: str, *, uri: str = "gs://", what: str | None = None,
                        **kw: Any) -> tuple[int, Any, Any]:
         """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords)."""
-        return await self._retrying(uri, what or method, lambda: self._attempt(method, url, **kw))
+        return await self._retrying(uri, what or method, lambda: self._attempt(method, url, uri=uri, **kw))
 
     def _call(self, uri: str, method: str, url: str, **kw: Any) -> tuple[int, Any, Any]:
         try:
@@ -224,7 +228,7 @@ class GCSBackend(Backend):
         try:
             return (await self._request("GET", f"{self._api}/b/{bucket}/o/{_q(key)}", params={"alt": "media"},
                                         headers={"Range": f"bytes={start}-{end - 1}"}, ok=(200, 206),
-                                        into=view, uri=uri,
+                                        into=view, range_start=start, uri=uri,
                                         what=f"ranged read of bytes {start}-{end - 1}"))[2]
         except _HTTPStatus as e:
             if e.status == 416:
@@ -328,9 +332,10 @@ class GCSBackend(Backend):
 
 class _GCSWriter(_parallel.MultipartWriter):
     ordered = True  # a resumable upload takes its chunks in order
+    min_part_size = part_align = CHUNK_ALIGN
 
     def __init__(self, backend: GCSBackend, uri: str, bucket: str, key: str, mode: WriteMode) -> None:
-        super().__init__(uri, backend._loop, backend.part_size, 1)
+        super().__init__(uri, backend._loop, backend.part_size, 1, backend.max_buffer_bytes)
         self._b, self._bucket, self._key = backend, bucket, key
         self._cond = {"ifGenerationMatch": "0"} if mode == "create" else {}
 
@@ -356,7 +361,8 @@ class _GCSWriter(_parallel.MultipartWriter):
             await gcsfs.core.simple_upload(self._b._fs, self._bucket, self._key, b"",
                                            mode="create" if self._cond else "overwrite")
             return
-        await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=data,
+        await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o",
+                               data=_parallel.MemoryBody(data),
                                params={"uploadType": "media", "name": self._key, **self._cond},
                                headers={"Content-Type": "application/octet-stream"}, uri=self.uri, what="upload")
 
@@ -379,7 +385,8 @@ class _GCSWriter(_parallel.MultipartWriter):
             if state["done"] or (state["sent"] >= n and total is None):
                 return
             start = offset + state["sent"]
-            await self._b._attempt("PUT", handle, data=mv[state["sent"]:], ok=(200, 201, 308), headers={
+            body = _parallel.MemoryBody(mv[state["sent"]:])
+            await self._b._attempt("PUT", handle, data=body, ok=(200, 201, 308), headers={
                 "Content-Range": f"bytes {start}-{offset + n - 1}/{size}" if start < offset + n else f"bytes */{size}",
                 "Content-Type": "application/octet-stream"})
 

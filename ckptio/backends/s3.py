@@ -100,8 +100,10 @@ class S3Backend(Backend):
                  part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
                  retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
                  timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, credential_provider: Any = None) -> None:
+                 read_timeout: float = 60.0, credential_provider: Any = None,
+                 max_buffer_bytes: int = _parallel.DEFAULT_MAX_BUFFER_BYTES) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
+        self.max_buffer_bytes = int(max_buffer_bytes)
         if self.part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got {self.part_size}")
         self.policy = _retry.RetryPolicy.from_options(
@@ -109,7 +111,8 @@ class S3Backend(Backend):
             stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
         self.retries = self.policy.max_attempts - 1
         self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
-        self._old_clients: list[Any] = []
+        self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
+        self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
         self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
         self.region = (region or creds.get("region_name") or creds.get("region") or os.environ.get("AWS_REGION")
@@ -172,9 +175,28 @@ class S3Backend(Backend):
 
     async def _apply_credentials(self, creds: Any) -> None:
         self._fs.key, self._fs.secret, self._fs.token = self._credentials_from(creds)
-        if self._client is not None:
-            self._old_clients.append(self._client)  # requests in flight still use it; closed in close()
+        old = self._client
         self._client = self._own_retries(await self._fs.set_session(refresh=True))
+        if old is not None:
+            if self._in_flight.get(id(old)):
+                self._old_clients.append(old)  # requests in flight still use it: closed when the last one ends
+            else:
+                await self._close_client(old)
+
+    @staticmethod
+    async def _close_client(client: Any) -> None:
+        try:
+            await client.close()
+        except Exception:  # closing a dead connection pool must not fail a request
+            pass
+
+    async def _release(self, client: Any) -> None:
+        n = self._in_flight.pop(id(client), 1) - 1
+        if n:
+            self._in_flight[id(client)] = n
+        elif any(c is client for c in self._old_clients):
+            self._old_clients = [c for c in self._old_clients if c is not client]
+            await self._close_client(client)
 
     def describe(self, e: BaseException, uri: str) -> str:
         if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError)):
@@ -186,7 +208,12 @@ class S3Backend(Backend):
                   on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
         """``fn(client)`` under the retry policy (one request, retried on transient errors)."""
         async def attempt() -> Any:
-            return await fn(await self._s3())
+            client = await self._s3()
+            self._in_flight[id(client)] = self._in_flight.get(id(client), 0) + 1
+            try:
+                return await fn(client)
+            finally:
+                await self._release(client)
 
         return await self.policy.run(attempt, uri=uri, what=what, classify=classify,
                                      describe=lambda e: self.describe(e, uri), refresh=self._refresher,
@@ -265,6 +292,7 @@ class S3Backend(Backend):
                 raise
             body, pos = resp["Body"], 0
             try:
+                _retry.check_ranged_status(resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), start, uri)
                 while pos < len(view):
                     n = await _retry.stall_guard(body.readinto(view[pos:]), stall)
                     if not n:
@@ -380,17 +408,17 @@ class S3Backend(Backend):
 
 
 class _S3Writer(_parallel.MultipartWriter):
+    min_part_size = MIN_PART_SIZE
+    part_align = 1024 * 1024
+    max_parts = MAX_PARTS
+
     def __init__(self, backend: S3Backend, uri: str, bucket: str, key: str, mode: WriteMode, part_size: int) -> None:
-        super().__init__(uri, backend._loop, part_size, backend.concurrency)
+        super().__init__(uri, backend._loop, part_size, backend.concurrency, backend.max_buffer_bytes)
         self._b, self._bucket, self._key = backend, bucket, key
         self._cond = {"IfNoneMatch": "*"} if mode == "create" else {}
 
     def translate(self, exc: BaseException) -> BaseException:
         return self._b.translate(exc, self.uri)
-
-    @staticmethod
-    def _body(data: Buffer) -> bytes | bytearray:
-        return data if isinstance(data, (bytes, bytearray)) else bytes(data)  # botocore refuses memoryview
 
     async def _request(self, what: str, fn: Callable[[Any], Awaitable[Any]],
                        committed: Callable[[], Awaitable[bool]] | None = None) -> Any:
@@ -419,10 +447,9 @@ class _S3Writer(_parallel.MultipartWriter):
         return str(h.get("ETag", "")).strip('"') == etag
 
     async def put_single(self, data: Buffer) -> None:
-        body = self._body(data)
-        await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key, Body=body,
-                                                            **self._cond),
-                            lambda: self._etag_is(hashlib.md5(body).hexdigest()))
+        await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key,
+                                                            Body=_parallel.MemoryBody(data), **self._cond),
+                            lambda: self._etag_is(hashlib.md5(data).hexdigest()))
 
     async def begin(self) -> Any:
         if self._cond:  # fail before uploading gigabytes; the conditional complete stays authoritative
@@ -437,10 +464,10 @@ class _S3Writer(_parallel.MultipartWriter):
         return r["UploadId"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
-        body = self._body(data)
-        r = await self._request(f"part {number} (bytes {offset}-{offset + len(body) - 1})",
+        n = memoryview(data).nbytes
+        r = await self._request(f"part {number} (bytes {offset}-{offset + n - 1})",
                                 lambda s3: s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle,
-                                                          PartNumber=number, Body=body))
+                                                          PartNumber=number, Body=_parallel.MemoryBody(data)))
         return {"PartNumber": number, "ETag": r["ETag"]}
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:

@@ -1,0 +1,96 @@
+"""The S3/GCS streaming writer: errors from any step come out of ``write()`` translated (naming
+the URI) with the upload aborted, the bytes it copies stay within ``max_buffer_bytes``, and large
+writes borrow the caller's memory only until ``write()`` returns."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckptio
+from faultproxy import Fault, MiB, faults, gcs_faults, s3_faults  # noqa: F401
+from servers import s3_client
+
+
+def _no_uploads(faults) -> bool:
+    return s3_client(faults.endpoint).list_multipart_uploads(Bucket=faults.bucket).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+def test_streaming_write_to_missing_bucket_is_not_found(scheme, request):
+    root = request.getfixturevalue(f"{scheme}_uri")
+    uri = root.split("://")[0] + "://no-such-bucket-ckptio/x.bin"
+    b, u = ckptio.resolve(uri, part_size=5 * MiB)
+    w = b.open_writer(u)
+    with pytest.raises(FileNotFoundError) as ei:
+        for _ in range(4):  # the upload starts (and fails) once more than one part is written
+            w.write(os.urandom(4 * MiB))
+    assert u in str(ei.value)
+    w.abort()  # safe after the failure
+    with pytest.raises(ValueError):
+        w.write(b"more")
+
+
+def test_dump_fpk_to_missing_bucket_is_not_found(s3_uri):
+    with pytest.raises(FileNotFoundError, match="s3://no-such-bucket-ckptio/x.fpk"):
+        ckptio.dump({"w": torch.zeros(3 << 20)}, "s3://no-such-bucket-ckptio/x.fpk")
+
+
+def test_create_on_existing_object_fails_in_write(faults):
+    b, u = ckptio.resolve(faults.uri + "/obj.bin")
+    b.write(u, b"old")
+    w = b.open_writer(u, mode="create")
+    with pytest.raises(FileExistsError) as ei:
+        for _ in range(30):
+            w.write(os.urandom(MiB))
+    assert u in str(ei.value)
+    assert b.read(u) == b"old"
+
+
+def test_permanent_part_failure_comes_out_of_write(faults):
+    b, u = ckptio.resolve(faults.uri + "/obj.bin")
+    path = "partNumber=2" if faults.flavor == "s3" else "upload_id="
+    faults.add(Fault("status", status=403, method="PUT", path=path, fraction=1.0))
+    w = b.open_writer(u)
+    with pytest.raises(PermissionError) as ei:
+        for _ in range(80):
+            w.write(os.urandom(512 * 1024))
+    assert u in str(ei.value)
+    faults.clear()
+    assert not b.exists(u)
+    if faults.flavor == "s3":
+        assert _no_uploads(faults)
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+def test_part_buffers_stay_within_max_buffer_bytes(scheme, request):
+    root = request.getfixturevalue(f"{scheme}_uri")
+    budget = 16 * MiB
+    b, u = ckptio.resolve(root + "/big.bin", part_size=5 * MiB, concurrency=4, max_buffer_bytes=budget)
+    data = os.urandom(60 * MiB)
+    mv = memoryview(data)
+    w = b.open_writer(u)
+    peak = 0
+    for i in range(0, len(data), 3 * MiB):
+        w.write(mv[i: i + 3 * MiB])
+        peak = max(peak, w._allocated)
+    w.close()
+    assert 0 < peak <= budget
+    assert b.read(u) == data
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gcs"])
+def test_large_write_borrows_caller_memory_only_until_it_returns(scheme, request):
+    root = request.getfixturevalue(f"{scheme}_uri")
+    b, u = ckptio.resolve(root + "/big.bin", part_size=5 * MiB, concurrency=3, max_buffer_bytes=12 * MiB)
+    head, body = os.urandom(3 * MiB), bytearray(os.urandom(21 * MiB))
+    expected = head + bytes(body) + b"tail"
+    with b.open_writer(u) as w:
+        w.write(head)
+        w.write(body)  # >= max_buffer_bytes: sent from this memory
+        assert w._allocated <= 12 * MiB
+        body[:] = bytes(len(body))  # the caller reuses its buffer
+        w.write(b"tail")
+    assert b.read(u) == expected
