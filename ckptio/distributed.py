@@ -227,8 +227,9 @@ def load_dcp(state_dict: dict[str, Any], uri: str | os.PathLike, *, cache: Any =
     """``torch.distributed.checkpoint.load`` of ``uri`` into ``state_dict``, each node downloading every
     file of the checkpoint once into its cache. ``reader_options`` go to :class:`ckptio.dcp.StorageReader`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp import StorageReader
+    from .dcp import StorageReader, surface_error
 
     plan = node_plan(group, node=node, timeout=timeout)
     reader = StorageReader(uri, cache=True if cache is None else cache, **reader_options)
@@ -245,5 +246,8 @@ def load_dcp(state_dict: dict[str, Any], uri: str | os.PathLike, *, cache: Any =
     mine, error = _attempt(prefetch) if plan.is_leader else (None, None)
     statuses = _settle(plan, mine, error, group, timeout, f"fetch the checkpoint {os.fspath(uri)}")
     with backend.pinned(statuses[plan.leader].value):  # type: ignore[union-attr]
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+        except CheckpointException as e:  # the failed rank's own error, as ckptio.dcp.load raises
+            raise surface_error(e, "load", uri, reader._metadata_error) from e
 
