@@ -1,8 +1,9 @@
 """Security: no code execution on load, no path escapes when copying, no secrets in output.
 
 * ``.pt`` files load with ``weights_only=True``; ``.fpk`` files never unpickle unless the caller
-  passes ``allow_pickle=True``; DCP's pickled ``.metadata`` is read only from the checkpoint the
-  user points at (a latest pointer cannot redirect a Checkpointer elsewhere).
+  passes ``allow_pickle=True``; DCP's pickled ``.metadata`` goes through an allow-list unpickler
+  (tests in test_dcp.py) and is read only from the checkpoint the user points at (a latest pointer
+  cannot redirect a Checkpointer elsewhere).
 * Keys with ``../``, absolute keys and symlinks in the destination cannot make ``copytree`` or
   ``ckptio cp`` write outside the target directory.
 * Secrets from settings, the environment and credential files never appear in logs, exceptions,
