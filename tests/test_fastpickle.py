@@ -327,3 +327,21 @@ def test_mmap_load_is_zero_copy_and_lazy(tmp_path):
         fp.load(p, mmap=True, verify=True)
     with pytest.raises(ValueError, match="local file"):
         fp.load(io.BytesIO(bytes(data)), mmap=True)
+
+
+def test_cached_backend_loads_from_its_local_entry(memory_uri, tmp_path):
+    from ckptio.backends.cached import CachedBackend
+
+    state = {"w": torch.randn(64, 64), "step": 3}
+    uri = f"{memory_uri}/c.fpk"
+    fp.save(state, uri)
+    inner, resolved = ckptio.resolve(uri)
+    cache = CachedBackend(inner, tmp_path / "cache")
+    fmt = fp.FastpickleFormat()
+    inner.bytes_read = 0
+    out = fmt.load(cache, resolved)
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+    filled = inner.bytes_read  # one fill of the entry, no ranged reads per payload
+    assert filled == inner.stat(resolved).size
+    out = fmt.load(cache, resolved, mmap=True)  # a plain local file: mapping works
+    assert torch.equal(out["w"], state["w"]) and inner.bytes_read == filled
