@@ -9,7 +9,10 @@ W3 = model + Adam state + nested Python values. Every case writes a fresh file u
 cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
 written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
 are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
-interleaved run by run. Peak RSS of a W3 load is measured in a fresh subprocess.
+interleaved run by run. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
+saves (local and S3) by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
+fastpickle is compared with the raw clients (s3fs pipe/cat, boto3's TransferManager) and with
+ckptio's own put/readinto, all on the same server in the same run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import io
 import math
 import os
 import shutil
@@ -294,18 +298,53 @@ def bench_rss(b: Bench, nbytes: int) -> None:
               f"{'  (target <= 1.15x)' if kind == 'fastpickle' else ''}")
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def report_save_memory(what: str, n: int, save: Callable[[], Any]) -> None:
+    """Peak RSS during ``save`` above the RSS before it. Free heap memory is returned to the system first
+    (malloc_trim) and the high-water mark reset (/proc/self/clear_refs), so reused memory cannot hide growth."""
+    import ctypes
+
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    save()
+    extra = (_status_kib("VmHWM") - base) * 1024
+    limit = max(64 * MiB, n // 20)
+    print(f"  extra memory during {what}: {extra / MiB:.1f} MiB (limit max(64 MiB, 5% of payload) = "
+          f"{limit / MiB:.0f} MiB){'  ok' if extra <= limit else '  ABOVE limit'}")
+
+
+def bench_save_memory(b: Bench, nbytes: int) -> None:
+    sd = transformer(nbytes)
+    n = payload_bytes(sd)
+    print(f"\nextra memory during save ({n / MiB:.0f} MiB payload; peak RSS above the RSS before)")
+    for name, durable in (("local save, durable=False", False), ("local save, durable=True", True)):
+        p = b.path(".fpk")
+        report_save_memory(name, n, lambda: fp.save(sd, p, durable=durable))
+        os.unlink(p)
+
+
 def bench_s3(b: Bench, nbytes: int) -> None:
     try:
         import ckptio.backends.s3  # noqa: F401
+        import boto3
+        import s3fs
+        from boto3.s3.transfer import TransferConfig
     except ImportError as e:
-        print(f"\nS3: skipped, the S3 backend is not available ({e})")
+        print(f"\nS3: skipped, the S3 backend or a baseline client is not available ({e})")
         return
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import ckptio
     from servers import MotoServer, make_s3_bucket  # type: ignore[import-not-found]
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in creds.items():
         os.environ.setdefault(k, v)
     with MotoServer() as server:
         make_s3_bucket(server.url, "bench")
@@ -314,43 +353,66 @@ def bench_s3(b: Bench, nbytes: int) -> None:
         sd = transformer(nbytes)
         n = payload_bytes(sd)
         blob = bytearray(os.urandom(1024)) * (n // 1024)
+        blob_bytes = bytes(blob)  # s3fs wants bytes
         backend, _ = ckptio.resolve("s3://bench/x")
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.url,
+                                                                               "region_name": "us-east-1"})
+        boto = boto3.client("s3", endpoint_url=server.url, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+        tconf = TransferConfig()  # boto3's defaults: 8 MiB parts, 10 threads
         counter = iter(range(10 ** 6))
 
-        def uri() -> str:
-            return f"s3://bench/o{next(counter)}.fpk"
+        def key() -> str:
+            return f"o{next(counter)}.fpk"
 
         def put_case(save: Callable[[str], Any]) -> Callable[[], float]:
             def run() -> float:
-                u = uri()
-                t = timed(lambda: save(u))
-                backend.delete(u)
+                k = key()
+                t = timed(lambda: save(k))
+                boto.delete_object(Bucket="bench", Key=k)
                 return t
             return run
 
         def get_case(save: Callable[[str], Any], load: Callable[[str], Any]) -> Callable[[], float]:
             def run() -> float:
-                u = uri()
-                save(u)
-                t = timed(lambda: load(u))
-                backend.delete(u)
+                k = key()
+                save(k)
+                t = timed(lambda: load(k))
+                boto.delete_object(Bucket="bench", Key=k)
                 return t
             return run
 
-        def raw_get(u: str) -> None:
+        def ckptio_readinto(k: str) -> None:
             buf = bytearray(len(blob))
-            backend.readinto(u, buf, 0)
+            ckptio.readinto(f"s3://bench/{k}", buf)
 
-        med = b.table("S3 (moto on loopback) dump", n, {
-            "fastpickle dump .fpk": put_case(lambda u: ckptio.dump(sd, u)),
-            "raw client write (same backend, same bytes)": put_case(lambda u: backend.write(u, blob)),
+        def boto_download(k: str) -> None:
+            boto.download_fileobj("bench", k, io.BytesIO(), Config=tconf)
+
+        def boto_upload(k: str) -> None:
+            boto.upload_fileobj(io.BytesIO(blob), "bench", k, Config=tconf)
+
+        ours = "fastpickle ckptio.dump .fpk"
+        med = b.table("S3 (moto on loopback) dump; baselines write the same number of bytes", n, {
+            ours: put_case(lambda k: ckptio.dump(sd, f"s3://bench/{k}")),
+            "s3fs pipe": put_case(lambda k: fs.pipe(f"bench/{k}", blob_bytes)),
+            "boto3 upload_fileobj (TransferManager)": put_case(boto_upload),
+            "ckptio.put (same backend)": put_case(lambda k: ckptio.put(blob, f"s3://bench/{k}")),
         })
-        ratio(med, "fastpickle dump .fpk", "raw client write (same backend, same bytes)", 0.9)
-        med = b.table("S3 (moto on loopback) load, every byte touched", n, {
-            "fastpickle load .fpk": get_case(lambda u: ckptio.dump(sd, u), lambda u: touch(ckptio.load(u))),
-            "raw client readinto (same backend, same bytes)": get_case(lambda u: backend.write(u, blob), raw_get),
+        for base in ("s3fs pipe", "boto3 upload_fileobj (TransferManager)", "ckptio.put (same backend)"):
+            ratio(med, ours, base, 0.9)
+        ours = "fastpickle ckptio.load .fpk (+touch)"
+        med = b.table("S3 (moto on loopback) load; fastpickle touches every byte", n, {
+            ours: get_case(lambda k: ckptio.dump(sd, f"s3://bench/{k}"), lambda k: touch(ckptio.load(f"s3://bench/{k}"))),
+            "s3fs cat": get_case(lambda k: backend.write(f"s3://bench/{k}", blob), lambda k: fs.cat(f"bench/{k}")),
+            "boto3 download_fileobj (TransferManager)": get_case(lambda k: backend.write(f"s3://bench/{k}", blob),
+                                                                 boto_download),
+            "ckptio.readinto (same backend)": get_case(lambda k: backend.write(f"s3://bench/{k}", blob), ckptio_readinto),
         })
-        ratio(med, "fastpickle load .fpk", "raw client readinto (same backend, same bytes)", 0.9)
+        for base in ("s3fs cat", "boto3 download_fileobj (TransferManager)", "ckptio.readinto (same backend)"):
+            ratio(med, ours, base, 0.9)
+        u = f"s3://bench/{key()}"
+        report_save_memory("S3 dump", n, lambda: ckptio.dump(sd, u))
         ckptio.reset()
 
 
@@ -360,7 +422,7 @@ def main() -> None:
     ap.add_argument("--s3-size", type=int, default=256, help="S3 workload size in MiB (default 256)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="64 MiB workloads, 32 MiB on S3")
-    ap.add_argument("--only", default="w1,w2,w3,rss,mmap,s3", help="comma-separated subset")
+    ap.add_argument("--only", default="w1,mem,w2,w3,rss,mmap,s3", help="comma-separated subset")
     ap.add_argument("--dir", default=None, help="where files go (default: a temporary directory)")
     args = ap.parse_args()
     if args.quick:
@@ -377,6 +439,8 @@ def main() -> None:
                         "load_torch": 4.0, "load_st": 0.8})
         if "mmap" in only:
             bench_mmap_lazy(b, nbytes)
+        if "mem" in only:
+            bench_save_memory(b, nbytes)
         if "w2" in only:
             bench_flat(b, "W2 (100 KiB tensors)", small_tensors(nbytes), {"save_torch": 2.0, "load_torch": 2.0})
         if "w3" in only:

@@ -423,8 +423,9 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
                 flush()
                 mv = _cpu_view(s.data)
                 futures.append(hasher.submit(_hash_into, [(s, mv)]))
-                for i in range(0, s.nbytes, WRITE_CHUNK):
-                    out.write(mv[i: i + WRITE_CHUNK])
+                step = WRITE_CHUNK if out.fd is not None else s.nbytes  # a remote writer gets it whole (may send it
+                for i in range(0, s.nbytes, step):                         # straight from tensor memory)
+                    out.write(mv[i: i + step])
             else:
                 mv = _cpu_view(s.data)
                 to_hash.append((s, mv))
@@ -592,9 +593,43 @@ class _BackendSource(_Source):
         self.size = backend.stat(uri).size
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
+        self._ahead: list[tuple[int, memoryview]] = []  # ranges read speculatively: (offset, bytes)
+
+    def read_ahead(self) -> None:
+        """For a full load: fetch the first and the last ``part_size`` bytes at once, in two requests.
+
+        The header, footer and metadata come with them, and so do the payloads at both ends, so a
+        full load costs about as many ranged requests as reading the object in ``part_size`` parts.
+        """
+        head = min(self.size, self.part_size)
+        tail = min(self.size - head, max(self.part_size, self.prefetch))
+        ranges = [(0, head)] + ([(self.size - tail, tail)] if tail else [])
+        bufs = [memoryview(bytearray(n)) for _, n in ranges]
+        _run_jobs([lambda o=o, b=b: self._fetch(b, o) for (o, _), b in zip(ranges, bufs)], 2)
+        self._ahead = [(o, b) for (o, _), b in zip(ranges, bufs)]
+
+    def _fetch(self, mv: memoryview, offset: int) -> int:
+        return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
 
     def readinto(self, mv: memoryview, offset: int) -> int:
-        return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+        lo, hi = offset, offset + len(mv)
+        for off, data in self._ahead:  # copy what was read ahead at either end of the request
+            end = off + len(data)
+            if off <= lo < end:
+                k = min(hi, end) - lo
+                mv[lo - offset: lo - offset + k] = data[lo - off: lo - off + k]
+                lo += k
+            if lo < hi and lo < off < hi <= end:
+                mv[off - offset: hi - offset] = data[: hi - off]
+                hi = off
+        if lo < hi:
+            got = self._fetch(mv[lo - offset: hi - offset], lo)
+            if got < hi - lo:
+                return lo - offset + got
+        return len(mv)
+
+    def close(self) -> None:
+        self._ahead = []
 
 
 class _FileSource(_Source):
@@ -652,13 +687,17 @@ class _Meta:
     tree: bytes
 
 
-def _read_meta(src: _Source) -> _Meta:
+def _read_meta(src: _Source, full: bool = False) -> _Meta:
+    """The validated metadata. ``full``: every payload will be read (remote sources may read ahead)."""
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
-    if src.concurrency > 1 and src.prefetch:
+    if full and isinstance(src, _BackendSource):
+        src.read_ahead()
+        header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
+    elif src.concurrency > 1 and src.prefetch:
         with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
             tail = src.read(size - tail_len, tail_len)
@@ -1168,7 +1207,7 @@ def _substitute(x: Any, make: Callable[[int], Any]) -> Any:
 # ------------------------------------------------------------------------------------------
 def _load_source(src: _Source, *, map_location: Any = None, mmap: bool = False, keys: Iterable[Any] | None = None,
                  verify: bool | None = None, allow_pickle: bool = False) -> Any:
-    meta = _read_meta(src)
+    meta = _read_meta(src, full=keys is None and not mmap)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
         raise FormatError(f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
                           f"pass allow_pickle=True only if you trust the file")
