@@ -79,6 +79,7 @@ CHUNK = 64 << 20  # largest single write/read/hash step
 GATHER = 2 << 20
 WRITE_CHUNK = 16 << 20
 HASH_BATCH = 8 << 20
+WRITE_BEHIND = 32 << 20  # durable local saves start writeback after every this many bytes
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 MAX_IOV = 512
@@ -348,17 +349,28 @@ class _Sink:
 
     A local file is written with ``os.writev`` on its descriptor (thousands of small payloads cost a
     few dozen system calls instead of one each); any other writer gets the pieces one by one (an
-    object-store writer copies them into its part buffers anyway).
+    object-store writer copies them into its part buffers anyway). ``write_behind`` (a local file
+    that will be fsynced): every WRITE_BEHIND bytes, writeback of what was just written is started
+    with ``sync_file_range``, so the disk works while later payloads are copied and the final fsync
+    has little left to do.
     """
 
-    def __init__(self, write: Callable[[Any], Any], fd: int | None = None, name: str = "") -> None:
-        self.write, self.fd, self.name = write, fd, name
+    def __init__(self, write: Callable[[Any], Any], fd: int | None = None, name: str = "",
+                 write_behind: bool = False) -> None:
+        self._write, self.fd, self.name = write, fd, name
+        self._behind = write_behind and _sync_file_range() is not None
+        self._pos = self._synced = 0
+
+    def write(self, data: Any) -> None:
+        self._write(data)
+        self._advance(len(data))
 
     def writev(self, mvs: list[memoryview]) -> None:
         if self.fd is None:
             for m in mvs:
-                self.write(m)
+                self._write(m)
             return
+        total = sum(len(m) for m in mvs)
         with translate_os_errors(self.name):
             while mvs:
                 n = os.writev(self.fd, mvs)
@@ -367,12 +379,37 @@ class _Sink:
                     mvs = mvs[1:]
                 if mvs and n:
                     mvs = [mvs[0][n:], *mvs[1:]]
+        self._advance(total)
+
+    def _advance(self, n: int) -> None:
+        self._pos += n
+        if self._behind and self._pos - self._synced >= WRITE_BEHIND:
+            # SYNC_FILE_RANGE_WRITE: start writeback, do not wait (fsync at close still makes it durable)
+            _sync_file_range()(self.fd, self._synced, self._pos - self._synced, 2)
+            self._synced = self._pos
 
 
-def _sink_for(w: Any) -> _Sink:
+_sfr: Any = None
+
+
+def _sync_file_range() -> Any:
+    global _sfr
+    if _sfr is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sfr = fn
+        except (OSError, AttributeError):  # not Linux
+            _sfr = False
+    return _sfr or None
+
+
+def _sink_for(w: Any, durable: bool) -> _Sink:
     from .backends.local import LocalWriter
 
-    return _Sink(w.write, w.fileno() if type(w) is LocalWriter else None, w.uri)
+    if type(w) is LocalWriter:
+        return _Sink(w.write, w.fileno(), w.uri, write_behind=durable)
+    return _Sink(w.write, None, w.uri)
 
 
 def _hash_into(items: list[tuple[_Storage, memoryview]]) -> None:
@@ -593,33 +630,39 @@ class _BackendSource(_Source):
         self.size = backend.stat(uri).size
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
-        self._ahead: list[tuple[int, memoryview]] = []  # ranges read speculatively: (offset, bytes)
+        self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
+        self._pool: ThreadPoolExecutor | None = None
 
     def read_ahead(self) -> None:
-        """For a full load: fetch the first and the last ``part_size`` bytes at once, in two requests.
+        """For a full load: start fetching the first and the last ``part_size`` bytes, two requests.
 
         The header, footer and metadata come with them, and so do the payloads at both ends, so a
         full load costs about as many ranged requests as reading the object in ``part_size`` parts.
+        Reads of the middle do not wait for them.
         """
         head = min(self.size, self.part_size)
         tail = min(self.size - head, max(self.part_size, self.prefetch))
-        ranges = [(0, head)] + ([(self.size - tail, tail)] if tail else [])
-        bufs = [memoryview(bytearray(n)) for _, n in ranges]
-        _run_jobs([lambda o=o, b=b: self._fetch(b, o) for (o, _), b in zip(ranges, bufs)], 2)
-        self._ahead = [(o, b) for (o, _), b in zip(ranges, bufs)]
+        ranges = ([(self.size - tail, tail)] if tail else []) + [(0, head)]  # the tail first: it holds the metadata
+        self._pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="fpk-ahead")
+        for off, n in ranges:
+            buf = memoryview(bytearray(n))
+            self._ahead.append((off, buf, self._pool.submit(self._fetch, buf, off)))
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         lo, hi = offset, offset + len(mv)
-        for off, data in self._ahead:  # copy what was read ahead at either end of the request
+        for off, data, fut in self._ahead:  # copy what is read ahead at either end of the request
             end = off + len(data)
-            if off <= lo < end:
+            start_in, end_in = off <= lo < end, lo < off < hi <= end
+            if (start_in or end_in) and fut.result() != len(data):
+                raise IntegrityError(f"{self.name}: truncated: bytes [{off}, {end}) returned only {fut.result()}")
+            if start_in:
                 k = min(hi, end) - lo
                 mv[lo - offset: lo - offset + k] = data[lo - off: lo - off + k]
                 lo += k
-            if lo < hi and lo < off < hi <= end:
+            if lo < hi and end_in:
                 mv[off - offset: hi - offset] = data[: hi - off]
                 hi = off
         if lo < hi:
@@ -629,6 +672,9 @@ class _BackendSource(_Source):
         return len(mv)
 
     def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         self._ahead = []
 
 
@@ -685,6 +731,7 @@ class _Meta:
     tensors: list[TensorInfo]
     qparams: dict[int, list]  # quantization parameters by tensor index
     tree: bytes
+    check: Callable[[], None] | None = None  # a metadata check still to run (remote full loads)
 
 
 def _read_meta(src: _Source, full: bool = False) -> _Meta:
@@ -694,9 +741,11 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
-    if full and isinstance(src, _BackendSource):
+    header = b""
+    deferred = full and isinstance(src, _BackendSource)
+    if deferred:  # the header is checked once its request is in, while the payloads are being read
         src.read_ahead()
-        header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
+        tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch:
         with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
@@ -706,9 +755,11 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
         header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
     footer = tail[-FOOTER.size:]
     meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
-    if header[:8] != MAGIC:
+    if not deferred and header[:8] != MAGIC:
         raise FormatError(f"{name}: not a fastpickle file (bad magic)")
     if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
+        if deferred and src.read(0, HEADER.size)[:8] != MAGIC:
+            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
         raise IntegrityError(f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or "
                              f"has trailing bytes")
     if version > VERSION:
@@ -717,25 +768,36 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
         raise IntegrityError(f"{name}: file is {size} bytes but its footer records {rec_size} (truncated or extended)")
     if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
         raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
-    hmagic, hversion, hflags, align = HEADER.unpack(header)
     if meta_off >= size - tail_len:
         meta_bytes = tail[meta_off - (size - tail_len): -FOOTER.size]
     else:
         meta_bytes = src.read(meta_off, meta_len)
-    h = xxhash.xxh3_64()
-    h.update(header)
-    h.update(meta_bytes)
-    if h.intdigest() != meta_hash:
-        raise IntegrityError(f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, {meta_off + meta_len}))")
-    if (hversion, hflags) != (version, flags) or align != ALIGN:
-        raise FormatError(f"{name}: header and footer disagree")
+
+    def check_header(header: bytes) -> None:
+        hmagic, hversion, hflags, align = HEADER.unpack(header)
+        if hmagic != MAGIC:
+            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+        h = xxhash.xxh3_64()
+        h.update(header)
+        h.update(meta_bytes)
+        if h.intdigest() != meta_hash:
+            raise IntegrityError(f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, "
+                                 f"{meta_off + meta_len}))")
+        if (hversion, hflags) != (version, flags) or align != ALIGN:
+            raise FormatError(f"{name}: header and footer disagree")
+
+    if not deferred:
+        check_header(header)
     try:
         meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
-        return _validate(meta, name, size, meta_off, flags)
+        out = _validate(meta, name, size, meta_off, flags)
     except FormatError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
         raise FormatError(f"{name}: malformed metadata: {e}") from e
+    if deferred:  # verified before anything is decoded or returned; the footer's own checksum held
+        out.check = lambda: check_header(src.read(0, HEADER.size))
+    return out
 
 
 def _is_int(x: Any, lo: int = 0, hi: int = _UINT64_MAX) -> bool:
@@ -1224,7 +1286,11 @@ def _load_source(src: _Source, *, map_location: Any = None, mmap: bool = False, 
     else:
         sidxs = sorted({t.storage for t in meta.tensors})
     reader = _map_payloads if mmap else _read_payloads
-    payloads = reader(src, meta, sidxs, verify)
+    try:
+        payloads = reader(src, meta, sidxs, verify)
+    finally:
+        if meta.check is not None:  # a bad header or metadata checksum is the error to report
+            meta.check()
     make = _tensor_factory(meta, payloads, map_location)
     if keys is not None:
         return {(k if isinstance(k, str) else ".".join(map(str, k))): _substitute(sub, make) for k, sub in picked}
@@ -1291,7 +1357,7 @@ class FastpickleFormat(Format):
         with _gc_paused():
             enc, tree = _encode(obj, allow_pickle)  # fails before anything is created
             with backend.open_writer(uri, mode=mode, durable=durable) as w:
-                _write_stream(enc, tree, _sink_for(w))
+                _write_stream(enc, tree, _sink_for(w, durable and getattr(backend, "durable", True)))
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
         return _with_source(_source_for(backend, uri), lambda src: _load_source(src, **kwargs))
