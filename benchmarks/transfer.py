@@ -80,7 +80,7 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             "s3fs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data),
             "boto3 upload_fileobj": lambda r: client.upload_fileobj(io.BytesIO(data), bucket, f"bo-{r}", Config=tc),
         }
-        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback; part_size={backend.part_size // MiB} MiB,"
+        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback; upload parts {backend.upload_part_size // MiB} MiB,"
                                f" concurrency={backend.concurrency})", size, measure(put, repeats),
                                ["ckptio write"], ["s3fs pipe", "boto3 upload_fileobj"])
 

@@ -32,10 +32,20 @@ from fsspec.asyn import sync
 
 from .base import Buffer, Writer
 
-DEFAULT_MAX_BUFFER_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
 SEND_CHUNK = 1024 * 1024  # what an upload hands the socket at a time
 
 FetchInto = Callable[[int, int, memoryview], Awaitable[int]]
+
+
+def size_option(name: str, value: Any) -> int:
+    """A byte-size backend option: an int, or a string such as ``"64MiB"`` (from a settings file)."""
+    from ..config import parse_size
+
+    n = parse_size(value) if isinstance(value, str) else int(value)
+    if n <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return n
 
 
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:

@@ -4,7 +4,8 @@ gcsfs provides credentials (``token``: a path to a service-account JSON, ``"goog
 ``"anon"``...), the HTTP session and the IO loop. The data path speaks the JSON API directly:
 small objects are one media upload, large ones a resumable upload in ``part_size`` chunks
 (a multiple of 256 KiB) while the caller fills the next chunk; reads are parallel ranged GETs
-streamed into the caller's buffer. ``mode="create"`` sends ``ifGenerationMatch=0``; the version
+streamed into the caller's buffer (``part_size``, 64 MiB, each; uploads use ``upload_part_size``,
+by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies). ``mode="create"`` sends ``ifGenerationMatch=0``; the version
 token is the object's generation.
 
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
@@ -28,7 +29,7 @@ from .. import uri as _uri
 from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
                       MissingDependencyError, NotFoundError, TransferError)
 from . import _parallel
-from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import DEFAULT_CONCURRENCY, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
 try:
     import aiohttp
@@ -38,6 +39,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
 
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
+READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)
 
 
 class _HTTPStatus(Exception):
@@ -72,14 +74,17 @@ class GCSBackend(Backend):
     name = "gcs"
 
     def __init__(self, *, endpoint_url: str | None = None, project: str | None = None, token: Any = None,
-                 anon: bool = False, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
+                 anon: bool = False, part_size: int = READ_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
                  retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
                  timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
                  read_timeout: float = 60.0, credential_provider: Any = None,
-                 max_buffer_bytes: int = _parallel.DEFAULT_MAX_BUFFER_BYTES) -> None:
+                 max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+                 upload_part_size: int | str | None = None) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = int(max_buffer_bytes)
+        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
+        up = _parallel.size_option("upload_part_size", upload_part_size) if upload_part_size else self.part_size
+        self.upload_part_size = -(-up // CHUNK_ALIGN) * CHUNK_ALIGN
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
             stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
@@ -335,7 +340,7 @@ class _GCSWriter(_parallel.MultipartWriter):
     min_part_size = part_align = CHUNK_ALIGN
 
     def __init__(self, backend: GCSBackend, uri: str, bucket: str, key: str, mode: WriteMode) -> None:
-        super().__init__(uri, backend._loop, backend.part_size, 1, backend.max_buffer_bytes)
+        super().__init__(uri, backend._loop, backend.upload_part_size, 1, backend.max_buffer_bytes)
         self._b, self._bucket, self._key = backend, bucket, key
         self._cond = {"ifGenerationMatch": "0"} if mode == "create" else {}
 

@@ -13,6 +13,10 @@ files, instance metadata). ``anon=True`` sends unsigned requests. ``credential_p
 callable or ``"module:function"`` returning a dict with those keys) supplies fresh credentials
 when S3 answers ``ExpiredToken``/``RequestExpired``; the request is then retried.
 
+Sizes: ranged reads are ``part_size`` (64 MiB) with ``concurrency`` at once; uploads go in
+``upload_part_size`` parts (8 MiB, at most ``part_size``), and a streaming writer's copied bytes
+stay within ``max_buffer_bytes`` (48 MiB; large writes go up from the caller's memory).
+
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
 two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
@@ -32,7 +36,7 @@ from .. import uri as _uri
 from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
                       MissingDependencyError, NotFoundError, TransferError)
 from . import _parallel
-from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import DEFAULT_CONCURRENCY, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
 try:
     import s3fs
@@ -47,6 +51,10 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
+# Ranged reads are ``part_size`` (fewer, larger GETs: servers such as moto pay per request about
+# what a whole-object read costs); uploads go in ``upload_part_size`` parts (boto3's 8 MiB).
+READ_PART_SIZE = 64 * 1024 * 1024
+UPLOAD_PART_SIZE = 8 * 1024 * 1024
 CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
                     "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
                     "ckptio.configure), or anon=true for public buckets")
@@ -97,15 +105,19 @@ class S3Backend(Backend):
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
                  session_token: str | None = None, credentials_file: str | None = None, anon: bool = False,
-                 part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
+                 part_size: int = READ_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
                  retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
                  timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
                  read_timeout: float = 60.0, credential_provider: Any = None,
-                 max_buffer_bytes: int = _parallel.DEFAULT_MAX_BUFFER_BYTES) -> None:
+                 max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+                 upload_part_size: int | str | None = None) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = int(max_buffer_bytes)
-        if self.part_size < MIN_PART_SIZE:
-            raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got {self.part_size}")
+        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        self.upload_part_size = (_parallel.size_option("upload_part_size", upload_part_size) if upload_part_size
+                                 else min(self.part_size, UPLOAD_PART_SIZE))
+        if min(self.part_size, self.upload_part_size) < MIN_PART_SIZE:
+            raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got "
+                             f"{min(self.part_size, self.upload_part_size)}")
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
             stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
@@ -134,7 +146,10 @@ class S3Backend(Backend):
             config_kwargs={"connect_timeout": float(connect_timeout),
                            "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
                            "retries": {"total_max_attempts": 1, "mode": "standard"},
-                           "max_pool_connections": max(10, 2 * self.concurrency)},
+                           "max_pool_connections": max(10, 2 * self.concurrency),
+                           # uploads are already protected by the SigV4 payload hash (http) or TLS; a CRC32
+                           # of every part on the IO thread only slows them (reads are still checked)
+                           "request_checksum_calculation": "when_required"},
             **extra)
         self._client: Any = None
 
@@ -339,7 +354,7 @@ class S3Backend(Backend):
                     size_hint: int | None = None) -> Writer:
         check_mode(mode)
         bucket, key = self._split(uri)
-        part_size = self.part_size
+        part_size = self.upload_part_size
         if size_hint and -(-size_hint // part_size) > MAX_PARTS:
             part_size = -(-size_hint // MAX_PARTS)
         return _S3Writer(self, uri, bucket, key, mode, part_size)
