@@ -268,13 +268,16 @@ from ckptio import fastpickle as fp
 kind, path = sys.argv[1], sys.argv[2]
 proc = psutil.Process()
 before = proc.memory_info().rss
+import time
+t = time.perf_counter()
 if kind == "fastpickle":
     out = fp.load(path)
 else:
     out = torch.load(path, weights_only=True)
+elapsed = time.perf_counter() - t
 # VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would report the (large) parent's peak
 peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(before, peak)
+print(before, peak, elapsed)
 """
 
 
@@ -292,10 +295,11 @@ def bench_rss(b: Bench, nbytes: int) -> None:
                                  capture_output=True, text=True, check=True).stdout.split()
         finally:
             os.unlink(p)
-        before, peak = int(out[0]), int(out[1])
+        before, peak, elapsed = int(out[0]), int(out[1]), float(out[2])
         extra = peak - before
         print(f"  {kind:12s} peak {peak / MiB:7.0f} MiB, extra {extra / MiB:7.0f} MiB = {extra / n:.3f}x payload"
-              f"{'  (target <= 1.15x)' if kind == 'fastpickle' else ''}")
+              f"{'  (target <= 1.15x)' if kind == 'fastpickle' else '            '}  load {elapsed * 1000:6.0f} ms "
+              f"into fresh memory (no touch)")
 
 
 def _status_kib(field: str) -> int:
