@@ -789,12 +789,17 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
     if not deferred:
         check_header(header)
     try:
-        meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
-        out = _validate(meta, name, size, meta_off, flags)
+        try:
+            meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
+            out = _validate(meta, name, size, meta_off, flags)
+        except FormatError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+            raise FormatError(f"{name}: malformed metadata: {e}") from e
     except FormatError:
+        if deferred:  # a checksum mismatch (corruption) explains malformed metadata better
+            check_header(src.read(0, HEADER.size))
         raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
-        raise FormatError(f"{name}: malformed metadata: {e}") from e
     if deferred:  # verified before anything is decoded or returned; the footer's own checksum held
         out.check = lambda: check_header(src.read(0, HEADER.size))
     return out

@@ -362,3 +362,33 @@ def test_full_remote_load_reads_each_byte_once(memory_uri, part_size):
     assert all(torch.equal(x, y) for x, y in zip(out["b"], state["b"]))
     # read ahead at both ends, then only the middle: never a byte twice (gaps of alignment padding aside)
     assert size - 3 * 64 <= backend.bytes_read <= size
+
+
+@pytest.mark.parametrize("pos, error, message", [
+    (0, FormatError, "bad magic"),  # the magic
+    (12, IntegrityError, "header or bytes"),  # the header's alignment field: it is under the metadata checksum
+    (-100, IntegrityError, "metadata checksum"),  # a metadata byte (covered by the footer's checksum of both)
+])
+def test_remote_full_load_checks_header_and_metadata(memory_uri, pos, error, message):
+    uri = f"{memory_uri}/h.fpk"
+    fp.save({"w": torch.randn(1000), "x": [1, 2]}, uri)
+    data = bytearray(ckptio.get(uri))
+    data[pos] ^= 0x55
+    ckptio.put(bytes(data), uri)
+    with pytest.raises(error, match=message):
+        fp.load(uri)
+
+
+def test_short_vectored_writes_are_resumed(tmp_path, monkeypatch):
+    real = os.writev
+
+    def short(fd, bufs):  # write at most 1000 bytes per call, often stopping inside a buffer
+        first = memoryview(bufs[0]).cast("B")
+        return real(fd, [first[:1000]])
+
+    monkeypatch.setattr(fp.os, "writev", short)
+    state = {f"t{i}": torch.randn(700 + i) for i in range(20)}
+    path = str(tmp_path / "short.fpk")
+    fp.save(state, path)
+    out = fp.load(path)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
