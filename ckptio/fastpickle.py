@@ -20,6 +20,13 @@ The footer is written last, so a file can be streamed to any backend (checksums 
 the payloads are written). A reader takes the footer, checks it against the file size (truncation
 and trailing bytes), reads and verifies the metadata, validates every offset, size, dtype and shape
 against the file before allocating anything, then reads only the payloads it needs.
+
+I/O paths. Save: payloads go out straight from tensor memory, small ones gathered into vectored
+writes, checksums on another thread; no staging copy of CPU tensors. Local load: parallel preads
+into fresh buffers (populated with one madvise first), each payload verified right after its read,
+or a private mapping with ``mmap=True``. Remote full load: the first and last ``part_size`` bytes
+are read ahead (header, metadata and end payloads in two requests) and the middle in part-sized
+ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
 """
 
 from __future__ import annotations
