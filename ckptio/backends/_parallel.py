@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import io
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -30,7 +29,7 @@ import aiohttp
 import aiohttp.payload
 from fsspec.asyn import sync
 
-from .base import Buffer, Writer
+from .base import Buffer, BytesReader, Writer
 
 DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
 SEND_CHUNK = 1024 * 1024  # what an upload hands the socket at a time
@@ -96,7 +95,7 @@ async def parallel_readinto(fetch_into: FetchInto, buf: memoryview, offset: int,
     return total
 
 
-class MemoryBody(io.RawIOBase):
+class MemoryBody(BytesReader):
     """A read-only, seekable file over a buffer, sent without copying it.
 
     botocore hashes and measures it through ``read``/``seek``/``tell``; aiohttp sends it through
@@ -105,38 +104,16 @@ class MemoryBody(io.RawIOBase):
     a second copy of every part in flight. Make a new one for each attempt of a request.
     """
 
-    def __init__(self, data: Buffer) -> None:
-        super().__init__()
-        self.view = memoryview(data).cast("B")
-        self._pos = 0
+    @property
+    def view(self) -> memoryview:
+        return self._mv
 
     def __len__(self) -> int:
-        return len(self.view)
+        return self.size
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self.view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self.view) - self._pos))
-        out[:n] = self.view[self._pos: self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self.view) if size is None or size < 0 else min(len(self.view), self._pos + size)
-        out = bytes(self.view[self._pos: end]) if end > self._pos else b""
+    def read(self, size: int | None = -1) -> bytes:  # one copy (RawIOBase.read makes two)
+        end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
+        out = bytes(self._mv[self._pos: end]) if end > self._pos else b""
         self._pos = max(self._pos, end)
         return out
 

@@ -18,18 +18,17 @@ dict with ``token``) is called when GCS answers 401; its token is sent as a Bear
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import json
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
 from urllib.parse import quote
 
 from .. import retry as _retry
-from .. import uri as _uri
-from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
-                      MissingDependencyError, NotFoundError, TransferError)
+from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, MissingDependencyError,
+                      NotFoundError, TransferError)
 from . import _parallel
-from .base import DEFAULT_CONCURRENCY, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .objectstore import Entry, ObjectStoreBackend
 
 try:
     import aiohttp
@@ -68,10 +67,13 @@ def classify(e: BaseException) -> str:
     return common if common is not None else _retry.PERMANENT
 
 
-class GCSBackend(Backend):
+class GCSBackend(ObjectStoreBackend):
     """Objects in Google Cloud Storage or gcp-storage-emulator."""
 
     name = "gcs"
+    scheme = "gs"
+    classify = staticmethod(classify)
+    _raw_errors = (*ObjectStoreBackend._raw_errors, json.JSONDecodeError)
 
     def __init__(self, *, endpoint_url: str | None = None, project: str | None = None, token: Any = None,
                  anon: bool = False, part_size: int = READ_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
@@ -80,16 +82,12 @@ class GCSBackend(Backend):
                  read_timeout: float = 60.0, credential_provider: Any = None,
                  max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
                  upload_part_size: int | str | None = None) -> None:
-        super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        super().__init__(part_size=part_size, concurrency=concurrency, retries=retries, max_attempts=max_attempts,
+                         deadline=deadline, timeout=timeout, stall_timeout=stall_timeout, read_timeout=read_timeout,
+                         credential_provider=credential_provider, max_buffer_bytes=max_buffer_bytes)
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
         up = _parallel.size_option("upload_part_size", upload_part_size) if upload_part_size else self.part_size
         self.upload_part_size = -(-up // CHUNK_ALIGN) * CHUNK_ALIGN
-        self.policy = _retry.RetryPolicy.from_options(
-            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
-            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
-        self.retries = self.policy.max_attempts - 1
-        self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
         self._bearer: str | None = None
         if self._refresher.provider is not None:
             self._bearer = self._token_from(self._refresher.provider())
@@ -132,12 +130,6 @@ class GCSBackend(Backend):
     async def _apply_credentials(self, creds: Any) -> None:
         self._bearer = self._token_from(creds)
 
-    def describe(self, e: BaseException, uri: str) -> str:
-        if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError, json.JSONDecodeError)):
-            return f"{type(e).__name__}: {e}"
-        t = self.translate(e, uri)
-        return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
-
     async def _attempt(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
                        data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None,
                        parse_json: bool = False, range_start: int = 0, uri: str = "gs://") -> tuple[int, Any, Any]:
@@ -166,28 +158,18 @@ class GCSBackend(Backend):
                 _retry.check_range(len(into), pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
             return r.status, r.headers, pos
 
-    async def _retrying(self, uri: str, what: str, fn: Callable[[], Awaitable[Any]],
-                        on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
-        return await self.policy.run(fn, uri=uri, what=what, classify=classify,
-                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
-                                     on_retry=on_retry)
-
     async def _request(self, method: str, url: str, *, uri: str = "gs://", what: str | None = None,
                        **kw: Any) -> tuple[int, Any, Any]:
         """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords)."""
         return await self._retrying(uri, what or method, lambda: self._attempt(method, url, uri=uri, **kw))
 
     def _call(self, uri: str, method: str, url: str, **kw: Any) -> tuple[int, Any, Any]:
-        try:
-            return _parallel.run(self._loop, lambda: self._request(method, url, uri=uri, **kw))
-        except Exception as e:
-            raise self.translate(e, uri) from None
+        return self._run(uri, lambda: self._request(method, url, uri=uri, **kw))
 
     def _json(self, uri: str, method: str, url: str, **kw: Any) -> dict:
         return self._call(uri, method, url, parse_json=True, **kw)[2]
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
-        """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
         if isinstance(e, CkptioError):
             return e
         out: BaseException
@@ -212,13 +194,6 @@ class GCSBackend(Backend):
         out.__cause__ = e
         return out
 
-    @staticmethod
-    def _split(uri: str, *, key_required: bool = True) -> tuple[str, str]:
-        bucket, key = _uri.bucket_key(uri)
-        if key_required and not key.strip("/"):
-            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected gs://BUCKET/KEY)")
-        return bucket, key
-
     def close(self) -> None:
         session = getattr(self._fs, "_session", None)
         if session is not None and not session.closed and self._loop.is_running():
@@ -229,7 +204,7 @@ class GCSBackend(Backend):
             self._fs._session = None
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _fetch_into(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
         try:
             return (await self._request("GET", f"{self._api}/b/{bucket}/o/{_q(key)}", params={"alt": "media"},
                                         headers={"Range": f"bytes={start}-{end - 1}"}, ok=(200, 206),
@@ -239,34 +214,6 @@ class GCSBackend(Backend):
             if e.status == 416:
                 return 0
             raise
-
-    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        bucket, key = self._split(uri)
-        mv = memoryview(buf).cast("B")
-
-        async def go() -> int:
-            return await _parallel.parallel_readinto(
-                lambda s, e, v: self._fetch_into(uri, bucket, key, s, e, v), mv, offset, self.part_size,
-                self.concurrency)
-
-        try:
-            n = _parallel.run(self._loop, go)
-        except Exception as e:
-            raise self.translate(e, uri) from None
-        if n == 0 and len(mv):
-            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
-        return n
-
-    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        if end is None:
-            end = self.stat(uri).size
-        buf = bytearray(max(0, end - start))
-        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
-        return bytes(buf) if n == len(buf) else bytes(buf[:n])
-
-    def read(self, uri: str) -> bytes:
-        self._split(uri)
-        return super().read(uri)
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
@@ -278,40 +225,25 @@ class GCSBackend(Backend):
         self.open_writer(uri, mode=mode).write_all(data)  # type: ignore[attr-defined]
 
     # ---- metadata --------------------------------------------------------------------------
-    def _info(self, scheme: str, bucket: str, o: dict) -> ObjectInfo:
+    def _entry(self, o: dict) -> Entry:
         mtime = self._fs._parse_timestamp(o["updated"]).timestamp() if o.get("updated") else None
-        return ObjectInfo(f"{scheme}://{bucket}/{o['name']}", int(o.get("size", 0)), mtime, str(o.get("generation")))
+        return o["name"], int(o.get("size", 0)), mtime, str(o.get("generation"))
 
-    def stat(self, uri: str) -> ObjectInfo:
-        bucket, key = self._split(uri, key_required=False)
-        if key.strip("/"):
-            try:
-                o = self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{_q(key)}")
-                return dataclasses.replace(self._info("gs", bucket, o), uri=uri)
-            except NotFoundError:
-                pass
-        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
-        r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params={"prefix": prefix, "maxResults": "1"})
-        if r.get("items") or r.get("prefixes") or not prefix:
-            return ObjectInfo(uri, 0, None, None, is_dir=True)
-        raise NotFoundError(uri)
+    def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
+        _, size, mtime, version = self._entry(self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{_q(key)}"))
+        return ObjectInfo(uri, size, mtime, version)
 
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        bucket, key = self._split(uri, key_required=False)
-        scheme = _uri.scheme_of(uri) or "gs"
-        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
+                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
         params = {"prefix": prefix}
-        if not recursive:
+        if delimiter:
             params["delimiter"] = "/"
-        while True:
-            r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params=params)
-            entries = [self._info(scheme, bucket, o) for o in r.get("items", []) if o["name"] != prefix]
-            entries += [ObjectInfo(f"{scheme}://{bucket}/{p.rstrip('/')}", 0, None, None, True)
-                        for p in r.get("prefixes", [])]
-            yield from sorted(entries, key=lambda i: i.uri)
-            if not r.get("nextPageToken"):
-                return
-            params["pageToken"] = r["nextPageToken"]
+        if token:
+            params["pageToken"] = token
+        if limit:
+            params["maxResults"] = str(limit)
+        r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params=params)
+        return [self._entry(o) for o in r.get("items", [])], r.get("prefixes", []), r.get("nextPageToken") or None
 
     def delete(self, uri: str) -> None:
         bucket, key = self._split(uri)
@@ -329,10 +261,7 @@ class GCSBackend(Backend):
                 if not (e.status == 404 and ambiguous):  # 404 after a lost answer: our delete went through
                     raise
 
-        try:
-            _parallel.run(self._loop, go)
-        except Exception as e:
-            raise self.translate(e, uri) from None
+        self._run(uri, go)
 
 
 class _GCSWriter(_parallel.MultipartWriter):

@@ -29,14 +29,15 @@ import errno
 import hashlib
 import json
 import os
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 from .. import retry as _retry
 from .. import uri as _uri
-from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, InvalidURIError,
-                      MissingDependencyError, NotFoundError, TransferError)
+from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, MissingDependencyError,
+                      NotFoundError, TransferError)
 from . import _parallel
-from .base import DEFAULT_CONCURRENCY, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .objectstore import Entry, ObjectStoreBackend
 
 try:
     import s3fs
@@ -97,10 +98,12 @@ def _load_credentials_file(path: str) -> dict[str, str]:
     return {str(k).lower(): v for k, v in data.items()}
 
 
-class S3Backend(Backend):
+class S3Backend(ObjectStoreBackend):
     """Objects in S3 or any S3 API server (MinIO, moto, Ceph...)."""
 
     name = "s3"
+    scheme = "s3"
+    classify = staticmethod(classify)
 
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
@@ -111,18 +114,14 @@ class S3Backend(Backend):
                  read_timeout: float = 60.0, credential_provider: Any = None,
                  max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
                  upload_part_size: int | str | None = None) -> None:
-        super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        super().__init__(part_size=part_size, concurrency=concurrency, retries=retries, max_attempts=max_attempts,
+                         deadline=deadline, timeout=timeout, stall_timeout=stall_timeout, read_timeout=read_timeout,
+                         credential_provider=credential_provider, max_buffer_bytes=max_buffer_bytes)
         self.upload_part_size = (_parallel.size_option("upload_part_size", upload_part_size) if upload_part_size
                                  else min(self.part_size, UPLOAD_PART_SIZE))
         if min(self.part_size, self.upload_part_size) < MIN_PART_SIZE:
             raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got "
                              f"{min(self.part_size, self.upload_part_size)}")
-        self.policy = _retry.RetryPolicy.from_options(
-            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
-            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
-        self.retries = self.policy.max_attempts - 1
-        self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
@@ -213,12 +212,6 @@ class S3Backend(Backend):
             self._old_clients = [c for c in self._old_clients if c is not client]
             await self._close_client(client)
 
-    def describe(self, e: BaseException, uri: str) -> str:
-        if isinstance(e, (_retry.TruncatedBodyError, _retry.StalledError)):
-            return f"{type(e).__name__}: {e}"
-        t = self.translate(e, uri)
-        return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
-
     async def _op(self, uri: str, what: str, fn: Callable[[Any], Awaitable[Any]],
                   on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
         """``fn(client)`` under the retry policy (one request, retried on transient errors)."""
@@ -230,21 +223,12 @@ class S3Backend(Backend):
             finally:
                 await self._release(client)
 
-        return await self.policy.run(attempt, uri=uri, what=what, classify=classify,
-                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
-                                     on_retry=on_retry)
+        return await self._retrying(uri, what, attempt, on_retry)
 
     def _call(self, uri: str, method: str, **kwargs: Any) -> Any:
-        async def go() -> Any:
-            return await self._op(uri, method, lambda s3: getattr(s3, method)(**kwargs))
-
-        try:
-            return _parallel.run(self._loop, go)
-        except Exception as e:
-            raise self.translate(e, uri) from None
+        return self._run(uri, lambda: self._op(uri, method, lambda s3: getattr(s3, method)(**kwargs)))
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
-        """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
         if isinstance(e, CkptioError):
             return e
         out: BaseException
@@ -277,13 +261,6 @@ class S3Backend(Backend):
         out.__cause__ = e
         return out
 
-    @staticmethod
-    def _split(uri: str, *, key_required: bool = True) -> tuple[str, str]:
-        bucket, key = _uri.bucket_key(uri)
-        if key_required and not key.strip("/"):
-            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected s3://BUCKET/KEY)")
-        return bucket, key
-
     def close(self) -> None:
         clients = [c for c in (self._client, *self._old_clients) if c is not None]
         self._client, self._old_clients = None, []
@@ -295,7 +272,7 @@ class S3Backend(Backend):
                     pass
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _fetch_into(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
         stall = self.policy.stall_timeout
 
         async def once(s3: Any) -> int:
@@ -321,34 +298,6 @@ class S3Backend(Backend):
 
         return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 
-    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        bucket, key = self._split(uri)
-        mv = memoryview(buf).cast("B")
-
-        async def go() -> int:
-            return await _parallel.parallel_readinto(
-                lambda s, e, v: self._fetch_into(uri, bucket, key, s, e, v), mv, offset, self.part_size,
-                self.concurrency)
-
-        try:
-            n = _parallel.run(self._loop, go)
-        except Exception as e:
-            raise self.translate(e, uri) from None
-        if n == 0 and len(mv):
-            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
-        return n
-
-    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        if end is None:
-            end = self.stat(uri).size
-        buf = bytearray(max(0, end - start))
-        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
-        return bytes(buf) if n == len(buf) else bytes(buf[:n])
-
-    def read(self, uri: str) -> bytes:
-        self._split(uri)
-        return super().read(uri)
-
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
                     size_hint: int | None = None) -> Writer:
@@ -365,37 +314,24 @@ class S3Backend(Backend):
         w.write_all(mv)  # type: ignore[attr-defined]
 
     # ---- metadata --------------------------------------------------------------------------
-    def stat(self, uri: str) -> ObjectInfo:
-        bucket, key = self._split(uri, key_required=False)
-        if key.strip("/"):
-            try:
-                h = self._call(uri, "head_object", Bucket=bucket, Key=key)
-                return ObjectInfo(uri, int(h["ContentLength"]), h["LastModified"].timestamp(), h.get("ETag"))
-            except NotFoundError:
-                pass
-        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
-        r = self._call(uri, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
-        if r.get("KeyCount", 0) or not prefix:
-            return ObjectInfo(uri, 0, None, None, is_dir=True)
-        raise NotFoundError(uri)
+    def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
+        h = self._call(uri, "head_object", Bucket=bucket, Key=key)
+        return ObjectInfo(uri, int(h["ContentLength"]), h["LastModified"].timestamp(), h.get("ETag"))
 
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        bucket, key = self._split(uri, key_required=False)
-        scheme = _uri.scheme_of(uri) or "s3"
-        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
+                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
         kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-        if not recursive:
+        if delimiter:
             kw["Delimiter"] = "/"
-        while True:
-            r = self._call(uri, "list_objects_v2", **kw)
-            entries = [ObjectInfo(f"{scheme}://{bucket}/{o['Key']}", int(o["Size"]), o["LastModified"].timestamp(),
-                                  o.get("ETag")) for o in r.get("Contents", []) if o["Key"] != prefix]
-            entries += [ObjectInfo(f"{scheme}://{bucket}/{p['Prefix'].rstrip('/')}", 0, None, None, True)
-                        for p in r.get("CommonPrefixes", [])]
-            yield from sorted(entries, key=lambda i: i.uri)
-            if not r.get("IsTruncated"):
-                return
-            kw["ContinuationToken"] = r["NextContinuationToken"]
+        if token:
+            kw["ContinuationToken"] = token
+        if limit:
+            kw["MaxKeys"] = limit
+        r = self._call(uri, "list_objects_v2", **kw)
+        objects = [(o["Key"], int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag"))
+                   for o in r.get("Contents", [])]
+        return (objects, [p["Prefix"] for p in r.get("CommonPrefixes", [])],
+                r["NextContinuationToken"] if r.get("IsTruncated") else None)
 
     def delete(self, uri: str) -> None:
         bucket, key = self._split(uri)

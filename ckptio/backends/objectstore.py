@@ -1,0 +1,155 @@
+"""What the object-store backends (S3, GCS) share: URIs, the retry and transfer options, reads,
+``stat`` and paged ``list``.
+
+A store subclass supplies ``_loop`` (the client's IO loop), ``translate``, ``classify`` and a few
+request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memory),
+:meth:`~ObjectStoreBackend._head` and :meth:`~ObjectStoreBackend._list_page`; plus its writer,
+``delete`` and ``close``. Reads split into ``part_size`` ranges, ``concurrency`` at a time
+(see :mod:`._parallel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, ClassVar, Iterator
+
+from .. import retry as _retry
+from .. import uri as _uri
+from ..errors import InvalidURIError, NotFoundError
+from . import _parallel
+from .base import Backend, Buffer, ObjectInfo
+
+# one object of a listing page: key, size, mtime, version token
+Entry = tuple[str, int, "float | None", "str | None"]
+
+
+class ObjectStoreBackend(Backend):
+    """Base of the backends over a bucket/key store reached through an asyncio client."""
+
+    scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
+    _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
+
+    def __init__(self, *, part_size: int, concurrency: int, retries: int | None, max_attempts: int | None,
+                 deadline: float | None, timeout: float | None, stall_timeout: float | None, read_timeout: float,
+                 credential_provider: Any, max_buffer_bytes: int | str) -> None:
+        super().__init__(part_size=part_size, concurrency=concurrency)
+        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        self.policy = _retry.RetryPolicy.from_options(
+            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
+        self.retries = self.policy.max_attempts - 1
+        self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
+
+    # ---- hooks -------------------------------------------------------------------------------
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        raise NotImplementedError
+
+    @staticmethod
+    def classify(e: BaseException) -> str:
+        """TRANSIENT / EXPIRED / PERMANENT for an error of this store's client (see :mod:`ckptio.retry`)."""
+        raise NotImplementedError
+
+    def translate(self, e: BaseException, uri: str) -> BaseException:
+        """A ckptio error naming ``uri`` for any client error (the client's error is the ``__cause__``)."""
+        raise NotImplementedError
+
+    async def _apply_credentials(self, creds: Any) -> None:
+        """Use what ``credential_provider`` returned for the next requests."""
+        raise NotImplementedError
+
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: memoryview) -> int:
+        """Read bytes ``[start, end)`` into ``into`` under the retry policy; the count (0 past the end)."""
+        raise NotImplementedError
+
+    def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
+        """The object ``key`` as ``uri`` (NotFoundError if missing)."""
+        raise NotImplementedError
+
+    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
+                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
+        """One page of keys under ``prefix``: objects, common prefixes (with ``delimiter``) and the
+        token of the next page (None: last page)."""
+        raise NotImplementedError
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _split(self, uri: str, *, key_required: bool = True) -> tuple[str, str]:
+        bucket, key = _uri.bucket_key(uri)
+        if key_required and not key.strip("/"):
+            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} "
+                                  f"(expected {self.scheme}://BUCKET/KEY)")
+        return bucket, key
+
+    def describe(self, e: BaseException, uri: str) -> str:
+        if isinstance(e, self._raw_errors):
+            return f"{type(e).__name__}: {e}"
+        t = self.translate(e, uri)
+        return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
+
+    async def _retrying(self, uri: str, what: str, fn: Callable[[], Awaitable[Any]],
+                        on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+        """``fn()`` (one request) under the retry policy."""
+        return await self.policy.run(fn, uri=uri, what=what, classify=self.classify,
+                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
+                                     on_retry=on_retry)
+
+    def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``coro_fn()`` on the IO loop; its errors come out translated."""
+        try:
+            return _parallel.run(self._loop, coro_fn)
+        except Exception as e:
+            raise self.translate(e, uri) from None
+
+    # ---- reads -------------------------------------------------------------------------------
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        bucket, key = self._split(uri)
+        mv = memoryview(buf).cast("B")
+
+        async def go() -> int:
+            return await _parallel.parallel_readinto(
+                lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size,
+                self.concurrency)
+
+        n = self._run(uri, go)
+        if n == 0 and len(mv):
+            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        return n
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is None:
+            end = self.stat(uri).size
+        buf = bytearray(max(0, end - start))
+        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
+        return bytes(buf) if n == len(buf) else bytes(buf[:n])
+
+    def read(self, uri: str) -> bytes:
+        self._split(uri)
+        return super().read(uri)
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def stat(self, uri: str) -> ObjectInfo:
+        bucket, key = self._split(uri, key_required=False)
+        if key.strip("/"):
+            try:
+                return self._head(uri, bucket, key)
+            except NotFoundError:
+                pass
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        objects, prefixes, _ = self._list_page(uri, bucket, prefix, delimiter=False, token=None, limit=1)
+        if objects or prefixes or not prefix:
+            return ObjectInfo(uri, 0, None, None, is_dir=True)
+        raise NotFoundError(uri)
+
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        bucket, key = self._split(uri, key_required=False)
+        scheme = _uri.scheme_of(uri) or self.scheme
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        token: str | None = None
+        while True:
+            objects, prefixes, token = self._list_page(uri, bucket, prefix, delimiter=not recursive, token=token)
+            entries = [ObjectInfo(f"{scheme}://{bucket}/{k}", size, mtime, version)
+                       for k, size, mtime, version in objects if k != prefix]
+            entries += [ObjectInfo(f"{scheme}://{bucket}/{p.rstrip('/')}", 0, None, None, True) for p in prefixes]
+            yield from sorted(entries, key=lambda i: i.uri)
+            if not token:
+                return
