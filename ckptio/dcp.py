@@ -448,7 +448,8 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
     def _bound_memory(self, payload: int, objects: int) -> int:
         """Objects to write at once, and the write backend's parts in flight, within the memory budget.
 
-        Object-store writers buffer about ``(concurrency + 1) * part_size`` per object (and the
+        Backends with a ``max_buffer_bytes`` option (S3, GCS) get a share of the budget each; other
+        object-store writers buffer about ``(concurrency + 1) * part_size`` per object (and the
         client may copy each part in flight once more); local files are written straight from
         tensor memory. The budget is ``max_buffer_bytes``, by default max(64 MiB, payload / 10).
         """
@@ -456,6 +457,15 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
         if isinstance(self.backend, LocalBackend) or objects == 0:
             return objects
         budget = self.max_buffer_bytes or max(64 << 20, payload // 10)
+        if hasattr(self.backend, "max_buffer_bytes"):
+            # Object-store writers bound their own copies by ``max_buffer_bytes`` and upload large
+            # tensor writes straight from tensor memory: split the budget over the objects in flight
+            # and keep each writer's full part concurrency.
+            workers = max(1, min(objects, self.thread_count))
+            share = max(1, budget // workers)
+            if "max_buffer_bytes" not in self._options and share != self.backend.max_buffer_bytes:
+                self._write_backend, _ = resolve(self.uri, **{**self._options, "max_buffer_bytes": share})
+            return workers
         part = self.backend.part_size
         per_part = 2 * part  # the part buffer plus the client's copy of it
         parts = max(1, budget // per_part)  # parts this rank may hold at once
@@ -498,7 +508,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                         h = xxhash.xxh3_64() if self.checksums else None
                         filled = 0
                         for mv in _tensor_chunks(t, chunk):
-                            w.write(mv)
+                            w.write_borrowed(mv)  # tensors stay unchanged until write_data returns
                             if h is not None:  # block hashes over a stream of arbitrary-size pieces
                                 pos = 0
                                 while pos < len(mv):

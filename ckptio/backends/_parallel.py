@@ -209,12 +209,21 @@ class MultipartWriter(Writer):
 
     # ---- Writer --------------------------------------------------------------------------
     def write(self, data: Buffer) -> int:
+        return self._write(data, lend=False)
+
+    def write_borrowed(self, data: Buffer) -> int:
+        """Like ``write``, but the caller keeps ``data`` unchanged until ``close``/``abort`` returns:
+        whole parts are uploaded from it without waiting, so several writes' parts are in flight
+        together (the DCP writer passes tensor memory this way)."""
+        return self._write(data, lend=True)
+
+    def _write(self, data: Buffer, lend: bool) -> int:
         if self._state != "open":
             raise ValueError(f"write to a {self._state} writer: {self.uri}")
         mv = memoryview(data).cast("B")
         total = len(mv)
         try:
-            borrowed = len(mv) >= self.max_buffer_bytes
+            borrowed = len(mv) >= (self._part_size() if lend else self.max_buffer_bytes)
             if borrowed and self._fill:  # top up the part being filled, then send it
                 k = min(len(self._buf) - self._fill, len(mv))
                 self._buf[self._fill: self._fill + k] = mv[:k]
@@ -227,7 +236,7 @@ class MultipartWriter(Writer):
                 self._submit(mv[:n], None)
                 mv = mv[n:]
             self._copy(mv)
-            self._wait(self._futures[first:] if borrowed else [])  # the caller may reuse its memory now
+            self._wait(self._futures[first:] if borrowed and not lend else [])  # the caller may reuse its memory now
         except BaseException as e:
             self._abort_quietly()
             raise self._translated(e) from None

@@ -64,6 +64,11 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Discard what was written. Safe to call more than once and after a failed close."""
 
+    def write_borrowed(self, data: Buffer) -> int:
+        """``write`` for a caller that keeps ``data`` unchanged until ``close``/``abort`` returns, so
+        the writer may upload from it later instead of copying it. Default: plain ``write``."""
+        return self.write(data)
+
     def writelines(self, chunks: Iterable[Buffer]) -> None:
         for c in chunks:
             self.write(c)
