@@ -100,11 +100,13 @@ def _format_for(uri: str, file_format: str | None) -> Format:
 # dump / load
 
 def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
-         backend_key: str | None = None, fast_backend: bool = True, mode: WriteMode = "overwrite", **kwargs: Any) -> Any:
+         backend_key: str | None = None, fast_backend: bool = True, mode: WriteMode = "overwrite",
+         progress: Any = None, **kwargs: Any) -> Any:
     """Serialize ``obj`` to a URI (format by extension), an open file, or (``file=None``) return it.
 
     Writes are atomic: the object appears under ``file`` complete or not at all. ``mode="create"``
-    refuses to replace an existing object. Extra keyword arguments go to the format.
+    refuses to replace an existing object. ``progress``: ``True`` (a bar on a terminal) or a
+    ``callback(bytes_done, bytes_total)`` (total 0 while unknown). Other keyword arguments go to the format.
     """
     if file is None:
         if file_format is None:
@@ -123,17 +125,20 @@ def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_
     fmt = _format_for(uri, file_format)
     backend, resolved = _resolve(uri, backend_args, backend_key)
     try:
-        fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
+        with _reporting(progress, backend, uri, 0) as backend:
+            fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
     except TypeError as e:
         raise TypeError(f"cannot write {uri!r} as {fmt.name}: {e}") from e
     return None
 
 
 def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
-         backend_key: str | None = None, fast_backend: bool = True, cache: Any = None, **kwargs: Any) -> Any:
+         backend_key: str | None = None, fast_backend: bool = True, cache: Any = None, progress: Any = None,
+         **kwargs: Any) -> Any:
     """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
     (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...). ``cache=True`` (or a directory or
-    mapping) reads through the node-local cache, see :mod:`ckptio.backends.cached`."""
+    mapping) reads through the node-local cache, see :mod:`ckptio.backends.cached`. ``progress`` as
+    for :func:`dump` (the total is the object's size)."""
     if hasattr(file, "read"):
         if file_format is None:
             raise ValueError("load(file_object) needs file_format=...")
@@ -141,28 +146,61 @@ def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
-    if isinstance(backend, CachedBackend):  # formats see a plain local file: mmap and path loads work
-        with backend.as_local(resolved) as (local, path):
-            return fmt.load(local, path, **kwargs)
-    return fmt.load(backend, resolved, **kwargs)
+    total = backend.stat(resolved).size if progress not in (None, False) else 0
+    with _reporting(progress, backend, uri, total) as counted:
+        if isinstance(backend, CachedBackend):  # formats see a plain local file: mmap and path loads work
+            with backend.as_local(resolved) as (local, path):
+                return fmt.load(local, path, **kwargs)
+        return fmt.load(counted, resolved, **kwargs)
+
+
+@contextlib.contextmanager
+def _reporting(progress: Any, backend: Backend, uri: str, total: int) -> Iterator[Backend]:
+    """``backend`` wrapped to report bytes to ``progress`` (``None``: unwrapped). Bytes a format
+    reads in place (a local file opened by path) are reported as done when the block ends."""
+    if progress is None or progress is False:
+        yield backend
+        return
+    from .backends.counting import CountingBackend
+    from .progress import Tracker, bar
+
+    owned = bar(total, desc=_uri.basename(uri)) if progress is True else None
+    tracker = Tracker(total, owned if owned is not None else progress)
+    try:
+        yield CountingBackend(backend, tracker.add)
+        if tracker.done < total:
+            tracker.add(total - tracker.done)
+    finally:
+        if owned is not None:
+            owned.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # bytes and text
 
 def put(obj: bytes | bytearray | memoryview, filepath: Any, *, backend_args: Mapping[str, Any] | None = None,
-        backend_key: str | None = None, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        backend_key: str | None = None, mode: WriteMode = "overwrite", durable: bool = True,
+        progress: Any = None) -> None:
     """Write bytes atomically (parallel multipart for large objects on object stores)."""
     if not isinstance(obj, (bytes, bytearray, memoryview)):
         raise TypeError(f"put() writes bytes-like objects, got {type(obj).__name__} (use put_text for str)")
     backend, uri = _resolve(filepath, backend_args, backend_key)
-    backend.write(uri, obj, mode=mode, durable=durable)
+    if progress in (None, False):
+        backend.write(uri, obj, mode=mode, durable=durable)
+        return
+    with _reporting(progress, backend, os.fspath(filepath), memoryview(obj).nbytes) as counted:
+        with counted.open_writer(uri, mode=mode, durable=durable) as w:
+            w.write_borrowed(obj)
 
 
-def get(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bytes:
+def get(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
+        progress: Any = None) -> bytes:
     """Read a whole object (parallel ranged reads for large objects on object stores)."""
     backend, uri = _resolve(filepath, backend_args, backend_key)
-    return backend.read(uri)
+    if progress in (None, False):
+        return backend.read(uri)
+    with _reporting(progress, backend, os.fspath(filepath), backend.stat(uri).size) as counted:
+        return counted.read(uri)
 
 
 def readinto(filepath: Any, buf: Any, offset: int = 0, *, backend_args: Mapping[str, Any] | None = None,

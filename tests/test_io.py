@@ -284,3 +284,30 @@ def test_backend_args_apply_only_to_their_backend(tmp_path):
     ckptio.set_s3_backend(key="team", backend_args=args)
     ckptio.copyfile_from_local(str(tmp_path / "a.bin"), "memory://m/b.bin", backend_key="team")
     assert ckptio.get("memory://m/b.bin") == b"x"
+
+
+@pytest.mark.parametrize("name", ["p.fpk", "p.pt", "p.bin"])
+def test_progress_callback_reports_bytes(any_uri, name):
+    uri = ckptio.join_path(any_uri, name)
+    obj = b"x" * (3 << 20) if name.endswith(".bin") else {"w": torch.randn(256, 1024), "step": 3}
+    seen: list[tuple[int, int]] = []
+    ckptio.dump(obj, uri, progress=lambda d, t: seen.append((d, t)))
+    assert seen and all(b[0] >= a[0] for a, b in zip(seen, seen[1:]))  # monotonic
+    assert seen[-1][0] >= (1 << 20)
+    size = ckptio.stat(uri).size
+    seen.clear()
+    back = ckptio.load(uri, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (size, size)
+    assert back == obj if name.endswith(".bin") else torch.equal(back["w"], obj["w"])
+    seen.clear()
+    assert ckptio.get(uri, progress=lambda d, t: seen.append((d, t))) == ckptio.get(uri)
+    assert seen[-1] == (size, size)
+    seen.clear()
+    ckptio.put(b"y" * 1000, uri, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (1000, 1000)
+
+
+def test_progress_true_is_quiet_off_a_terminal(tmp_path, capsys):
+    ckptio.put(b"z" * 100, str(tmp_path / "q.bin"), progress=True)
+    assert ckptio.get(str(tmp_path / "q.bin"), progress=True) == b"z" * 100
+    assert capsys.readouterr().err == ""
