@@ -223,7 +223,8 @@ class MultipartWriter(Writer):
         mv = memoryview(data).cast("B")
         total = len(mv)
         try:
-            borrowed = len(mv) >= (self._part_size() if lend else self.max_buffer_bytes)
+            step = max(self._part_size(), self.part_size)  # parts sent from the caller's memory cost no buffers
+            borrowed = len(mv) >= (step if lend else self.max_buffer_bytes)
             if borrowed and self._fill:  # top up the part being filled, then send it
                 k = min(len(self._buf) - self._fill, len(mv))
                 self._buf[self._fill: self._fill + k] = mv[:k]
@@ -231,10 +232,9 @@ class MultipartWriter(Writer):
                 if mv:
                     self._send_buffer(last=False)
             first = len(self._futures)
-            while borrowed and len(mv) > self._part_size():  # the last bytes are copied: close sends them
-                n = self._part_size()
-                self._submit(mv[:n], None)
-                mv = mv[n:]
+            while borrowed and len(mv) > step:  # the last bytes are copied: close sends them
+                self._submit(mv[:step], None)
+                mv = mv[step:]
             self._copy(mv)
             self._wait(self._futures[first:] if borrowed and not lend else [])  # the caller may reuse its memory now
         except BaseException as e:
