@@ -102,7 +102,13 @@ class MemoryBody(BytesReader):
     :class:`_MemoryPayload` in ``SEND_CHUNK`` slices. A plain ``bytes``/``bytearray`` body would be
     handed to the socket transport whole, which (Python < 3.12) copies the unsent rest of it, i.e.
     a second copy of every part in flight. Make a new one for each attempt of a request.
+    ``sha256``: the hex SHA-256 of the whole view, when the caller computed it (a signer may use it
+    instead of reading the body on the event-loop thread).
     """
+
+    def __init__(self, data: Buffer, uri: str = "<memory>", sha256: str | None = None) -> None:
+        super().__init__(data, uri)
+        self.sha256 = sha256
 
     @property
     def view(self) -> memoryview:

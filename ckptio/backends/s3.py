@@ -175,6 +175,11 @@ class S3Backend(ObjectStoreBackend):
                 return _parallel.no_hidden_retries(await get(*a, **kw))
 
             hs._get_session, hs._ckptio_owned = get_session, True
+        events = getattr(getattr(client, "meta", None), "events", None)
+        if events is not None and _PREHASHED_SIGNER is not None:
+            for op in ("UploadPart", "PutObject"):
+                events.register_first(f"choose-signer.s3.{op}", _choose_prehashed_signer,
+                                      unique_id=f"ckptio-prehashed-sha256-{op}")
         return client
 
     @staticmethod
@@ -358,6 +363,41 @@ class S3Backend(ObjectStoreBackend):
         self._call(src, "copy_object", Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
 
 
+def _make_prehashed_signer() -> Any:
+    """An ``s3v4`` signer that takes the payload SHA-256 a :class:`_parallel.MemoryBody` carries
+    (computed off the event-loop thread) instead of reading the body to hash it there."""
+    import botocore.auth
+
+    class PrehashedSha256Auth(botocore.auth.S3SigV4Auth):
+        def payload(self, request: Any) -> str:
+            body = getattr(request.body, "__wrapped__", request.body)
+            digest = getattr(body, "sha256", None)
+            if digest and isinstance(body, _parallel.MemoryBody) and body.tell() == 0 \
+                    and not self._is_streaming_checksum_payload(request) \
+                    and self._should_sha256_sign_payload(request):
+                return digest
+            return super().payload(request)
+
+    botocore.auth.AUTH_TYPE_MAPS[_PREHASHED_SIGNER_NAME] = PrehashedSha256Auth
+    return PrehashedSha256Auth
+
+
+_PREHASHED_SIGNER_NAME = "ckptio-s3v4-sha256"
+_PREHASHED_SIGNER = _make_prehashed_signer()
+
+
+def _choose_prehashed_signer(signing_name: str = "", signature_version: Any = None, context: Any = None,
+                             **kwargs: Any) -> str | None:
+    """choose-signer hook for this backend's clients: plain ``s3v4`` requests (not presigned URLs or
+    POSTs, not S3 Express) use :data:`_PREHASHED_SIGNER`; everything else is left to botocore."""
+    import botocore.handlers
+    if not isinstance(signature_version, str) or signature_version.endswith(("-query", "-presign-post")):
+        return None
+    chosen = botocore.handlers.set_operation_specific_signer(context=context or {}, signing_name=signing_name,
+                                                            **kwargs)
+    return _PREHASHED_SIGNER_NAME if chosen == "s3v4" else None
+
+
 class _S3Writer(_parallel.MultipartWriter):
     min_part_size = MIN_PART_SIZE
     part_align = 1024 * 1024
@@ -397,9 +437,20 @@ class _S3Writer(_parallel.MultipartWriter):
             return False
         return str(h.get("ETag", "")).strip('"') == etag
 
+    async def _sha256(self, data: Buffer) -> str | None:
+        """The body's SHA-256 when SigV4 signs payloads (plain http), hashed on a worker thread (the
+        hash releases the GIL) so the event loop keeps sending other parts; once per part, for
+        every attempt of it."""
+        ep = self._b.endpoint_url
+        if _PREHASHED_SIGNER is None or not ep or not ep.lower().startswith("http:"):
+            return None
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: hashlib.sha256(data).hexdigest())
+
     async def put_single(self, data: Buffer) -> None:
+        digest = await self._sha256(data)
         await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key,
-                                                            Body=_parallel.MemoryBody(data), **self._cond),
+                                                            Body=_parallel.MemoryBody(data, sha256=digest),
+                                                            **self._cond),
                             lambda: self._etag_is(hashlib.md5(data).hexdigest()))
 
     async def begin(self) -> Any:
@@ -416,9 +467,11 @@ class _S3Writer(_parallel.MultipartWriter):
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
         n = memoryview(data).nbytes
+        digest = await self._sha256(data)
         r = await self._request(f"part {number} (bytes {offset}-{offset + n - 1})",
                                 lambda s3: s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle,
-                                                          PartNumber=number, Body=_parallel.MemoryBody(data)))
+                                                          PartNumber=number,
+                                                          Body=_parallel.MemoryBody(data, sha256=digest)))
         return {"PartNumber": number, "ETag": r["ETag"]}
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
