@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from servers import read_body
+
 KINDS = ("status", "expired", "reset", "stall", "truncate", "ignore_range")
 
 
@@ -129,17 +131,7 @@ class FaultProxy:
                     pass
 
             def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = bytearray()
-                    while True:
-                        n = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                        if n == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return bytes(out)
-                        out += self.rfile.read(n)
-                        self.rfile.readline()
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                return read_body(self)
 
             def _forward(self, body: bytes, drop: tuple[str, ...] = ()) -> tuple[int, str, list[tuple[str, str]], bytes]:
                 headers = {k: v for k, v in self.headers.items()

@@ -161,6 +161,21 @@ class Request:
     status: int
 
 
+def read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """The request body of a ``BaseHTTPRequestHandler`` (Content-Length or chunked)."""
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while True:
+            n = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if n == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return bytes(out)
+            out += handler.rfile.read(n)
+            handler.rfile.readline()
+    return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+
+
 @dataclass
 class CountingProxy:
     """An HTTP proxy in front of ``upstream`` that records every request (thread-safe).
@@ -184,17 +199,7 @@ class CountingProxy:
                 pass
 
             def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = bytearray()
-                    while True:
-                        n = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                        if n == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return bytes(out)
-                        out += self.rfile.read(n)
-                        self.rfile.readline()
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                return read_body(self)
 
             def _relay(self) -> None:
                 body = self._body()
