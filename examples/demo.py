@@ -76,7 +76,7 @@ def main() -> None:
 
     state = make_state(args.hidden, args.layers)
     size = nbytes(state)
-    exts = [".pt"] + ([".fpk"] if _has_format(".fpk") else [])
+    exts = [".pt", ".fpk"]
     print(f"state: model + AdamW + scheduler, {size / 2**20:.1f} MiB of tensors; formats {exts}")
 
     if args.uri:
@@ -114,14 +114,6 @@ target = "s3://demo-bucket/checkpoints"
                 roundtrip(state, f"{base}/step100{ext}", size)
         print("listing ckpt://run1:", ckptio.ls("ckpt://run1"))
         ckptio.reset()
-
-
-def _has_format(ext: str) -> bool:
-    try:
-        ckptio.registry.formats.find("x" + ext)
-        return True
-    except ckptio.UnknownFormatError:
-        return False
 
 
 if __name__ == "__main__":
