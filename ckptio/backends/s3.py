@@ -17,6 +17,12 @@ Sizes: ranged reads are ``part_size`` (64 MiB) with ``concurrency`` at once; upl
 ``upload_part_size`` parts (8 MiB, at most ``part_size``), and a streaming writer's copied bytes
 stay within ``max_buffer_bytes`` (48 MiB; large writes go up from the caller's memory).
 
+Uploads carry a CRC32 of every part (``checksum="crc32"``, the AWS SDKs' default), computed on a
+worker thread: S3 verifies each part on arrival and stores a composite checksum, and servers do not
+have to checksum the whole object again at completion. ``checksum="none"`` (or
+``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``, as for boto3) is for S3-compatible stores that
+reject checksum headers.
+
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
 two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
@@ -25,10 +31,12 @@ two never multiply. Parts of multipart uploads and ranges of reads are retried o
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno
 import hashlib
 import json
 import os
+import zlib
 from typing import Any, Awaitable, Callable
 
 from .. import retry as _retry
@@ -98,6 +106,17 @@ def _load_credentials_file(path: str) -> dict[str, str]:
     return {str(k).lower(): v for k, v in data.items()}
 
 
+def _checksum_option(value: str | None) -> str:
+    """``crc32`` or ``none``; unset follows boto3's ``AWS_REQUEST_CHECKSUM_CALCULATION``."""
+    if value is None:
+        env = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "").strip().lower()
+        return "none" if env == "when_required" else "crc32"
+    v = str(value).strip().lower()
+    if v not in ("crc32", "none"):
+        raise ValueError(f"s3 option checksum must be 'crc32' or 'none', got {value!r}")
+    return v
+
+
 class S3Backend(ObjectStoreBackend):
     """Objects in S3 or any S3 API server (MinIO, moto, Ceph...)."""
 
@@ -113,7 +132,7 @@ class S3Backend(ObjectStoreBackend):
                  timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
                  read_timeout: float = 60.0, credential_provider: Any = None,
                  max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
-                 upload_part_size: int | str | None = None) -> None:
+                 upload_part_size: int | str | None = None, checksum: str | None = None) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency, retries=retries, max_attempts=max_attempts,
                          deadline=deadline, timeout=timeout, stall_timeout=stall_timeout, read_timeout=read_timeout,
                          credential_provider=credential_provider, max_buffer_bytes=max_buffer_bytes)
@@ -122,6 +141,7 @@ class S3Backend(ObjectStoreBackend):
         if min(self.part_size, self.upload_part_size) < MIN_PART_SIZE:
             raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got "
                              f"{min(self.part_size, self.upload_part_size)}")
+        self.checksum = _checksum_option(checksum)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
@@ -146,8 +166,8 @@ class S3Backend(ObjectStoreBackend):
                            "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
                            "retries": {"total_max_attempts": 1, "mode": "standard"},
                            "max_pool_connections": max(10, 2 * self.concurrency),
-                           # uploads are already protected by the SigV4 payload hash (http) or TLS; a CRC32
-                           # of every part on the IO thread only slows them (reads are still checked)
+                           # the writer sends its own CRC32 (hashed off the IO thread); botocore would
+                           # hash every part again on the IO thread (reads are still checked)
                            "request_checksum_calculation": "when_required"},
             **extra)
         self._client: Any = None
@@ -437,20 +457,28 @@ class _S3Writer(_parallel.MultipartWriter):
             return False
         return str(h.get("ETag", "")).strip('"') == etag
 
-    async def _sha256(self, data: Buffer) -> str | None:
-        """The body's SHA-256 when SigV4 signs payloads (plain http), hashed on a worker thread (the
-        hash releases the GIL) so the event loop keeps sending other parts; once per part, for
-        every attempt of it."""
+    async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
+        """Hashes of a body, on a worker thread (both release the GIL) so the event loop keeps
+        sending other parts; once per part, for every attempt of it: the SHA-256 when SigV4 signs
+        payloads (plain http), and the CRC32 S3 checks the part against (given as request arguments, botocore does not hash again)."""
         ep = self._b.endpoint_url
-        if _PREHASHED_SIGNER is None or not ep or not ep.lower().startswith("http:"):
-            return None
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: hashlib.sha256(data).hexdigest())
+        sha = _PREHASHED_SIGNER is not None and bool(ep) and ep.lower().startswith("http:")
+        crc = self._b.checksum == "crc32"
+        if not (sha or crc):
+            return None, {}
+
+        def run() -> tuple[str | None, dict[str, str]]:
+            digest = hashlib.sha256(data).hexdigest() if sha else None
+            args = {"ChecksumAlgorithm": "CRC32",
+                    "ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()} if crc else {}
+            return digest, args
+        return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def put_single(self, data: Buffer) -> None:
-        digest = await self._sha256(data)
+        digest, crc = await self._digests(data)
         await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key,
                                                             Body=_parallel.MemoryBody(data, sha256=digest),
-                                                            **self._cond),
+                                                            **crc, **self._cond),
                             lambda: self._etag_is(hashlib.md5(data).hexdigest()))
 
     async def begin(self) -> Any:
@@ -461,18 +489,19 @@ class _S3Writer(_parallel.MultipartWriter):
             except ClientError as e:
                 if e.response.get("Error", {}).get("Code") not in _NOT_FOUND:
                     raise
+        algo = {"ChecksumAlgorithm": "CRC32"} if self._b.checksum == "crc32" else {}
         r = await self._request("CreateMultipartUpload",
-                                lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key))
+                                lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key, **algo))
         return r["UploadId"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
         n = memoryview(data).nbytes
-        digest = await self._sha256(data)
+        digest, crc = await self._digests(data)
         r = await self._request(f"part {number} (bytes {offset}-{offset + n - 1})",
                                 lambda s3: s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle,
                                                           PartNumber=number,
-                                                          Body=_parallel.MemoryBody(data, sha256=digest)))
-        return {"PartNumber": number, "ETag": r["ETag"]}
+                                                          Body=_parallel.MemoryBody(data, sha256=digest), **crc))
+        return {"PartNumber": number, "ETag": r["ETag"], **({"ChecksumCRC32": crc["ChecksumCRC32"]} if crc else {})}
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
         digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens)).hexdigest()
