@@ -35,6 +35,7 @@ from servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # 
 MiB = 1024 * 1024
 TUNING: dict = {}  # backend options from --part-size-mib / --concurrency
 RSS = True  # also measure the peak RSS of streaming uploads (--no-rss: skip)
+VERBOSE = False  # print every run's time (--verbose)
 
 
 def measure(cases: dict[str, Callable[[int], None]], repeats: int) -> dict[str, list[float]]:
@@ -45,6 +46,8 @@ def measure(cases: dict[str, Callable[[int], None]], repeats: int) -> dict[str, 
             t0 = time.perf_counter()
             fn(r)
             times[name].append(time.perf_counter() - t0)
+            if VERBOSE:
+                print(f"    round {r + 1}: {name} {times[name][-1]:.3f} s", flush=True)
     return times
 
 
@@ -215,10 +218,11 @@ def main() -> None:
     p.add_argument("--part-size-mib", type=int, default=None, help="override the backends' part_size")
     p.add_argument("--concurrency", type=int, default=None, help="override the backends' concurrency")
     p.add_argument("--no-rss", action="store_true", help="skip the streaming-upload peak RSS measurement")
+    p.add_argument("--verbose", action="store_true", help="print every run's time, not only the medians")
     p.add_argument("--json", default="benchmarks/results/transfer.json")
     args = p.parse_args()
-    global RSS
-    RSS = not args.no_rss
+    global RSS, VERBOSE
+    RSS, VERBOSE = not args.no_rss, args.verbose
     size = args.size_mib * MiB
     if args.part_size_mib:
         TUNING["part_size"] = args.part_size_mib * MiB
