@@ -44,6 +44,9 @@ THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Re
                             "TooManyRequestsException", "ProvisionedThroughputExceededException",
                             "RequestThrottled", "ServiceUnavailable", "InternalError", "RequestTimeout",
                             "RequestTimeTooSkewed", "BandwidthLimitExceeded", "EC2ThrottledException"})
+# the body S3 received does not match the checksum sent with it (CRC32 / SigV4 payload hash): damaged on the
+# way, so the part is sent again from memory that still matches the checksum (computed once, before sending)
+DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
 EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired"})
 
 
@@ -73,7 +76,7 @@ def classify_status(status: int | None, code: str = "") -> str:
     """HTTP status plus (for S3) the error code -> TRANSIENT / EXPIRED / PERMANENT."""
     if code in EXPIRED_CODES:
         return EXPIRED
-    if code in THROTTLE_CODES or (status is not None and status in RETRY_STATUS):
+    if code in THROTTLE_CODES or code in DAMAGED_CODES or (status is not None and status in RETRY_STATUS):
         return TRANSIENT
     return PERMANENT
 

@@ -56,6 +56,23 @@ def test_transient_fault_on_part_upload_retries_only_that_part(faults, fault):
         assert faults.count("POST", "uploadType=resumable") == 1
 
 
+@pytest.mark.parametrize("code", ["BadDigest", "XAmzContentSHA256Mismatch"])
+def test_s3_part_damaged_in_flight_is_sent_again(s3_faults, code):
+    """S3 answers 400 when a part's body does not match its CRC32 / payload hash: only that part is re-sent;
+    if it keeps happening the error names the part and the attempts."""
+    b, u = ckptio.resolve(s3_faults.uri + "/obj.bin")
+    data = _big(s3_faults)
+    s3_faults.add(Fault("status", status=400, code=code, method="PUT", path="partNumber=2"))
+    b.write(u, data)
+    assert s3_faults.fired() == 1 and _part_puts(s3_faults) == 4 and b.read(u) == data
+    s3_faults.clear()
+    s3_faults.add(Fault("status", status=400, code=code, method="PUT", path="partNumber=2", fraction=1.0))
+    with pytest.raises(TransferError, match=r"part 2 .*attempt") as ei:
+        b.write(u + "2", data)
+    assert code in str(ei.value)
+    assert s3_client(s3_faults.endpoint).list_multipart_uploads(Bucket=s3_faults.bucket).get("Uploads", []) == []
+
+
 @pytest.mark.parametrize("fault", ["500", "reset", "stall", "truncate"])
 def test_transient_fault_on_ranged_read_retries_only_that_range(faults, fault):
     b, u = ckptio.resolve(faults.uri + "/obj.bin")
