@@ -64,6 +64,7 @@ MAX_PARTS = 10_000
 # what a whole-object read costs); uploads go in ``upload_part_size`` parts (boto3's 8 MiB).
 READ_PART_SIZE = 64 * 1024 * 1024
 UPLOAD_PART_SIZE = 8 * 1024 * 1024
+_INLINE_HASH_MAX = 64 * 1024  # smaller upload bodies are hashed on the IO loop itself
 CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
                     "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
                     "ckptio.configure), or anon=true for public buckets")
@@ -458,9 +459,10 @@ class _S3Writer(_parallel.MultipartWriter):
         return str(h.get("ETag", "")).strip('"') == etag
 
     async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
-        """Hashes of a body, on a worker thread (both release the GIL) so the event loop keeps
-        sending other parts; once per part, for every attempt of it: the SHA-256 when SigV4 signs
-        payloads (plain http), and the CRC32 S3 checks the part against (given as request arguments, botocore does not hash again)."""
+        """Hashes of a body, computed once per part and reused by every attempt of it: the SHA-256
+        when SigV4 signs payloads (plain http), and the CRC32 S3 checks the part against (given as
+        request arguments, so botocore does not hash again). Large bodies are hashed on a worker
+        thread (both hashes release the GIL) so the event loop keeps sending other parts."""
         ep = self._b.endpoint_url
         sha = _PREHASHED_SIGNER is not None and bool(ep) and ep.lower().startswith("http:")
         crc = self._b.checksum == "crc32"
@@ -472,6 +474,8 @@ class _S3Writer(_parallel.MultipartWriter):
             args = {"ChecksumAlgorithm": "CRC32",
                     "ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()} if crc else {}
             return digest, args
+        if memoryview(data).nbytes <= _INLINE_HASH_MAX:  # cheaper than the hop to a thread
+            return run()
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def put_single(self, data: Buffer) -> None:
