@@ -9,7 +9,7 @@ W3 = model + Adam state + nested Python values. Every case writes a fresh file u
 cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
 written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
 are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
-interleaved run by run. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
+interleaved run by run in a shuffled (seeded) order. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
 saves (local and S3) by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
 fastpickle is compared with the raw clients (s3fs pipe/cat, boto3's TransferManager) and with
 ckptio's own put/readinto, all on the same server in the same run.
@@ -23,6 +23,7 @@ import gc
 import io
 import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -113,10 +114,13 @@ class Bench:
 
     def table(self, title: str, nbytes: int, cases: dict[str, Callable[[], float]]) -> dict[str, float]:
         times: dict[str, list[float]] = {k: [] for k in cases}
+        rng = random.Random(0)
         for _ in range(self.runs):
-            for k, fn in cases.items():
+            # a new order every run: on this kind of VM, how fast fresh page cache comes depends on what the
+            # previous case freed (small or large folios), so a fixed order would favour some cases every time
+            for k in rng.sample(list(cases), len(cases)):
                 gc.collect()
-                times[k].append(fn())
+                times[k].append(cases[k]())
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\n{title}  ({nbytes / MiB:.0f} MiB, median of {self.runs})")
         for k, s in med.items():

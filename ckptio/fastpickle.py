@@ -81,9 +81,11 @@ TF_REQUIRES_GRAD, TF_PARAMETER = 1, 2
 
 CHUNK = 64 << 20  # largest single write/read/hash step
 # Payloads below GATHER are gathered into vectored writes of about this size (and hashed in batches); larger
-# ones are written in WRITE_CHUNK pieces. Writes of many MiB into the page cache were measured to stall now and
-# then (large-folio allocation); 2-16 MiB writes were as fast and steadier.
-GATHER = 2 << 20
+# ones are written in WRITE_CHUNK pieces. The kernel sizes page-cache folios by the write's length, and large
+# folios need high-order free memory, which a VM that hands free memory back to its host (free page
+# reporting) has to fault in again: 10,000 100 KiB tensors gathered into 2 MiB writes took 0.28-1.2 s
+# (median 0.6 s in the benchmark), into 256 KiB writes a steady 0.32-0.33 s.
+GATHER = 256 << 10
 WRITE_CHUNK = 16 << 20
 HASH_BATCH = 8 << 20
 WRITE_BEHIND = 32 << 20  # durable local saves start writeback after every this many bytes
