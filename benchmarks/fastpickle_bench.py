@@ -105,8 +105,8 @@ def touch(obj: Any) -> None:
 # ---- timing -------------------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, root: str, runs: int) -> None:
-        self.root, self.runs, self.n = root, runs, 0
+    def __init__(self, root: str, runs: int, verbose: bool = False) -> None:
+        self.root, self.runs, self.n, self.verbose = root, runs, 0, verbose
 
     def path(self, ext: str) -> str:
         self.n += 1
@@ -124,7 +124,8 @@ class Bench:
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\n{title}  ({nbytes / MiB:.0f} MiB, median of {self.runs})")
         for k, s in med.items():
-            print(f"  {k:44s} {s * 1000:9.1f} ms  {nbytes / s / 1e9:7.2f} GB/s")
+            runs = "  [" + " ".join(f"{t * 1000:.0f}" for t in times[k]) + "]" if self.verbose else ""
+            print(f"  {k:44s} {s * 1000:9.1f} ms  {nbytes / s / 1e9:7.2f} GB/s{runs}")
         return med
 
 
@@ -440,13 +441,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="64 MiB workloads, 32 MiB on S3")
     ap.add_argument("--only", default="w1,mem,w2,w3,rss,mmap,s3", help="comma-separated subset")
+    ap.add_argument("--verbose", action="store_true", help="also print every run's time (ms, in run order)")
     ap.add_argument("--dir", default=None, help="where files go (default: a temporary directory)")
     args = ap.parse_args()
     if args.quick:
         args.size, args.s3_size = 64, 32
     only = set(args.only.split(","))
     root = tempfile.mkdtemp(prefix="fpk-bench-", dir=args.dir)
-    b = Bench(root, max(1, args.runs))
+    b = Bench(root, max(1, args.runs), args.verbose)
     nbytes = args.size * MiB
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, files in {root}")
     try:
