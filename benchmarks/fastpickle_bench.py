@@ -9,7 +9,7 @@ W3 = model + Adam state + nested Python values. Every case writes a fresh file u
 cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
 written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
 are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
-interleaved run by run in a shuffled (seeded) order. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
+interleaved run by run in a shuffled (seeded) order, each case starting after gc and malloc_trim. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
 saves (local and S3) by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
 fastpickle is compared with the raw clients (s3fs pipe/cat, boto3's TransferManager) and with
 ckptio's own put/readinto, all on the same server in the same run.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import gc
 import io
 import math
@@ -104,6 +105,21 @@ def touch(obj: Any) -> None:
 
 # ---- timing -------------------------------------------------------------------------------------
 
+def _trim_heap() -> None:
+    """Give the memory the previous case freed back to the OS (glibc keeps freed heap memory that another
+    allocation can reuse, so otherwise a load runs into fresh or into recycled memory depending on which case
+    ran before it: torch.load measured 430 ms after itself and 75 ms after a fastpickle load)."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+try:
+    _libc: Any = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):  # not glibc
+    _libc = None
+
+
 class Bench:
     def __init__(self, root: str, runs: int, verbose: bool = False) -> None:
         self.root, self.runs, self.n, self.verbose = root, runs, 0, verbose
@@ -120,6 +136,7 @@ class Bench:
             # previous case freed (small or large folios), so a fixed order would favour some cases every time
             for k in rng.sample(list(cases), len(cases)):
                 gc.collect()
+                _trim_heap()
                 times[k].append(cases[k]())
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\n{title}  ({nbytes / MiB:.0f} MiB, median of {self.runs})")
