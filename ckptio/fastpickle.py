@@ -374,20 +374,28 @@ class _Sink:
         self._write(data)
         self._advance(len(data))
 
-    def writev(self, mvs: list[memoryview]) -> None:
+    def writev(self, mvs: list[memoryview], total: int) -> None:
+        """Write ``mvs`` (``total`` bytes in all). Called once per GATHER bytes, so errors are translated
+        only when there is one (a context manager per call costs more than the call)."""
         if self.fd is None:
             for m in mvs:
                 self._write(m)
             return
-        total = sum(len(m) for m in mvs)
-        with translate_os_errors(self.name):
-            while mvs:
-                n = os.writev(self.fd, mvs)
-                while mvs and n >= len(mvs[0]):
+        try:
+            n = os.writev(self.fd, mvs)
+            left = total
+            while n < left:  # short write (a signal, a full disk): finish or raise
+                if n <= 0:
+                    raise OSError(errno.EIO, f"{self.name}: a write took no bytes")
+                left -= n
+                while n >= len(mvs[0]):
                     n -= len(mvs[0])
                     mvs = mvs[1:]
-                if mvs and n:
-                    mvs = [mvs[0][n:], *mvs[1:]]
+                mvs = [mvs[0][n:], *mvs[1:]]
+                n = os.writev(self.fd, mvs)
+        except OSError as e:
+            with translate_os_errors(self.name):
+                raise e
         self._advance(total)
 
     def _advance(self, n: int) -> None:
@@ -450,7 +458,7 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
         def flush() -> None:
             nonlocal gathered
             if gather:
-                out.writev(gather)
+                out.writev(gather, gathered)
                 gather.clear()
                 gathered = 0
 
@@ -501,7 +509,7 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
     body = struct.pack("<QQQQHH12x", meta_offset, len(meta), h.intdigest(), size, VERSION, flags)
     footer = FOOTER.pack(meta_offset, len(meta), h.intdigest(), size, VERSION, flags,
                          xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC)
-    out.writev([memoryview(meta), memoryview(footer)])
+    out.writev([memoryview(meta), memoryview(footer)], len(meta) + len(footer))
     return size
 
 

@@ -379,6 +379,14 @@ def test_remote_full_load_checks_header_and_metadata(memory_uri, pos, error, mes
         fp.load(uri)
 
 
+def test_a_write_that_takes_nothing_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setattr(fp.os, "writev", lambda fd, bufs: 0)
+    path = tmp_path / "zero.fpk"
+    with pytest.raises(OSError, match="zero.fpk.*took no bytes"):
+        fp.save({f"t{i}": torch.randn(100) for i in range(3)}, str(path))
+    assert os.listdir(tmp_path) == []  # the temporary file is gone
+
+
 def test_short_vectored_writes_are_resumed(tmp_path, monkeypatch):
     real = os.writev
 
