@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import gc
 import io
 import math
 import os
@@ -38,6 +36,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks._heap import trim_heap  # noqa: E402
 from ckptio import fastpickle as fp  # noqa: E402
 
 MiB = 1 << 20
@@ -105,21 +104,6 @@ def touch(obj: Any) -> None:
 
 # ---- timing -------------------------------------------------------------------------------------
 
-def _trim_heap() -> None:
-    """Give the memory the previous case freed back to the OS (glibc keeps freed heap memory that another
-    allocation can reuse, so otherwise a load runs into fresh or into recycled memory depending on which case
-    ran before it: torch.load measured 430 ms after itself and 75 ms after a fastpickle load)."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-try:
-    _libc: Any = ctypes.CDLL("libc.so.6")
-    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-except (OSError, AttributeError):  # not glibc
-    _libc = None
-
-
 class Bench:
     def __init__(self, root: str, runs: int, verbose: bool = False) -> None:
         self.root, self.runs, self.n, self.verbose = root, runs, 0, verbose
@@ -135,8 +119,7 @@ class Bench:
             # a new order every run: on this kind of VM, how fast fresh page cache comes depends on what the
             # previous case freed (small or large folios), so a fixed order would favour some cases every time
             for k in rng.sample(list(cases), len(cases)):
-                gc.collect()
-                _trim_heap()
+                trim_heap()
                 times[k].append(cases[k]())
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\n{title}  ({nbytes / MiB:.0f} MiB, median of {self.runs})")
@@ -332,10 +315,7 @@ def _status_kib(field: str) -> int:
 def report_save_memory(what: str, n: int, save: Callable[[], Any]) -> None:
     """Peak RSS during ``save`` above the RSS before it. Free heap memory is returned to the system first
     (malloc_trim) and the high-water mark reset (/proc/self/clear_refs), so reused memory cannot hide growth."""
-    import ctypes
-
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
+    trim_heap()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _status_kib("VmRSS")

@@ -34,6 +34,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import torch  # noqa: E402
 
 import ckptio  # noqa: E402
+from benchmarks._heap import trim_heap  # noqa: E402
 from ckptio import uri as _uri  # noqa: E402
 from ckptio.config import parse_size  # noqa: E402
 from ckptio.progress import Bar, human_bytes  # noqa: E402
@@ -335,6 +336,7 @@ class RSSPeak:
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    trim_heap()  # start from the same heap whatever ran before
     with RSSPeak() as rss:
         t0 = time.perf_counter()
         out = fn()
