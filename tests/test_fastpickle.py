@@ -272,6 +272,21 @@ def test_map_location(tmp_path):
     assert seen == ["cpu", "cpu"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_go_through_pinned_staging(tmp_path):
+    state = {"w": torch.randn(3000, 1000, device="cuda"), "b": torch.arange(7, device="cuda"),
+             "cpu": torch.randn(5), "view": None}
+    state["view"] = state["w"][10:20]  # shares the CUDA storage
+    p = tmp_path / "cuda.fpk"
+    fp.save(state, p)
+    assert fp._staging is not None and fp._staging.is_pinned()
+    out = fp.load(p)  # located where they were saved, like torch.load
+    assert out["w"].is_cuda and torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
+    cpu = fp.load(p, map_location="cpu")
+    assert cpu["w"].device.type == "cpu" and torch.equal(cpu["w"], state["w"].cpu())
+
+
 # ---- partial, lazy and metadata-only loads ----------------------------------------------------
 
 def test_partial_load_reads_only_needed_ranges(memory_uri):
