@@ -132,13 +132,20 @@ def test_s3_uploads_carry_a_crc32_per_part_that_s3_stores(s3_proxy, s3_endpoint)
     assert b.read(u) == data
 
 
-@pytest.mark.parametrize("how", ["option", "boto3 env"])
-def test_s3_checksum_none_sends_no_checksum_headers(s3_proxy, monkeypatch, how):
+@pytest.mark.parametrize("how", ["option", "boto3 env", "aws config profile"])
+def test_s3_checksum_none_sends_no_checksum_headers(s3_proxy, monkeypatch, tmp_path, how):
     if how == "option":
         b, u = _s3(s3_proxy, checksum="none")
-    else:
+    elif how == "boto3 env":
         monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
         b, u = _s3(s3_proxy)
+    else:
+        config = tmp_path / "aws-config"
+        config.write_text("[profile r2]\nrequest_checksum_calculation = when_required\n")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+        monkeypatch.delenv("AWS_REQUEST_CHECKSUM_CALCULATION", raising=False)
+        assert ckptio.resolve(s3_proxy.uri + "/x", part_size=5 * MiB)[0].checksum == "crc32"  # other profiles
+        b, u = _s3(s3_proxy, profile="r2")
     data = os.urandom(11 * MiB)
     b.write(u, data)
     b.write(u + "-small", b"small")

@@ -19,9 +19,9 @@ stay within ``max_buffer_bytes`` (48 MiB; large writes go up from the caller's m
 
 Uploads carry a CRC32 of every part (``checksum="crc32"``, the AWS SDKs' default), computed on a
 worker thread: S3 verifies each part on arrival and stores a composite checksum, and servers do not
-have to checksum the whole object again at completion. ``checksum="none"`` (or
-``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``, as for boto3) is for S3-compatible stores that
-reject checksum headers.
+have to checksum the whole object again at completion. ``checksum="none"`` (also the default where
+boto3's ``request_checksum_calculation`` is ``when_required``, in the environment or the AWS config
+file) is for S3-compatible stores that reject checksum headers.
 
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
@@ -107,11 +107,18 @@ def _load_credentials_file(path: str) -> dict[str, str]:
     return {str(k).lower(): v for k, v in data.items()}
 
 
-def _checksum_option(value: str | None) -> str:
-    """``crc32`` or ``none``; unset follows boto3's ``AWS_REQUEST_CHECKSUM_CALCULATION``."""
+def _checksum_option(value: str | None, profile: str | None) -> str:
+    """``crc32`` or ``none``; unset follows boto3's ``request_checksum_calculation`` (the
+    ``AWS_REQUEST_CHECKSUM_CALCULATION`` variable or the AWS config file, for ``profile``)."""
     if value is None:
-        env = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "").strip().lower()
-        return "none" if env == "when_required" else "crc32"
+        import botocore.exceptions
+        import botocore.session
+
+        try:
+            setting = botocore.session.Session(profile=profile).get_config_variable("request_checksum_calculation")
+        except botocore.exceptions.BotoCoreError:  # e.g. no such profile: reported when credentials are needed
+            setting = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION")
+        return "none" if str(setting or "").strip().lower() == "when_required" else "crc32"
     v = str(value).strip().lower()
     if v not in ("crc32", "none"):
         raise ValueError(f"s3 option checksum must be 'crc32' or 'none', got {value!r}")
@@ -142,7 +149,7 @@ class S3Backend(ObjectStoreBackend):
         if min(self.part_size, self.upload_part_size) < MIN_PART_SIZE:
             raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got "
                              f"{min(self.part_size, self.upload_part_size)}")
-        self.checksum = _checksum_option(checksum)
+        self.checksum = _checksum_option(checksum, profile)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
