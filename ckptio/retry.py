@@ -46,7 +46,7 @@ THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Re
                             "RequestTimeTooSkewed", "BandwidthLimitExceeded", "EC2ThrottledException"})
 # the body S3 received does not match the checksum sent with it (CRC32 / SigV4 payload hash): damaged on the
 # way, so the part is sent again from memory that still matches the checksum (computed once, before sending)
-DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
+DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"})  # last: MinIO
 EXPIRED_CODES = frozenset({"ExpiredToken", "ExpiredTokenException", "RequestExpired", "TokenRefreshRequired"})
 
 

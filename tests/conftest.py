@@ -24,6 +24,10 @@ _ENV_DEFAULTS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testi
                  "AWS_EC2_METADATA_DISABLED": "true"}
 for _k, _v in _ENV_DEFAULTS.items():
     os.environ.setdefault(_k, _v)
+# the developer's AWS settings (a profile, request_checksum_calculation for R2/MinIO...) must not change the tests
+for _k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+    os.environ.pop(_k, None)
+os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -9,7 +9,7 @@
 Faults (``kind``):
 
 * ``status``: answer ``status`` (503/500/...) without forwarding, with the server's error body
-  (S3 XML ``SlowDown``/``InternalError``, or ``code`` when given; GCS JSON).
+  (S3 XML ``SlowDown``/``InternalError``, or ``code`` and ``message`` when given; GCS JSON).
 * ``expired``: the credentials expired (S3: 400 ``ExpiredToken`` XML; GCS: 401), not forwarded.
 * ``reset``: forward, then send the status line, headers and half the body and reset the
   connection (RST); a response with no body is not sent at all. ``before=True`` resets before forwarding (the server never sees the request).
@@ -48,6 +48,7 @@ class Fault:
     kind: str
     status: int = 503
     code: str | None = None  # the S3 error code of a ``status`` answer (default: the usual one for the status)
+    message: str | None = None  # and its message (default: "injected <status>")
     nth: int | None = None
     times: int = 1
     fraction: float = 0.0
@@ -183,7 +184,7 @@ class FaultProxy:
                     seen.status = fault.status
                     code = fault.code or (_S3_CODES.get(fault.status, "InternalError") if proxy.flavor == "s3"
                                           else "backendError")
-                    return self._error(fault.status, code, f"injected {fault.status}")
+                    return self._error(fault.status, code, fault.message or f"injected {fault.status}")
                 if kind == "expired":
                     if proxy.flavor == "s3":
                         seen.status = 400

@@ -156,3 +156,40 @@ def test_s3_checksum_none_sends_no_checksum_headers(s3_proxy, monkeypatch, tmp_p
 def test_s3_checksum_option_is_checked():
     with pytest.raises(ckptio.SettingsError, match="checksum must be 'crc32' or 'none'"):
         ckptio.resolve("s3://bucket/x", checksum="md5")
+
+
+@pytest.mark.parametrize("url, crc, signed", [
+    ("https://s3.us-east-1.amazonaws.com/b/k", True, False),  # TLS + CRC32: unsigned payload, as botocore does
+    ("https://s3.us-east-1.amazonaws.com/b/k", False, True),
+    ("http://127.0.0.1:9000/b/k", True, True),  # plain http: always signed
+])
+def test_s3_payload_signing_follows_botocores_rule_without_hashing_on_the_loop(url, crc, signed):
+    import botocore.credentials
+    from botocore.awsrequest import AWSRequest
+
+    from ckptio.backends import s3 as s3mod
+    from ckptio.backends._parallel import MemoryBody
+
+    body = MemoryBody(b"x" * 1000, sha256="f" * 64)  # a digest computed elsewhere: the signer must take it as is
+    req = AWSRequest(method="PUT", url=url, data=body, headers={"x-amz-checksum-crc32": "AAAAAA=="} if crc else {})
+    req.context.update({"has_streaming_input": True})
+    auth = s3mod._PREHASHED_SIGNER(botocore.credentials.Credentials("key", "secret"), "s3", "us-east-1")
+    assert auth.payload(req) == ("f" * 64 if signed else "UNSIGNED-PAYLOAD")
+
+
+@pytest.mark.parametrize("endpoint, checksum, sha", [
+    (None, "crc32", False), ("https://minio.example:9000", "crc32", False), ("https://minio.example:9000", "none", True),
+    ("http://127.0.0.1:9000", "crc32", True), ("http://127.0.0.1:9000", "none", True),
+])
+def test_s3_writer_hashes_what_the_request_needs(endpoint, checksum, sha):
+    import asyncio
+    import hashlib
+
+    b, u = ckptio.resolve("s3://bucket/k", endpoint_url=endpoint, checksum=checksum, access_key_id="a",
+                          secret_access_key="b")
+    w = b.open_writer(u)
+    data = os.urandom(100 * 1024)  # above the inline limit: hashed on a worker thread
+    digest, args = asyncio.run(w._digests(data))
+    assert digest == (hashlib.sha256(data).hexdigest() if sha else None)
+    assert args == ({"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": _crc32_b64(data)} if checksum == "crc32" else {})
+    w.abort()

@@ -325,3 +325,17 @@ def test_fastpickle_partial_load_under_faults(faults):
     faults.add(Fault("truncate", method="GET", nth=2))
     out = fastpickle.load(uri, keys=["b"])
     assert torch.equal(out["b"], state["b"]) and faults.fired() == 2
+
+
+def test_s3_store_rejecting_checksum_headers_gets_a_hint(s3_faults):
+    """Some S3-compatible stores reject the CRC32 headers; the error says which option turns them off."""
+    b, u = ckptio.resolve(s3_faults.uri + "/obj.bin")
+    s3_faults.add(Fault("status", status=501, code="NotImplemented", method="PUT", fraction=1.0,
+                        message="Header 'x-amz-checksum-crc32' with value 'AAAAAA==' not implemented"))
+    with pytest.raises(TransferError, match="checksum = 'none'") as ei:
+        b.write(u, b"x")
+    assert "NotImplemented" in str(ei.value) and u in str(ei.value)
+    b2, _ = ckptio.resolve(s3_faults.uri + "/obj.bin", checksum="none")
+    with pytest.raises(TransferError) as ei:
+        b2.write(u, b"x")
+    assert "checksum = 'none'" not in str(ei.value)  # no hint once they are off

@@ -174,8 +174,9 @@ class S3Backend(ObjectStoreBackend):
                            "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
                            "retries": {"total_max_attempts": 1, "mode": "standard"},
                            "max_pool_connections": max(10, 2 * self.concurrency),
-                           # the writer sends its own CRC32 (hashed off the IO thread); botocore would
-                           # hash every part again on the IO thread (reads are still checked)
+                           # the writer sends its own CRC32 and SHA-256 (hashed off the IO thread, see
+                           # _S3Writer._digests); botocore would hash every part again on the IO thread
+                           # (reads are still checked)
                            "request_checksum_calculation": "when_required"},
             **extra)
         self._client: Any = None
@@ -280,8 +281,11 @@ class S3Backend(ObjectStoreBackend):
             elif code in _DENIED:
                 out = AccessDeniedError(uri, f"S3 denied access ({code})")
             else:
-                out = TransferError(errno.EIO, f"S3 error {code} (HTTP {status}) for {uri}: {err.get('Message', '')}",
-                                    uri)
+                message = str(err.get("Message", ""))
+                hint = ""
+                if self.checksum != "none" and code not in _retry.DAMAGED_CODES and "checksum" in message.lower():
+                    hint = " (if this store does not support S3 checksum headers, set the s3 option checksum = 'none')"
+                out = TransferError(errno.EIO, f"S3 error {code} (HTTP {status}) for {uri}: {message}{hint}", uri)
         elif isinstance(e, (NoCredentialsError, PartialCredentialsError)):
             out = CredentialsError(uri, f"no S3 credentials found; {CREDENTIALS_HINT}")
         elif isinstance(e, (BotoConnectionError, OSError, asyncio.TimeoutError)):
@@ -397,6 +401,17 @@ def _make_prehashed_signer() -> Any:
     import botocore.auth
 
     class PrehashedSha256Auth(botocore.auth.S3SigV4Auth):
+        def _should_sha256_sign_payload(self, request: Any) -> bool:
+            # botocore leaves an upload's payload unsigned over https when the request carries a checksum
+            # header that botocore added itself; the writer adds its CRC32 itself, so apply the same rule
+            # (TLS + CRC32), or the IO loop would SHA-256 every part
+            s3_config = getattr(request.context.get("client_config"), "s3", None) or {}
+            if s3_config.get("payload_signing_enabled") is None and request.url.startswith("https") \
+                    and request.context.get("has_streaming_input", False) \
+                    and any(k.lower().startswith("x-amz-checksum-") for k in request.headers):
+                return False
+            return bool(super()._should_sha256_sign_payload(request))
+
         def payload(self, request: Any) -> str:
             body = getattr(request.body, "__wrapped__", request.body)
             digest = getattr(body, "sha256", None)
@@ -467,12 +482,14 @@ class _S3Writer(_parallel.MultipartWriter):
 
     async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
         """Hashes of a body, computed once per part and reused by every attempt of it: the SHA-256
-        when SigV4 signs payloads (plain http), and the CRC32 S3 checks the part against (given as
-        request arguments, so botocore does not hash again). Large bodies are hashed on a worker
+        when SigV4 signs the payload (plain http, or https without a CRC32), and the CRC32 S3 checks
+        the part against (given as request arguments, so botocore does not hash again). Large bodies are hashed on a worker
         thread (both hashes release the GIL) so the event loop keeps sending other parts."""
         ep = self._b.endpoint_url
-        sha = _PREHASHED_SIGNER is not None and bool(ep) and ep.lower().startswith("http:")
+        https = not ep or ep.lower().startswith("https:")  # no endpoint: AWS, over https
         crc = self._b.checksum == "crc32"
+        # SigV4 signs the payload unless it goes over https with a checksum (see PrehashedSha256Auth)
+        sha = _PREHASHED_SIGNER is not None and not self._b.anon and not (https and crc)
         if not (sha or crc):
             return None, {}
 
