@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 _running: list["Server"] = []
@@ -43,6 +44,8 @@ class Server:
     name = "server"
     ready_path = "/"
 
+    ssl_context: Any = None  # how start() checks an https server's certificate
+
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -63,7 +66,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting: {self.command()}")
             try:
-                with urllib.request.urlopen(self.url + self.ready_path, timeout=1):
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=1, context=self.ssl_context):
                     return self
             except urllib.error.HTTPError:
                 return self  # it answered
@@ -108,6 +111,52 @@ class MotoServer(Server):
     def reset(self) -> None:
         """Drop every bucket and object (moto's reset API)."""
         urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).close()
+
+
+class TLSMotoServer(MotoServer):
+    """moto over https with a self-signed certificate for 127.0.0.1; ``ca_file`` is the certificate to
+    trust (``AWS_CA_BUNDLE``)."""
+
+    name = "moto_server (https)"
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.ca_file, self._key_file = _self_signed_certificate(directory)
+        import ssl
+
+        self.ssl_context = ssl.create_default_context(cafile=self.ca_file)
+
+    def command(self) -> list[str]:
+        return super().command() + ["-c", self.ca_file, "-k", self._key_file]
+
+
+def _self_signed_certificate(directory: str) -> tuple[str, str]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_file, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_file, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_file, key_file
 
 
 class GCSEmulator(Server):

@@ -1,15 +1,18 @@
 """What the S3 and GCS backends put on the wire, seen by a counting proxy in front of the real server:
 parallel multipart/resumable uploads, ranged reads straight into the caller's buffer, create-mode
-preconditions (``If-None-Match: *``, ``ifGenerationMatch=0``) and aborted uploads."""
+preconditions (``If-None-Match: *``, ``ifGenerationMatch=0``), aborted uploads, and the CRC32 and payload
+signing of S3 uploads over http and https (moto with a self-signed certificate)."""
 
 from __future__ import annotations
 
+import base64
 import os
+import zlib
 
 import pytest
 
 import ckptio
-from servers import s3_client
+from servers import TLSMotoServer, s3_client
 
 MiB = 1024 * 1024
 
@@ -100,9 +103,6 @@ def test_gcs_resumable_chunks_are_256k_multiples_and_reads_are_ranged(gcs_proxy)
 
 
 def _crc32_b64(data: bytes) -> str:
-    import base64
-    import zlib
-
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
 
 
@@ -121,7 +121,6 @@ def test_s3_uploads_carry_a_crc32_per_part_that_s3_stores(s3_proxy, s3_endpoint)
     assert small[0].headers.get("x-amz-checksum-crc32") == _crc32_b64(b"small")
     bucket, key = u[len("s3://"):].split("/", 1)
     client = s3_client(s3_endpoint)
-    import zlib
     # S3's composite checksum: the CRC32 of the parts' CRC32s (real S3 appends "-<parts>")
     composite = _crc32_b64(b"".join(zlib.crc32(data[i: i + 5 * MiB]).to_bytes(4, "big")
                                     for i in range(0, len(data), 5 * MiB)))
@@ -193,3 +192,41 @@ def test_s3_writer_hashes_what_the_request_needs(endpoint, checksum, sha):
     assert digest == (hashlib.sha256(data).hexdigest() if sha else None)
     assert args == ({"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": _crc32_b64(data)} if checksum == "crc32" else {})
     w.abort()
+
+
+@pytest.fixture(scope="module")
+def tls_s3(tmp_path_factory):
+    """moto over https (a self-signed certificate, trusted through AWS_CA_BUNDLE in the test)."""
+    with TLSMotoServer(str(tmp_path_factory.mktemp("tls"))) as server:
+        yield server
+
+
+def test_s3_over_tls_parts_carry_crc32_and_unsigned_payloads(tls_s3, monkeypatch):
+    """Over https the IO loop hashes no part: each carries its CRC32 (hashed on a worker thread) and an
+    unsigned payload, as botocore does for its own checksums; S3 stores the composite checksum."""
+    import threading
+
+    import botocore.auth
+
+    monkeypatch.setenv("AWS_CA_BUNDLE", tls_s3.ca_file)
+    client = s3_client(tls_s3.url)
+    client.create_bucket(Bucket="tls-bucket")
+    payloads = []
+    real = botocore.auth.SigV4Auth.payload
+
+    def spy(self, request):
+        out = real(self, request)
+        if request.method == "PUT":
+            payloads.append((threading.current_thread().name, out))
+        return out
+
+    monkeypatch.setattr(botocore.auth.SigV4Auth, "payload", spy)
+    b, u = ckptio.resolve("s3://tls-bucket/obj.bin", endpoint_url=tls_s3.url, part_size=5 * MiB)
+    data = os.urandom(12 * MiB)
+    b.write(u, data)
+    b.write(u + "-small", b"small")
+    assert len(payloads) == 4 and {p for _, p in payloads} == {"UNSIGNED-PAYLOAD"}
+    assert b.read(u) == data
+    head = client.head_object(Bucket="tls-bucket", Key="obj.bin", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"].split("-")[0] == _crc32_b64(b"".join(
+        zlib.crc32(data[i: i + 5 * MiB]).to_bytes(4, "big") for i in range(0, len(data), 5 * MiB)))
