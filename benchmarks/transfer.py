@@ -1,8 +1,8 @@
 """Put/get throughput of ckptio backends against the best raw client on the same server, same run.
 
-    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local]
+    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local] [--tls]
 
-S3: a moto server on loopback started here; ckptio's ``write``/``readinto`` against s3fs
+S3: a moto server on loopback started here (``--tls``: over https, with a self-signed certificate); ckptio's ``write``/``readinto`` against s3fs
 ``pipe``/``cat`` and boto3's TransferManager ``upload_fileobj``/``download_fileobj``. Local: ckptio
 against ``open().write()`` and ``readinto`` into the same preallocated buffer, with and without
 fsync (stated per row). Runs are interleaved (A B C A B C ...), each to a fresh key/path; the
@@ -15,6 +15,7 @@ the bottleneck on loopback (see PERF.md), which is why only same-run ratios mean
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -30,12 +31,13 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import ckptio  # noqa: E402
-from servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # noqa: E402
+from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket  # noqa: E402
 
 MiB = 1024 * 1024
 TUNING: dict = {}  # backend options from --part-size-mib / --concurrency
 RSS = True  # also measure the peak RSS of streaming uploads (--no-rss: skip)
 VERBOSE = False  # print every run's time (--verbose)
+TLS = False  # S3 over https (--tls)
 
 
 def measure(cases: dict[str, Callable[[int], None]], repeats: int) -> dict[str, list[float]]:
@@ -67,10 +69,14 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
     from boto3.s3.transfer import TransferConfig
 
     out = {}
-    with MotoServer() as server:
+    tls_dir = tempfile.TemporaryDirectory() if TLS else None
+    server = TLSMotoServer(tls_dir.name) if tls_dir else MotoServer()
+    if tls_dir:
+        os.environ["AWS_CA_BUNDLE"] = server.ca_file  # every client here (and the RSS child) trusts it
+    with server, tls_dir or contextlib.nullcontext():
         bucket = "bench-" + uuid.uuid4().hex[:8]
-        make_s3_bucket(server.url, bucket)
         creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        boto3.client("s3", endpoint_url=server.url, **creds).create_bucket(Bucket=bucket)
         ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
                                           "secret_access_key": "testing", **TUNING}})
         backend, _ = ckptio.resolve(f"s3://{bucket}/x")
@@ -83,7 +89,7 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             "s3fs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data),
             "boto3 upload_fileobj": lambda r: client.upload_fileobj(io.BytesIO(data), bucket, f"bo-{r}", Config=tc),
         }
-        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback; upload parts {backend.upload_part_size // MiB} MiB,"
+        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback{' over TLS' if TLS else ''}; upload parts {backend.upload_part_size // MiB} MiB,"
                                f" concurrency={backend.concurrency})", size, measure(put, repeats),
                                ["ckptio write"], ["s3fs pipe", "boto3 upload_fileobj"])
 
@@ -218,11 +224,12 @@ def main() -> None:
     p.add_argument("--part-size-mib", type=int, default=None, help="override the backends' part_size")
     p.add_argument("--concurrency", type=int, default=None, help="override the backends' concurrency")
     p.add_argument("--no-rss", action="store_true", help="skip the streaming-upload peak RSS measurement")
+    p.add_argument("--tls", action="store_true", help="S3 over https (moto with a self-signed certificate)")
     p.add_argument("--verbose", action="store_true", help="print every run's time, not only the medians")
     p.add_argument("--json", default="benchmarks/results/transfer.json")
     args = p.parse_args()
-    global RSS, VERBOSE
-    RSS, VERBOSE = not args.no_rss, args.verbose
+    global RSS, VERBOSE, TLS
+    RSS, VERBOSE, TLS = not args.no_rss, args.verbose, args.tls
     size = args.size_mib * MiB
     if args.part_size_mib:
         TUNING["part_size"] = args.part_size_mib * MiB
