@@ -538,13 +538,12 @@ def info(uri: str) -> dict[str, Any]:
             from . import registry
 
             fmt = registry.formats.find(resolved).name
-        out = {"format": fmt, "tensors": [], "values": {}}
-        out["version"] = st.version
+        out = {"format": fmt, "tensors": [], "values": {}, "version": st.version, "size": st.size}
     out["uri"] = uri
-    if kind != "dcp":
-        out["size"] = backend.stat(resolved).size
-    else:
+    if kind == "dcp":
         out["size"] = sum(out.get("data_files", {}).values())
+    elif "size" not in out:
+        out["size"] = backend.stat(resolved).size
     return out
 
 

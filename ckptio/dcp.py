@@ -567,6 +567,15 @@ class _Unit:
     temp_bytes: int = 0
 
 
+def _copy_into(planner: LoadPlanner, req: ReadItem, dest: torch.Tensor, src: torch.Tensor, where: str) -> None:
+    """Copy a stored tensor into the planner's destination and commit it, refusing a shape mismatch."""
+    if dest.size() != src.size():
+        raise IntegrityError(f"{where}: stored shape {tuple(src.shape)} does not match the destination "
+                             f"{tuple(dest.shape)}")
+    dest.copy_(src)
+    planner.commit_tensor(req, dest)
+
+
 def _contiguous_span(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
     """Element range ``[start, stop)`` of a sub-box in a row-major array, if the box is contiguous there."""
     d = 0
@@ -797,11 +806,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
                 src = raw.view(shape)
                 for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                     src = src.narrow(d, o, n)
-            if dest.size() != src.size():
-                raise IntegrityError(f"{obj}, {what}: stored shape {tuple(src.shape)} does not match the "
-                                     f"destination {tuple(dest.shape)}")
-            dest.copy_(src)
-            planner.commit_tensor(req, dest)
+            _copy_into(planner, req, dest, src, f"{obj}, {what}")
 
         unit.finish = finish_tensor
         if hi > lo:
@@ -827,12 +832,8 @@ class StorageReader(_AtURI, _storage.StorageReader):
             from torch.distributed._shard._utils import narrow_tensor_by_index
             t = torch.load(stream, map_location="cpu", weights_only=True)
             t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-            dest = planner.resolve_tensor(req).detach()
-            if dest.size() != t.size():
-                raise IntegrityError(f"{obj}, item {req.storage_index.fqn!r}: stored shape {tuple(t.shape)} does not "
-                                     f"match the destination {tuple(dest.shape)}")
-            dest.copy_(t)
-            planner.commit_tensor(req, dest)
+            _copy_into(planner, req, planner.resolve_tensor(req).detach(), t,
+                       f"{obj}, item {req.storage_index.fqn!r}")
 
         unit.finish = finish
         fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))

@@ -124,6 +124,15 @@ def _unique(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
+    """Damage a file in place: XOR the byte at ``at`` with ``mask`` (what bit rot or a bad disk leaves)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
 # ---- servers -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -28,17 +28,16 @@ Every request is recorded in ``requests`` with the fault applied to it.
 
 from __future__ import annotations
 
-import http.client
 import random
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from servers import read_body
+from servers import LoopbackProxy, ProxyHandler
 
 KINDS = ("status", "expired", "reset", "stall", "truncate", "ignore_range")
 
@@ -106,57 +105,27 @@ _S3_CODES = {500: "InternalError", 502: "BadGateway", 503: "SlowDown", 504: "Gat
 
 
 @dataclass
-class FaultProxy:
+class FaultProxy(LoopbackProxy):
     upstream: str
     flavor: str = "s3"  # error bodies in S3 XML or GCS JSON
     seed: int = 0
     faults: list[Fault] = field(default_factory=list)
     requests: list[Seen] = field(default_factory=list)
+    thread_name = "fault-proxy"
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()
         self._rng = random.Random(self.seed)
         self._stop = threading.Event()
-        up = urlsplit(self.upstream)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a) -> None:
-                pass
+        class Handler(ProxyHandler):
+            upstream = urlsplit(self.upstream)
 
             def finish(self) -> None:
                 try:
                     super().finish()
                 except (OSError, ValueError):
                     pass
-
-            def _body(self) -> bytes:
-                return read_body(self)
-
-            def _forward(self, body: bytes, drop: tuple[str, ...] = ()) -> tuple[int, str, list[tuple[str, str]], bytes]:
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection", *drop)}
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                return resp.status, resp.reason, resp.getheaders(), data
-
-            def _head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
-                self.send_response(status, reason)
-                for k, v in headers:
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                if length is not None:
-                    self.send_header("Content-Length", str(length))
-                self.end_headers()
 
             def _reset(self) -> None:
                 self.close_connection = True
@@ -223,14 +192,10 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
         class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
             def handle_error(self, request, client_address) -> None:
                 pass  # resets and client timeouts are the point here
 
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread: threading.Thread | None = None
+        self._serve(Handler, Server)
 
     def _pick(self, method: str, path: str) -> Fault | None:
         with self._lock:
@@ -255,25 +220,9 @@ class FaultProxy:
         with self._lock:
             return sum(1 for r in self.requests if r.fault is not None and (kind is None or r.fault == kind))
 
-    def count(self, method: str | None = None, contains: str = "") -> int:
-        with self._lock:
-            return sum(1 for r in self.requests if (method is None or r.method == method) and contains in r.path)
-
-    def start(self) -> "FaultProxy":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
-        self._thread.start()
-        return self
-
     def stop(self) -> None:
         self._stop.set()  # wake stalled handlers
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> "FaultProxy":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().stop()
 
 
 def wait_until(pred, timeout: float = 5.0) -> bool:

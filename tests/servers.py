@@ -225,8 +225,79 @@ def read_body(handler: BaseHTTPRequestHandler) -> bytes:
     return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
 
 
+class ProxyHandler(BaseHTTPRequestHandler):
+    """Request handler plumbing shared by the proxies: read the body, forward it to ``upstream``,
+    send a response head. A subclass sets ``upstream`` (a ``urlsplit`` result)."""
+
+    protocol_version = "HTTP/1.1"
+    upstream: Any = None
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def _body(self) -> bytes:
+        return read_body(self)
+
+    def _forward(self, body: bytes, drop: tuple[str, ...] = ()) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection", *drop)}
+        if body or self.command in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        return resp.status, resp.reason, resp.getheaders(), data
+
+    def _head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
+        self.send_response(status, reason)
+        for k, v in headers:
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+
+class LoopbackProxy:
+    """Serving and request counting shared by the proxies: ``_serve(Handler)`` binds 127.0.0.1 on a
+    free port; ``start``/``stop`` or ``with``. Subclasses keep ``requests`` (with ``method`` and
+    ``path``) under ``_lock``."""
+
+    thread_name = "proxy"
+    requests: list[Any]
+
+    def _serve(self, handler: type, server: type = ThreadingHTTPServer) -> None:
+        self._lock = threading.Lock()
+        self._server = server(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread: threading.Thread | None = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self._server.serve_forever, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def count(self, method: str | None = None, contains: str = "") -> int:
+        with self._lock:
+            return sum(1 for r in self.requests if (method is None or r.method == method) and contains in r.path)
+
+
 @dataclass
-class CountingProxy:
+class CountingProxy(LoopbackProxy):
     """An HTTP proxy in front of ``upstream`` that records every request (thread-safe).
 
     ``with CountingProxy(server.url) as p: ... p.url ... p.requests``. Bodies are relayed whole,
@@ -235,75 +306,32 @@ class CountingProxy:
 
     upstream: str
     requests: list[Request] = field(default_factory=list)
+    thread_name = "counting-proxy"
 
     def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-        up = urlsplit(self.upstream)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a) -> None:
-                pass
-
-            def _body(self) -> bytes:
-                return read_body(self)
+        class Handler(ProxyHandler):
+            upstream = urlsplit(self.upstream)
 
             def _relay(self) -> None:
                 body = self._body()
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
+                status, reason, headers, data = self._forward(body)
                 with proxy._lock:  # recorded before the client can see the response
                     proxy.requests.append(Request(self.command, self.path, dict(self.headers.items()), len(body),
-                                                  len(data), resp.status))
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                self.end_headers()
+                                                  len(data), status))
+                length = next((v for k, v in headers if k.lower() == "content-length"), None)
+                self._head(status, reason, headers, length if self.command == "HEAD" and length else len(data))
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> "CountingProxy":
-        self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> "CountingProxy":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self._serve(Handler)
 
     def clear(self) -> None:
         with self._lock:
             self.requests.clear()
-
-    def count(self, method: str | None = None, contains: str = "") -> int:
-        with self._lock:
-            return sum(1 for r in self.requests if (method is None or r.method == method) and contains in r.path)
 
     @property
     def bytes_in(self) -> int:

@@ -21,6 +21,7 @@ import ckptio
 import ckptio.dcp as cd
 from ckptio.backends import local as local_backend
 from ckptio.errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
+from conftest import flip_byte
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -269,21 +270,13 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
 
 # ---- integrity -----------------------------------------------------------------------------------
 
-def _corrupt(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_corruption_names_object_and_item(tmp_path):
     uri = str(tmp_path / "c")
     sd = {"a": torch.randn(1000), "b": torch.randn(1000)}
     cd.save(sd, uri, thread_count=1)
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     info = next(v for k, v in md.storage_data.items() if k.fqn == "b")
-    _corrupt(str(tmp_path / "c" / info.relative_path), info.offset + info.ckptio["data"] + 100)
+    flip_byte(str(tmp_path / "c" / info.relative_path), info.offset + info.ckptio["data"] + 100, 0xFF)
     with pytest.raises(IntegrityError) as ei:
         cd.load({"a": torch.zeros(1000), "b": torch.zeros(1000)}, uri)
     err = ei.value
@@ -301,7 +294,7 @@ def test_corrupt_bytes_item(tmp_path):
     cd.save({"blob": io.BytesIO(b"x" * 500)}, uri)
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     info = next(iter(md.storage_data.values()))
-    _corrupt(str(tmp_path / "c" / info.relative_path), info.offset + 10)
+    flip_byte(str(tmp_path / "c" / info.relative_path), info.offset + 10, 0xFF)
     with pytest.raises(IntegrityError, match="checksum mismatch"):
         cd.load({"blob": io.BytesIO()}, uri)
 

@@ -18,6 +18,7 @@ import ckptio
 from ckptio import dcp
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import AccessDeniedError, IntegrityError, TransferError
+from conftest import flip_byte
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
               pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
@@ -109,18 +110,10 @@ def test_read_only_mount(ro_fs):
 
 # ---- damage after writing ----------------------------------------------------------------------
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_fpk_bit_flip_is_detected_with_object_and_range(tmp_path):
     p = str(tmp_path / "s.fpk")
     ckptio.dump({"w": torch.randn(300, 300)}, p)
-    _flip(p, os.path.getsize(p) // 2)
+    flip_byte(p, os.path.getsize(p) // 2)
     with pytest.raises(IntegrityError) as ei:
         ckptio.load(p)
     assert p in str(ei.value) and "'w'" in str(ei.value) and "bytes [" in str(ei.value)
@@ -139,7 +132,7 @@ def test_dcp_bit_flip_is_detected_with_object_and_range(tmp_path):
     d = str(tmp_path / "ck")
     dcp.save({"w": torch.randn(300, 300)}, d)
     data = [n for n in os.listdir(d) if n.endswith(".distcp")][0]
-    _flip(os.path.join(d, data), os.path.getsize(os.path.join(d, data)) // 2)
+    flip_byte(os.path.join(d, data), os.path.getsize(os.path.join(d, data)) // 2)
     with pytest.raises(IntegrityError) as ei:  # ckptio.dcp.load raises the failed rank's own error
         dcp.load({"w": torch.zeros(300, 300)}, d)
     text = str(ei.value)

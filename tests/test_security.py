@@ -101,7 +101,8 @@ def test_copytree_refuses_keys_that_escape(tmp_path, user_uri, key):
     assert not (tmp_path / "dst" / "escaped.bin").exists() and not (tmp_path / "escaped.bin").exists()
 
 
-def test_copytree_does_not_write_through_a_symlink_in_the_destination(tmp_path):
+def _symlinked_destination(tmp_path):
+    """``dst/link`` is a symlink to ``outside``; ``src`` has a real directory ``link`` with a file in it."""
     outside = tmp_path / "outside"
     outside.mkdir()
     dst = tmp_path / "dst"
@@ -110,20 +111,18 @@ def test_copytree_does_not_write_through_a_symlink_in_the_destination(tmp_path):
     src = tmp_path / "src"
     (src / "link").mkdir(parents=True)
     (src / "link" / "payload.bin").write_bytes(b"data")
+    return outside, src, dst
+
+
+def test_copytree_does_not_write_through_a_symlink_in_the_destination(tmp_path):
+    outside, src, dst = _symlinked_destination(tmp_path)
     with pytest.raises(PermissionError, match="symlink|outside"):
         ckptio.copytree(str(src), str(dst))
     assert list(outside.iterdir()) == []
 
 
 def test_cli_cp_does_not_write_through_a_symlink(tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    os.symlink(outside, dst / "link")
-    src = tmp_path / "src"
-    (src / "link").mkdir(parents=True)
-    (src / "link" / "payload.bin").write_bytes(b"data")
+    outside, src, dst = _symlinked_destination(tmp_path)
     r = subprocess.run([sys.executable, "-m", "ckptio.cli", "cp", "-r", str(src) + "/", str(dst) + "/"],
                        capture_output=True, text=True, timeout=120)
     assert list(outside.iterdir()) == [], (r.stdout, r.stderr)
