@@ -17,12 +17,19 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
     [path_mapping]                # prefix rewrite, longest prefix wins (Cosmos's path_mapping)
     "s3://old-bucket/" = "s3://new-bucket/"
 
-Validation happens at load time; errors name the file, the key and the reason. Secret values
-never appear in ``repr`` or in :meth:`Settings.redacted`.
+Validation happens at load time; errors name the file, the key and the reason. Sizes and counts
+must be positive; an option the backend does not take is refused (with a "did you mean");
+``[backends.NAME]`` must name a registered backend or an fsspec protocol; an alias must not be
+the scheme of a registered backend, and aliases must not form a cycle. Only the values of the
+typed options below that are not secrets are ever shown (``repr``, :meth:`Settings.redacted`,
+``ckptio config``, error messages); every other value shows as ``***``, and credentials in URLs
+(``https://user:pass@host``, ``?sig=...``) are masked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
 import re
 import sys
@@ -30,8 +37,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from . import registry as _registry
 from . import uri as _uri
-from .errors import SettingsError
+from .errors import MissingDependencyError, SettingsError, UnknownSchemeError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +51,9 @@ REDACTED = "***"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
     r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$", re.I)
-_URL_USERINFO_RE = re.compile(r"(^[a-z][a-z0-9+.\-]*://)[^/@\s]+@", re.I)
+_URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/@\s]+@", re.I)  # also user:pass@host
+_URL_QUERY_RE = re.compile(r"^([a-z][a-z0-9+.\-]*://[^?#]*\?)[^#]*", re.I)
+_SCHEME_NAME_RE = re.compile(r"[a-z][a-z0-9+.\-]*")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -54,34 +64,53 @@ def is_secret(key: str) -> bool:
     return bool(_SECRET_RE.search(key))
 
 
+def redact_url(value: str) -> str:
+    """``value`` with the credentials a URL may carry masked: ``https://***@host/p?***``."""
+    return _URL_QUERY_RE.sub(rf"\1{REDACTED}", _URL_USERINFO_RE.sub(rf"\1{REDACTED}@", value))
+
+
+def shown(key: str, value: Any) -> Any:
+    """How an option's value may be displayed: only typed, non-secret options show their value."""
+    if isinstance(value, Mapping):
+        return redact(value)
+    if value is None:
+        return None
+    if key not in OPTION_TYPES or is_secret(key):
+        return REDACTED  # an option we do not know may hold anything (adlfs' sas_token, a password...)
+    return redact_url(value) if isinstance(value, str) else value
+
+
 def redact(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``options`` with secret values replaced by ``***`` (recursively)."""
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if isinstance(v, Mapping):
-            out[k] = redact(v)
-        else:
-            if is_secret(str(k)) and v is not None:
-                out[k] = REDACTED
-            elif isinstance(v, str):
-                out[k] = _URL_USERINFO_RE.sub(rf"\1{REDACTED}@", v)  # https://user:pass@host
-            else:
-                out[k] = v
-    return out
+    """A copy of ``options`` fit to display: see :func:`shown` (recursively)."""
+    return {k: shown(str(k), v) for k, v in options.items()}
 
 
-def parse_size(value: Any) -> int:
-    """``64MiB``/``1GB``/``1048576`` -> bytes."""
+def _bytes(value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"expected a size, got {value!r}")
+        raise ValueError("expected a size, not a boolean")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
     m = _SIZE_RE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size such as 64MiB or 1048576, got {value!r}")
+        raise ValueError("expected a size such as 64MiB or 1048576")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_size(value: Any) -> int:
+    """``64MiB``/``1GB``/``1048576`` -> bytes."""
+    try:
+        return _bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{e}, got {value!r}") from None
+
+
+def _pos_size(value: Any) -> int:
+    n = _bytes(value)
+    if n <= 0:
+        raise ValueError("expected a size > 0 such as 64MiB")
+    return n
 
 
 def _bool(value: Any) -> bool:
@@ -89,27 +118,37 @@ def _bool(value: Any) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return value.lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"expected true/false, got {value!r}")
+    raise ValueError("expected true/false")
+
+
+def _int(value: Any, least: int) -> int:
+    """Messages never include the value: the caller shows it, redacted."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("expected a whole number")
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a whole number") from None
+    if v < least:
+        raise ValueError("expected a positive integer" if least == 1 else f"expected an integer >= {least}")
+    return v
 
 
 def _pos_int(value: Any) -> int:
-    v = int(value)
-    if v <= 0 or (isinstance(value, float) and not value.is_integer()) or isinstance(value, bool):
-        raise ValueError(f"expected a positive integer, got {value!r}")
-    return v
+    return _int(value, 1)
 
 
 def _nonneg_int(value: Any) -> int:
-    v = int(value)
-    if v < 0 or isinstance(value, bool):
-        raise ValueError(f"expected an integer >= 0, got {value!r}")
-    return v
+    return _int(value, 0)
 
 
 def _pos_float(value: Any) -> float:
-    v = float(value)
+    try:
+        v = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        raise ValueError("expected a number") from None
     if not v > 0:
-        raise ValueError(f"expected a number > 0, got {value!r}")
+        raise ValueError("expected a number > 0")
     return v
 
 
@@ -122,7 +161,7 @@ def _str(value: Any) -> str:
 def _url(value: Any) -> str:
     v = _str(value)
     if not re.match(r"^https?://[^/\s]+", v):
-        raise ValueError(f"expected an http(s):// URL, got {v!r}")
+        raise ValueError("expected an http(s):// URL")
     return v.rstrip("/")
 
 
@@ -130,15 +169,17 @@ def _provider(value: Any) -> Any:
     if callable(value):
         return value
     if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
-        raise ValueError(f"expected a callable or 'package.module:function', got {value!r}")
+        raise ValueError("expected a callable or 'package.module:function'")
     return value
 
 
-# Typed coercion for options whose meaning is shared across backends. Other keys pass through
-# and are checked against the backend's constructor when it is built.
+# Typed coercion for options whose meaning is shared across backends; only these show their values
+# (unless secret). Every option name is checked against the backend's constructor at load time.
 OPTION_TYPES: dict[str, Any] = {
-    "part_size": parse_size,
-    "max_bytes": parse_size,
+    "part_size": _pos_size,
+    "upload_part_size": _pos_size,
+    "max_buffer_bytes": _pos_size,
+    "max_bytes": _pos_size,
     "concurrency": _pos_int,
     "retries": _nonneg_int,
     "max_attempts": _pos_int,
@@ -157,7 +198,9 @@ OPTION_TYPES: dict[str, Any] = {
     "cache_dir": _str,
     "cache_verify": _bool,
     "cache_fsync": _bool,
+    "lock_timeout": _pos_float,
     "project": _str,
+    "checksum": _str,
 }
 
 
@@ -168,9 +211,52 @@ def coerce_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
         try:
             out[k] = conv(v) if conv is not None and v is not None else v
         except (TypeError, ValueError) as e:
-            shown = REDACTED if is_secret(k) else repr(v)
-            raise SettingsError(f"{where}.{k}: invalid value {shown}: {e}") from None
+            raise SettingsError(f"{where}.{k}: invalid value {shown(k, v)!r}: {e}") from None
     return out
+
+
+def _did_you_mean(name: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def accepted_options(entry: _registry.Entry) -> set[str] | None:
+    """The option names a backend entry takes (with the cache's), or None when it takes any or its
+    package is not installed (then its constructor checks them when it is built)."""
+    from .backends.cached import CACHE_OPTIONS
+
+    try:
+        accepted = _registry.accepted_options(entry.load())
+    except MissingDependencyError:
+        return None
+    return None if accepted is None else accepted | set(CACHE_OPTIONS)
+
+
+def check_options(options: Mapping[str, Any], entry: _registry.Entry, where: str) -> None:
+    """Refuse an option ``entry``'s backend does not take (naming it, never its value)."""
+    accepted = accepted_options(entry)
+    for k in options if accepted is not None else ():
+        if k not in accepted:
+            raise SettingsError(f"{where}.{k}: the {entry.name!r} backend has no option {k!r}"
+                                f"{_did_you_mean(k, accepted)} (it takes: {', '.join(sorted(accepted))})")
+
+
+def _section_backend(name: str, where: str) -> _registry.Entry:
+    """The backend that ``[backends.NAME]`` configures: a registered name or an fsspec protocol."""
+    entry = _registry.backends.by_name(name)
+    if entry is not None:
+        return entry
+    if _SCHEME_NAME_RE.fullmatch(name):
+        with contextlib.suppress(UnknownSchemeError):
+            entry = _registry.backends.find(f"{name}://")
+    if entry is None:
+        names = _registry.backends.names()
+        raise SettingsError(f"{where}: no backend is named {name!r}{_did_you_mean(name, names)} (registered: "
+                            f"{', '.join(names)}; or an fsspec protocol whose package is installed)")
+    if entry.name.split(":", 1)[-1] != name:
+        raise SettingsError(f"{where}: {name}:// URIs use the {entry.name!r} backend: put these options under "
+                            f"[backends.{entry.name}]")
+    return entry
 
 
 @dataclass(frozen=True)
@@ -180,9 +266,45 @@ class Alias:
     scheme: str
     target: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "<arguments>"  # where it was defined, for errors
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}: aliases.{self.scheme}"
 
     def __repr__(self) -> str:
-        return f"Alias(scheme={self.scheme!r}, target={self.target!r}, options={redact(self.options)!r})"
+        return (f"Alias(scheme={self.scheme!r}, target={redact_url(self.target)!r}, "
+                f"options={redact(self.options)!r})")
+
+
+def _refuse_shadowing(alias: Alias) -> None:
+    """An alias named like a registered backend's scheme would silently take its URIs over."""
+    prefix = next((k for k in _registry.backends.keys() if k and _uri.scheme_of(k) == alias.scheme), None)
+    if prefix is not None:
+        raise SettingsError(f"{alias.where}: {alias.scheme}:// belongs to the {_registry.backends.find(prefix).name!r} "
+                            f"backend; an alias cannot take over a registered scheme: rename the alias")
+
+
+def check_aliases(aliases: Mapping[str, Alias]) -> None:
+    """No alias shadows a registered scheme, none is part of a cycle, and each one's options are
+    taken by the backend its chain of targets ends at (when that is known yet)."""
+    for alias in aliases.values():
+        _refuse_shadowing(alias)
+        chain, uri = [alias.scheme], alias.target
+        while (nxt := aliases.get(_uri.scheme_of(uri))) is not None:
+            if nxt.scheme in chain:
+                loop = [aliases[a] for a in chain[chain.index(nxt.scheme):]] + [nxt]
+                raise SettingsError(f"{nxt.where}.target: aliases form a cycle: "
+                                    + " -> ".join(f"{a.scheme} ({a.source})" for a in loop)
+                                    + "; point one of them at a storage URI")
+            chain.append(nxt.scheme)
+            uri = nxt.target
+        if alias.options:
+            try:
+                entry = _registry.backends.find(uri)
+            except UnknownSchemeError:
+                continue  # reported, naming the URI, when the alias is used
+            check_options(alias.options, entry, f"{alias.where}.options")
 
 
 @dataclass(frozen=True)
@@ -196,6 +318,8 @@ class Settings:
         object.__setattr__(self, "backends", MappingProxyType({k: MappingProxyType(dict(v)) for k, v in self.backends.items()}))
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
         object.__setattr__(self, "path_mapping", MappingProxyType(dict(self.path_mapping)))
+        if self.aliases:
+            check_aliases(self.aliases)
 
     def __repr__(self) -> str:
         return f"Settings({self.redacted()!r})"
@@ -205,8 +329,9 @@ class Settings:
         return {
             "sources": list(self.sources),
             "backends": {k: redact(v) for k, v in self.backends.items()},
-            "aliases": {k: {"target": a.target, "options": redact(a.options)} for k, a in self.aliases.items()},
-            "path_mapping": dict(self.path_mapping),
+            "aliases": {k: {"target": redact_url(a.target), "options": redact(a.options)}
+                        for k, a in self.aliases.items()},
+            "path_mapping": {redact_url(k): redact_url(v) for k, v in self.path_mapping.items()},
         }
 
     def map_path(self, uri: str) -> str:
@@ -215,16 +340,16 @@ class Settings:
         return uri if best is None else self.path_mapping[best] + uri[len(best):]
 
     def resolve_alias(self, uri: str) -> tuple[str, Mapping[str, Any]]:
-        """Rewrite an alias scheme to its target (aliases may chain, up to a depth of 8)."""
+        """Rewrite an alias scheme to its target (aliases may chain; cycles are refused at load)."""
         extra: dict[str, Any] = {}
-        for _ in range(8):
+        while True:
             scheme, rest = _uri.split(uri)
             alias = self.aliases.get(scheme)
             if alias is None:
                 return uri, extra
+            _refuse_shadowing(alias)  # a backend registered after the settings were loaded
             uri = _uri.join_path(alias.target, rest) if rest else alias.target
             extra = {**alias.options, **extra}
-        raise SettingsError(f"alias chain too deep (a cycle?) while resolving {uri!r}")
 
     def merged(self, other: "Settings") -> "Settings":
         """``other`` layered on top of ``self``."""
@@ -244,9 +369,11 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         raise SettingsError(f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping")
     backends: dict[str, dict[str, Any]] = {}
     for name, opts in (data.get("backends") or {}).items():
+        where = f"{source}: backends.{name}"
         if not isinstance(opts, Mapping):
-            raise SettingsError(f"{source}: backends.{name}: expected a table of options, got {type(opts).__name__}")
-        backends[str(name)] = coerce_options(opts, f"{source}: backends.{name}")
+            raise SettingsError(f"{where}: expected a table of options, got {type(opts).__name__}")
+        check_options(opts, _section_backend(str(name), where), where)
+        backends[str(name)] = coerce_options(opts, where)
     aliases: dict[str, Alias] = {}
     for scheme, spec in (data.get("aliases") or {}).items():
         where = f"{source}: aliases.{scheme}"
@@ -254,10 +381,8 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
             spec = {"target": spec}
         if not isinstance(spec, Mapping):
             raise SettingsError(f"{where}: expected a table with 'target' (and optional 'options'), got {type(spec).__name__}")
-        if not re.fullmatch(r"[a-z][a-z0-9+.\-]*", str(scheme)):
+        if not _SCHEME_NAME_RE.fullmatch(str(scheme)):
             raise SettingsError(f"{where}: alias name must be a lowercase URI scheme (letters, digits, + . -)")
-        if scheme in ("file", "s3", "gs", "gcs", "memory"):
-            raise SettingsError(f"{where}: {scheme!r} is a built-in scheme and cannot be an alias")
         bad = set(spec) - {"target", "options"}
         if bad:
             raise SettingsError(f"{where}: unknown key(s) {sorted(bad)}; expected 'target' and 'options'")
@@ -268,7 +393,7 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         if not isinstance(opts, Mapping):
             raise SettingsError(f"{where}.options: expected a table of backend options")
         aliases[str(scheme)] = Alias(str(scheme), target.rstrip("/") if "://" in target.rstrip("/") else target,
-                                     coerce_options(opts, f"{where}.options"))
+                                     coerce_options(opts, f"{where}.options"), source)
     mapping = data.get("path_mapping") or {}
     if not isinstance(mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
         raise SettingsError(f"{source}: path_mapping: expected a table of \"prefix\" = \"replacement\" strings")
@@ -281,6 +406,12 @@ def load_file(path: str) -> Settings:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise SettingsError(f"{path}: settings file not found") from None
+    except IsADirectoryError:
+        raise SettingsError(f"{path}: is a directory; the settings file must be a TOML file") from None
+    except OSError as e:
+        raise SettingsError(f"{path}: cannot read the settings file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {e.start}); TOML files must be UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"{path}: not valid TOML: {e}") from None
     return from_mapping(data, path)

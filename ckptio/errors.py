@@ -2,6 +2,12 @@
 
 Backends translate their client's errors into these at the boundary, so user code can write
 ``except FileNotFoundError`` whatever the storage. Every message names the URI involved.
+
+Every error pickles and copies with its class, ``args`` (errno, message, URI) and attributes
+(``uri``, notes): torch's DCP ships a rank's exception to the others by pickling it. The default
+rebuilds an exception by calling ``cls(*args)``, which the ``(uri, detail)`` signatures below do not
+accept; :meth:`CkptioError.__reduce__` rebuilds through the built-in base's ``__init__`` instead, so
+a subclass anywhere (with any signature) is covered.
 """
 
 from __future__ import annotations
@@ -9,8 +15,20 @@ from __future__ import annotations
 import errno as _errno
 
 
+def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
+    """Unpickle ``cls`` from its built-in base's ``args``, without calling ``cls.__init__``."""
+    obj = cls.__new__(cls, *args)
+    builtin = next(k for k in cls.__mro__ if k.__module__ == "builtins")
+    builtin.__init__(obj, *args)  # OSError: sets errno, strerror, filename from args
+    return obj
+
+
 class CkptioError(Exception):
     """Base class of every error ckptio raises on purpose."""
+
+    def __reduce__(self) -> tuple:
+        cls, args, *state = super().__reduce__()  # the built-in's: OSError puts the filename back in args
+        return (_rebuild, (cls, args), *state)  # state: __dict__ (uri, __notes__), ImportError's name/path
 
 
 class NotFoundError(CkptioError, FileNotFoundError):

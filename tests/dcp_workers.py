@@ -109,6 +109,57 @@ def load_rank(rank: int, world: int, port: int, uri: str, backends: dict | None,
         _shutdown()
 
 
+def _describe(e: BaseException) -> dict:
+    """What a rank saw, as JSON: torch's ``CheckpointException`` gives each failed rank's error, as pickled to us."""
+    failures = getattr(e, "failures", None)
+    if failures is not None:
+        return {"type": type(e).__name__, "failures": {str(r): _describe(x) for r, (x, _tb) in failures.items()}}
+    return {"type": type(e).__name__, "errno": getattr(e, "errno", None), "uri": getattr(e, "uri", None),
+            "str": str(e), "notes": getattr(e, "__notes__", [])}
+
+
+def refused_rank(rank: int, world: int, port: int, uri: str, result_dir: str) -> None:
+    """Save, then a second save without ``overwrite`` (refused on the coordinator) and a load with rank 1's data
+    objects deleted (fails on rank 1), each through torch's function and ckptio's; what each rank saw, as JSON."""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio.dcp as cd
+
+    mesh = _init(rank, world, port)
+    outcomes: dict = {}
+    try:
+        sd = _sharded(mesh, full_state(1))
+        cd.save(sd, uri, thread_count=2)
+        attempts = {
+            "torch_save": lambda: dcp.save(sd, storage_writer=cd.StorageWriter(uri, thread_count=2)),
+            "ckptio_save": lambda: cd.save(sd, uri, thread_count=2),
+            "torch_load": lambda: dcp.load(sd, storage_reader=cd.StorageReader(uri)),
+            "ckptio_load": lambda: cd.load(sd, uri),
+        }
+        for name, attempt in attempts.items():
+            if name == "torch_load":
+                dist.barrier()
+                if rank == 0:
+                    for f in os.listdir(uri):
+                        if f.startswith(f"__{world - 1}_"):
+                            os.remove(os.path.join(uri, f))
+                dist.barrier()
+            try:
+                attempt()
+                outcomes[name] = "ok"
+            except BaseException as e:  # CheckpointException is a BaseException
+                outcomes[name] = _describe(e)
+    except BaseException:
+        outcomes["crash"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            json.dump(outcomes, f)
+        _shutdown()
+
+
 def _shutdown() -> None:
     """Leave together: a rank that tears gloo down while a peer is still in a collective can abort."""
     import torch.distributed as dist

@@ -310,3 +310,57 @@ def test_verify_dcp_written_by_torch(tmp_path, capsys):
     obj.write_bytes(bytes(data))
     code, out, err = run(capsys, "verify", str(root))
     assert code == cli.EXIT_FAILURE and "CRC mismatch" in err
+
+
+# ---- `ckptio config` refuses what the library refuses, naming file and key, echoing no secret -----
+
+SECRET = "S3CR3T-VALUE-42"
+BAD_SETTINGS = {
+    "zero part_size": ("[backends.s3]\npart_size = 0\n", "backends.s3.part_size"),
+    "negative max_buffer_bytes": ('[backends.s3]\nmax_buffer_bytes = "-1"\n', "backends.s3.max_buffer_bytes"),
+    "zero cache max_bytes": ("[backends.local]\nmax_bytes = 0\n", "backends.local.max_bytes"),
+    "alias cycle": ('[aliases.a]\ntarget = "b://x"\n[aliases.b]\ntarget = "a://y"\n', "cycle"),
+    "self alias": ('[aliases.me]\ntarget = "me://x"\n', "aliases.me.target"),
+    "alias shadows s3a": ('[aliases.s3a]\ntarget = "memory://x"\n', "aliases.s3a"),
+    "unknown option": (f'[backends.s3]\nsecret_acess_key = "{SECRET}"\n', "did you mean 'secret_access_key'"),
+    "unknown backend": ('[backends.s33]\nregion = "x"\n', "did you mean 's3'"),
+    "not utf-8": (b'[backends.s3]\nregion = "\xff"\n', "not UTF-8"),
+    "invalid toml": ("[backends.s3\n", "not valid TOML"),
+    "directory": (None, "is a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_config_refuses_bad_settings(tmp_path, monkeypatch, capsys, case):
+    text, reason = BAD_SETTINGS[case]
+    path = tmp_path / "ckptio.toml"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    monkeypatch.setenv("CKPTIO_CONFIG", str(path))
+    ckptio.reset()
+    code, out, err = run(capsys, "config")
+    assert code == cli.EXIT_USAGE and out == ""
+    assert str(path) in err and reason in err and SECRET not in err
+    code, out, err = run(capsys, "--json", "config")
+    doc = json.loads(out)
+    assert code == cli.EXIT_USAGE and doc["type"] == "SettingsError" and str(path) in doc["error"]
+
+
+def test_config_shows_no_value_of_an_unknown_key(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ckptio.toml"
+    path.write_text(f'[backends.abfs]\naccount_name = "{SECRET}"\nsas = "{SECRET}"\nanon = true\n'
+                    f'[aliases.ck]\ntarget = "https://u:{SECRET}@h/x?sig={SECRET}"\n')
+    monkeypatch.setenv("CKPTIO_CONFIG", str(path))
+    ckptio.reset()
+    code, out, _ = run(capsys, "config")
+    assert code == 0 and SECRET not in out and 'account_name = "***"' in out and "anon = true" in out
+    code, doc = run_json(capsys, "config")
+    assert code == 0 and SECRET not in json.dumps(doc) and doc["aliases"]["ck"]["target"] == "https://***@h/x?***"
+
+
+def test_subprocess_config_pointing_at_a_directory(tmp_path):
+    r = _cli(["config"], str(tmp_path))
+    assert r.returncode == cli.EXIT_USAGE and r.stdout == ""
+    assert f"{tmp_path}: is a directory" in r.stderr and "Traceback" not in r.stderr

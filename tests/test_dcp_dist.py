@@ -3,6 +3,8 @@ and a backend failure on one rank. Every child group runs under a timeout."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 
 import pytest
@@ -51,3 +53,29 @@ def test_failure_on_one_rank_names_rank_and_object(tmp_path):
         assert "failed on rank 1" in ours and "injected I/O error" in ours and "__1_1.distcp" in ours
     assert not cd.is_complete(uri)
     assert not os.path.exists(os.path.join(uri, ".metadata"))
+
+
+def test_one_ranks_ckptio_error_reaches_every_rank_intact(tmp_path):
+    """torch gathers rank errors by pickling them: each rank must see rank 0's AlreadyExistsError (a second save
+    without overwrite, as torch's test_fsspec test_overwrite) and rank 1's NotFoundError (its data deleted),
+    with class, errno and URI; not a TypeError from unpickling."""
+    uri = str(tmp_path / "ckpt")
+    run_ranks(W.refused_rank, 2, uri, str(tmp_path))
+    meta, lost = os.path.join(uri, ".metadata"), os.path.join(uri, "__1_0.distcp")
+    for text in results(str(tmp_path), 2):
+        seen = json.loads(text)
+        assert "crash" not in seen, seen.get("crash")
+        exists = {"type": "AlreadyExistsError", "errno": errno.EEXIST, "uri": meta}
+        missing = {"type": "NotFoundError", "errno": errno.ENOENT, "uri": lost}
+        assert seen["torch_save"]["type"] == "CheckpointException"
+        assert list(seen["torch_save"]["failures"]) == ["0"]
+        assert exists.items() <= seen["torch_save"]["failures"]["0"].items()
+        assert "overwrite=True" in seen["torch_save"]["failures"]["0"]["str"]
+        assert exists.items() <= seen["ckptio_save"].items()
+        assert "failed on rank 0" in seen["ckptio_save"]["notes"][0]
+        assert seen["torch_load"]["type"] == "CheckpointException"
+        assert list(seen["torch_load"]["failures"]) == ["1"]
+        assert missing.items() <= seen["torch_load"]["failures"]["1"].items()
+        assert missing.items() <= seen["ckptio_load"].items()
+        assert "failed on rank 1" in seen["ckptio_load"]["notes"][0]
+    assert cd.is_complete(uri)  # the refused save left the first checkpoint committed
