@@ -1,8 +1,11 @@
-"""Trust: loading runs no code by default, whatever the file says.
+"""Trust: loading runs no code by default, whatever the file or a checkpoint's commit marker says.
 
 * ``.pkl`` loads admit plain data only (``ckptio.formats.safepickle``): crafted pickles are refused
   before anything is called (checked in a subprocess, so a crash fails the test), the data that
   mmengine/easy_io users keep in ``.pkl`` still loads, and ``allow_pickle=True`` loads trusted files.
+* A Checkpointer's ``checkpoint.json`` cannot choose a deserializer or a path: its format and file
+  names are checked, the data file is read as the checkpoint's format, and ``allow_pickle=True`` is
+  the one opt-in for trusted checkpoints.
 """
 
 from __future__ import annotations
@@ -24,8 +27,14 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.errors import FormatError
+from ckptio import fastpickle
+from ckptio.checkpointer import Checkpointer
+from ckptio.errors import CkptioError, FormatError
 from test_security import _evil  # an object whose unpickling creates a marker file
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+
 
 @dataclasses.dataclass
 class Point:  # an ordinary user class: plain pickle stores it by reference
@@ -245,3 +254,107 @@ def test_damaged_pickles_raise_format_error(tmp_path):
             ckptio.load(_write(tmp_path / "bad.pkl", good[:cut]))
     with pytest.raises(FormatError, match="bad.pkl"):
         ckptio.load(_write(tmp_path / "bad.pkl", b"not a pickle"))
+
+
+# ---- the Checkpointer's commit marker ----------------------------------------------------------------
+
+def _forged_step(root, manifest, files: dict[str, bytes], step: int = 1):
+    d = root / f"{step:012d}"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    (d / "checkpoint.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    (root / "latest.txt").write_text(f"{step:012d}\n")
+    return d
+
+
+@pytest.mark.parametrize("own", ["fpk", "dcp", "pt"])
+def test_manifest_cannot_pick_pickle(tmp_path, own):
+    """The issue's case: a hand-written marker names state.pkl; loading used to unpickle it."""
+    evil = _evil(tmp_path)
+    root = tmp_path / "run"
+    d = _forged_step(root, {"format": "fpk", "step": 1, "files": ["state.pkl"]}, {"state.pkl": pickle.dumps(evil)})
+    marker = str(d / "checkpoint.json")
+    with pytest.raises(FormatError) as e:
+        Checkpointer(str(root), format=own).load({"m": {}})
+    assert marker in str(e.value) and "'files'" in str(e.value)
+    with pytest.raises(FormatError, match="'files'") as e:  # by URI: any format, but still no .pkl
+        Checkpointer(str(tmp_path / "other"), format=own).load({"m": {}}, step=str(d))
+    assert marker in str(e.value)
+    assert not os.path.exists(evil.marker)
+
+
+@pytest.mark.parametrize("own", ["fpk", "pt"])
+def test_data_file_is_read_as_the_checkpoint_format(tmp_path, own):
+    """A pickle named state.fpk/state.pt is read as fastpickle/torch (weights_only), never unpickled."""
+    evil = _evil(tmp_path)
+    raw = str(tmp_path / "raw.pt")
+    torch.save({"m": evil}, raw)
+    data = {"fpk": pickle.dumps({"m": evil}), "pt": open(raw, "rb").read()}[own]
+    root = tmp_path / "run"
+    _forged_step(root, {"format": own, "step": 1, "files": [f"state.{own}"]}, {f"state.{own}": data})
+    with pytest.raises((CkptioError, pickle.UnpicklingError)):
+        Checkpointer(str(root), format=own).load({"m": {}})
+    assert not os.path.exists(evil.marker)
+
+
+@pytest.mark.parametrize("manifest, key", [
+    ("[]", None), ('"fpk"', None), ("null", None), ("3", None), ("{not json", None), (b"\xff\xfe", None),
+    ({"format": "pkl", "step": 1}, "format"), ({"format": "pickle", "step": 1}, "format"),
+    ({"format": 5, "step": 1}, "format"), ({"format": None, "step": 1}, "format"), ({"step": 1}, "format"),
+    ({"format": "fpk", "step": "1"}, "step"), ({"format": "fpk", "step": True}, "step"),
+    ({"format": "fpk", "step": -1}, "step"), ({"format": "fpk", "step": 1.0}, "step"),
+    ({"format": "fpk", "step": 1, "files": "state.fpk"}, "files"),
+    ({"format": "fpk", "step": 1, "files": [5]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["../outside.fpk"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["OUTSIDE_ABS"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["sub/state.fpk"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["..\\outside.fpk"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["file://OUTSIDE_ABS"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["memory://b/state.fpk"]}, "files"),
+    ({"format": "fpk", "step": 1, "files": [".."]}, "files"), ({"format": "fpk", "step": 1, "files": [""]}, "files"),
+    ({"format": "fpk", "step": 1, "files": ["state.pt"]}, "files"),
+    ({"format": "dcp", "step": 1, "files": ["../x"]}, "files"),
+])
+def test_malformed_manifest_is_refused_naming_file_and_key(tmp_path, manifest, key):
+    root = tmp_path / "run"
+    outside = root / "outside.fpk"
+    root.mkdir()
+    fastpickle.save({"m": {"w": torch.full((2,), 7.0)}}, str(outside))  # a valid file a marker must not reach
+    if isinstance(manifest, dict):
+        manifest = json.loads(json.dumps(manifest).replace("OUTSIDE_ABS", str(outside)))
+    d = _forged_step(root, manifest if not isinstance(manifest, bytes) else "", {})
+    if isinstance(manifest, bytes):
+        (d / "checkpoint.json").write_bytes(manifest)
+    marker = str(d / "checkpoint.json")
+    for ck, step in ((Checkpointer(str(root), format="fpk"), "latest"), (Checkpointer(str(root), format="fpk"), 1),
+                     (Checkpointer(str(tmp_path / "other"), format="dcp"), str(d))):
+        state = {"m": {"w": torch.zeros(2)}}
+        with pytest.raises(FormatError) as e:
+            ck.load(state, step=step)
+        assert marker in str(e.value) and (key is None or f"'{key}'" in str(e.value)), str(e.value)
+        assert torch.equal(state["m"]["w"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "pt"])
+def test_checkpointer_allow_pickle_loads_trusted_checkpoints(memory_uri, fmt):
+    ck = Checkpointer(memory_uri, format=fmt, save_options={"allow_pickle": True} if fmt == "fpk" else None)
+    ck.save(1, {"extra": {"p": Point(1, 2)}, "m": {"w": torch.ones(2)}})
+    with pytest.raises(Exception, match="allow_pickle|weights_only|Unsupported global"):
+        ck.load({"extra": {}, "m": {"w": torch.zeros(2)}})
+    state = {"extra": {"p": None}, "m": {"w": torch.zeros(2)}}
+    assert ck.load(state, allow_pickle=True) == 1
+    assert state["extra"]["p"] == Point(1, 2) and torch.equal(state["m"]["w"], torch.ones(2))
+
+
+def test_manifest_format_switch_runs_no_code(tmp_path):
+    """A marker may name another of the Checkpointer formats (a dcp Checkpointer loads a pt step), but
+    each of them loads safely: a forged pt step is read with weights_only."""
+    evil = _evil(tmp_path)
+    raw = tmp_path / "raw.pt"
+    torch.save({"m": evil}, str(raw))
+    root = tmp_path / "run"
+    _forged_step(root, {"format": "pt", "step": 1, "files": ["state.pt"]}, {"state.pt": raw.read_bytes()})
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+        Checkpointer(str(root), format="dcp").load({"m": {}})
+    assert not os.path.exists(evil.marker)
