@@ -54,7 +54,7 @@ import torch
 
 from . import uri as _uri
 from .context import resolve
-from .errors import AlreadyExistsError, CkptioError, IncompleteCheckpointError, NotFoundError
+from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
 
 __all__ = ["Checkpointer", "CheckpointWarning", "CheckpointInfo", "LoadResult", "RNGState", "MARKER_NAME",
            "POINTER_NAME"]
@@ -66,6 +66,7 @@ POINTER_NAME = "latest.txt"
 STEP_DIGITS = 12
 FORMATS = ("dcp", "fpk", "pt")
 _DATA_FILE = {"pt": "state.pt", "fpk": "state.fpk"}
+_FILE_FORMAT = {"pt": "torch", "fpk": "fastpickle"}  # the ckptio format each data file is read with, whatever its name
 
 
 class CheckpointWarning(RuntimeWarning):
@@ -254,6 +255,46 @@ def _report_background_failure(uri: str, fut: cf.Future) -> None:
         log.error("background save of %s failed; it will be raised by the next save/wait/close: %r", uri, exc)
 
 
+def _parse_manifest(data: bytes, marker: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise FormatError(f"{marker}: not valid JSON ({e}); the commit marker is damaged") from None
+
+
+def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
+    """(step, format, data file name) of a commit marker, checked before anything it names is read.
+
+    The marker cannot choose a deserializer or a path: its format must be one of :data:`FORMATS`
+    (each loads without running code unless the caller opts in), its files plain names inside the
+    step directory with that format's extension; the file is then read as that format, whatever its
+    name.
+    """
+    def bad(key: str, why: str) -> FormatError:
+        return FormatError(f"{marker}: key {key!r} {why}; ckptio never writes such a commit marker (it was edited "
+                           f"or damaged), so nothing was loaded")
+
+    if not isinstance(m, dict):
+        raise FormatError(f"{marker}: holds a JSON {type(m).__name__}, not an object; ckptio never writes such a "
+                          f"commit marker (it was edited or damaged), so nothing was loaded")
+    fmt = m.get("format")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise bad("format", f"is {fmt!r}, not one of {list(FORMATS)}")
+    step = m.get("step")
+    if type(step) is not int or step < 0:
+        raise bad("step", f"is {step!r}, not a non-negative int")
+    files = m.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise bad("files", f"is {files!r}, not a list of file names")
+    for f in files:
+        if f in ("", ".", "..") or any(c in f for c in "/\\:\0"):
+            raise bad("files", f"names {f!r}, not a file directly inside the checkpoint directory")
+    name = (files[0] if files else _DATA_FILE[fmt]) if fmt in _DATA_FILE else None
+    if name is not None and not name.endswith("." + fmt):
+        raise bad("files", f"names {name!r} for a {fmt!r} checkpoint, whose data file ends in '.{fmt}'")
+    return step, fmt, name
+
+
 class Checkpointer:
     """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
 
@@ -268,6 +309,7 @@ class Checkpointer:
     ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
     ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads. With ``"dcp"``, failures raise the
     failed rank's error as :func:`ckptio.dcp.save`/``load`` do, never torch's ``CheckpointException``.
+    ``load`` runs no code from the files by default (see :meth:`load`'s ``allow_pickle``).
     """
 
     def __init__(self, root_uri: str | os.PathLike, *, format: str = "dcp", keep_last: int | None = None,
@@ -390,12 +432,13 @@ class Checkpointer:
         m = self._manifests.get(step)
         if m is None:
             try:
-                m = json.loads(self._backend.read(_uri.join_path(self._dir(step), MARKER_NAME)))
+                data = self._backend.read(_uri.join_path(self._dir(step), MARKER_NAME))
             except FileNotFoundError:
                 if self._backend.isdir(self._dir(step)):
                     raise IncompleteCheckpointError(
                         f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})") from None
                 raise NotFoundError(self.uri(step), "no checkpoint for this step") from None
+            m = _parse_manifest(data, self._user_uri(step, MARKER_NAME))
             self._manifests[step] = m
         return m
 
@@ -587,33 +630,36 @@ class Checkpointer:
         self._backend.rmtree(d)
 
     # ---- load ------------------------------------------------------------------------------------
-    def _resolve_target(self, step: Any) -> tuple[int | None, str | None, dict[str, Any] | None]:
-        """(step, directory URI, manifest) to load; (None, None, None) when there is nothing yet."""
-        if step == "latest":
-            s = self.latest()
-            if s is None:
-                return None, None, None
-            return s, self.uri(s), self.manifest(s)
-        if isinstance(step, int) and not isinstance(step, bool):
-            self._step_dirs()
-            return step, self.uri(step), self.manifest(step)
+    def _resolve_target(self, step: Any) -> tuple[int | None, str | None, str | None, str | None]:
+        """(step, directory URI, format, data file name) to load; all None when there is nothing yet."""
+        if (isinstance(step, int) and not isinstance(step, bool)) or step == "latest":
+            if step == "latest":
+                step = self.latest()
+                if step is None:
+                    return None, None, None, None
+            else:
+                self._step_dirs()  # learns the directory names (unpadded ones too)
+            _, fmt, name = _check_manifest(self.manifest(step), self._user_uri(step, MARKER_NAME))
+            return step, self.uri(step), fmt, name
         if isinstance(step, (str, os.PathLike)):
             u = os.fspath(step).rstrip("/")
             backend, d = resolve(u)
             if backend.isfile(_uri.join_path(d, MARKER_NAME)):
-                m = json.loads(backend.read(_uri.join_path(d, MARKER_NAME)))
-                return int(m["step"]), u, m
+                marker = _uri.join_path(u, MARKER_NAME)
+                s, fmt, name = _check_manifest(_parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker),
+                                               marker)
+                return s, u, fmt, name
             if backend.isfile(_uri.join_path(d, ".metadata")):
-                return 0, u, {"format": "dcp", "step": 0}
+                return 0, u, "dcp", None
             for fmt, name in _DATA_FILE.items():
                 if d.endswith(name[5:]) and backend.isfile(d):
-                    return 0, _uri.parent(u), {"format": fmt, "files": [_uri.basename(u)], "step": 0}
+                    return 0, _uri.parent(u), fmt, _uri.basename(u)
             raise IncompleteCheckpointError(f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP "
                                             f".metadata, not a .pt/.fpk file)")
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
     def load(self, state: dict[str, Any], *, step: Any = "latest", keys: Iterable[str] | None = None,
-             strict: bool = True, cache: Any = None) -> int | None:
+             strict: bool = True, cache: Any = None, allow_pickle: bool = False) -> int | None:
         """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
 
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
@@ -621,9 +667,15 @@ class Checkpointer:
         what matches and reports missing/unexpected keys (warning and ``self.last_load``);
         ``strict=True`` raises ``KeyError`` on any mismatch. ``cache`` (True, a directory or a mapping)
         reads the data through the node-local cache (:mod:`ckptio.backends.cached`).
+
+        The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
+        Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its
+        format and file names are checked), ``pt`` files load with ``weights_only``, ``fpk`` files
+        unpickle nothing. For a checkpoint you trust, ``allow_pickle=True`` loads pickled objects in
+        ``fpk`` files and ``pt`` files with ``weights_only=False``.
         """
         self.wait()
-        s, d, manifest = self._on_rank0(self._resolve_target, step)
+        s, d, fmt, name = self._on_rank0(self._resolve_target, step)
         if s is None:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
@@ -633,23 +685,24 @@ class Checkpointer:
         if unknown:
             raise KeyError(f"keys {unknown} are not in the state given to load()")
         res = LoadResult(s, d)
-        fmt = manifest.get("format", "dcp")
         if fmt == "dcp":
             source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts}, cache)
-        elif fmt in _DATA_FILE:
+        else:
             from .io import load as _load
 
-            name = (manifest.get("files") or [_DATA_FILE[fmt]])[0]
             kw = dict(self.load_options)
+            if allow_pickle:
+                kw["allow_pickle"] = True
             if cache is not None:
                 kw["cache"] = cache
             if fmt == "pt":
-                kw.setdefault("weights_only", self.weights_only)
+                kw.setdefault("weights_only", self.weights_only and not kw.get("allow_pickle", False))
                 kw.setdefault("map_location", "cpu")
-            source = _load(_uri.join_path(d, name), **kw)
+            data_uri = _uri.join_path(d, name)
+            source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
+            if not isinstance(source, Mapping):
+                raise FormatError(f"{data_uri}: holds a {type(source).__name__}, not a checkpoint's mapping of parts")
             ckpt_parts = list(source)
-        else:
-            raise CkptioError(f"{d}: unknown checkpoint format {fmt!r} in {MARKER_NAME}")
         for k in parts:
             if k not in source:
                 res.missing_keys.append(k)

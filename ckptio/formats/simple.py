@@ -63,13 +63,18 @@ class YamlFormat(StreamFormat):
 
 
 class PickleFormat(StreamFormat):
-    """Plain pickle. Loading runs code from the file: only load files you trust (use .fpk otherwise)."""
+    """Plain pickle on write. Loading admits only plain data and runs no code (see
+    :mod:`ckptio.formats.safepickle`); ``allow_pickle=True`` loads trusted files with plain pickle."""
 
     def dump_file(self, obj: Any, f: IO, *, protocol: int = pickle.HIGHEST_PROTOCOL, **kw: Any) -> None:
         f.write(pickle.dumps(obj, protocol=protocol, **kw))
 
-    def load_file(self, f: IO, **kw: Any) -> Any:
-        return pickle.load(f, **kw)
+    def load_file(self, f: IO, *, allow_pickle: bool = False, **kw: Any) -> Any:
+        if allow_pickle:
+            return pickle.load(f, **kw)
+        from . import safepickle
+
+        return safepickle.load(f, **kw)
 
 
 class MsgpackFormat(StreamFormat):
