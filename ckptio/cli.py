@@ -714,37 +714,24 @@ def cmd_verify(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
-def _cache(args: argparse.Namespace) -> Any:
-    try:
-        from .backends import cached
-        from .backends.memory import MemoryBackend
-    except ImportError:
-        raise MissingDependencyError("the node-local cache is not available in this version of ckptio "
-                                     "(ckptio.backends.cached is missing)") from None
-    cache_dir = args.cache_dir or cached.default_cache_dir()
-    if args.action == "stats" and not os.path.isdir(cache_dir):
-        return None, cache_dir
-    return cached.CachedBackend(MemoryBackend(), cache_dir), cache_dir  # the inner backend is never used
-
-
-def _cache_entries(cache_dir: str) -> int:
-    data = os.path.join(cache_dir, "data")
-    return sum(1 for _, _, files in os.walk(data) for f in files if f.endswith(".json"))
-
-
 def cmd_cache(args: argparse.Namespace, out: Out) -> int:
-    cache, cache_dir = _cache(args)
-    before = cache.cached_bytes() if cache is not None else 0
+    from .backends import cached
+    from .backends.memory import MemoryBackend
+
+    cache_dir = args.cache_dir or cached.default_cache_dir()
+    exists = os.path.isdir(cache_dir)
+    before = cached.cache_usage(cache_dir)  # reads only: works on a read-only or missing directory
     if args.action == "stats":
-        data = {"cache_dir": cache_dir, "exists": cache is not None, "entries": _cache_entries(cache_dir) if cache else 0,
-                "bytes": before}
-        out.emit(data, f"cache {cache_dir}: {data['entries']} entries, {human_bytes(before)}"
-                 + ("" if cache is not None else " (does not exist yet)"))
+        data = {"cache_dir": cache_dir, "exists": exists, **before}
+        partial = f" ({human_bytes(before['partial_bytes'])} of it partial fills)" if before["partial_bytes"] else ""
+        out.emit(data, f"cache {cache_dir}: {data['entries']} entries, {human_bytes(before['bytes'])}{partial}"
+                 + ("" if exists else " (does not exist yet)"))
         return EXIT_OK
-    cache.clear()
-    after = cache.cached_bytes()
-    data = {"cache_dir": cache_dir, "freed_bytes": before - after, "bytes_left": after}
-    out.emit(data, None if out.quiet else f"cache {cache_dir}: freed {human_bytes(before - after)}"
+    if exists:
+        cached.CachedBackend(MemoryBackend(), cache_dir).clear()  # the inner backend is never used
+    after = cached.cache_usage(cache_dir)["bytes"]
+    data = {"cache_dir": cache_dir, "freed_bytes": before["bytes"] - after, "bytes_left": after}
+    out.emit(data, None if out.quiet else f"cache {cache_dir}: freed {human_bytes(before['bytes'] - after)}"
              + (f", {human_bytes(after)} left in use by running readers" if after else ""))
     return EXIT_OK
 

@@ -40,6 +40,33 @@ def fill_main(uri: str, cache_dir: str, delay: float, go: str) -> None:
     print(json.dumps({**cache.stats(), "ok": ok, "reads": cache.inner.reads}), flush=True)
 
 
+def readonly_main(cache_dir: str, uri: str) -> None:
+    """Use a cache directory the caller made read-only: print what a load and ``ckptio cache`` did, as JSON."""
+    import contextlib
+    import io
+
+    import ckptio
+    from ckptio import cli
+
+    def attempt(fn) -> dict:
+        try:
+            fn()
+            return {"ok": True}
+        except Exception as e:  # the parent asserts on the kind and the message
+            return {"ok": False, "type": type(e).__name__, "permission": isinstance(e, PermissionError),
+                    "not_found": isinstance(e, FileNotFoundError), "message": str(e)}
+
+    def run_cli(*argv: str) -> dict:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["cache", *argv, "--cache-dir", cache_dir])
+        return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+    res = {"load": attempt(lambda: ckptio.load(uri, cache=cache_dir)), "stats": run_cli("stats"),
+           "clear": run_cli("clear")}
+    print(json.dumps(res), flush=True)
+
+
 def _outcome(fn) -> list:
     try:
         return ["ok", fn()]
@@ -91,5 +118,7 @@ if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "fill":
         fill_main(args[0], args[1], float(args[2]), args[3])
+    elif cmd == "readonly":
+        readonly_main(args[0], args[1])
     else:
         raise SystemExit(f"unknown command {cmd!r}")

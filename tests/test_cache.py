@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +14,10 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 import ckptio
+from ckptio import cli
 from ckptio.backends.cached import CachedBackend
 from ckptio.backends.local import LocalBackend
 
@@ -23,6 +27,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from cache_workers import slow_cache  # noqa: E402
+from conftest import flip_byte  # noqa: E402
+
+BLOCK = 1 << 20  # the cache hashes entries below 16 GiB in blocks of this size
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +47,26 @@ def cache_dir(tmp_path):
 
 
 def _entries(cache_dir: str) -> list[str]:
-    return sorted(p for p in glob.glob(os.path.join(cache_dir, "data", "*", "*")) if not p.endswith(".json"))
+    """The data files (``<key>-<basename>``; ``<key>.json`` is metadata, whatever the object's name)."""
+    return sorted(p for p in glob.glob(os.path.join(cache_dir, "data", "*", "*"))
+                  if re.fullmatch(r"[0-9a-f]{40}-.+", os.path.basename(p)))
+
+
+def _meta(cache_dir: str) -> str:
+    [meta] = [p for p in glob.glob(os.path.join(cache_dir, "data", "*", "*.json"))
+              if re.fullmatch(r"[0-9a-f]{40}\.json", os.path.basename(p))]
+    return meta
+
+
+def _disk_bytes(cache_dir: str) -> int:
+    """Every byte of every file the cache has on disk."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(cache_dir) for f in files)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = cli.main(["--json", "cache", *argv])
+    return code, json.loads(capsys.readouterr().out)
 
 
 def test_load_through_cache_counts_hits_and_misses(remote, cache_dir):
@@ -125,33 +151,120 @@ def test_damaged_entry_is_discarded_and_refetched(remote, cache_dir, damage):
     assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
 
 
-def test_verify_catches_same_size_corruption(remote, cache_dir):
+def _read_all(cache, uri, payload):
+    return cache.read(uri), payload
+
+
+def _read_range(cache, uri, payload):
+    return cache.read_range(uri, BLOCK + 12_000, BLOCK + 13_000), payload[BLOCK + 12_000: BLOCK + 13_000]
+
+
+def _readinto(cache, uri, payload):
+    buf = bytearray(100)
+    assert cache.readinto(uri, buf, BLOCK + 12_300) == 100
+    return bytes(buf), payload[BLOCK + 12_300: BLOCK + 12_400]
+
+
+def _open_reader(cache, uri, payload):
+    with cache.open_reader(uri) as f:
+        return f.read(), payload
+
+
+def _local_path(cache, uri, payload):
+    with cache.get_local_path(uri) as path, open(path, "rb") as f:
+        return f.read(), payload
+
+
+@pytest.mark.parametrize("reader", [_read_all, _read_range, _readinto, _open_reader, _local_path])
+def test_flipped_byte_is_detected_and_refetched_on_every_read_path(remote, cache_dir, reader):
     uri = str(remote / "c.bin")
-    payload = os.urandom(5000)
-    ckptio.put(payload, uri)
-    cache = CachedBackend(LocalBackend(), cache_dir, verify=True)
-    assert cache.read(uri) == payload
-    [entry] = _entries(cache_dir)
-    with open(entry, "r+b") as f:
-        f.write(b"\0" * 16)
-    assert cache.read(uri) == payload
-    assert cache.stats()["discarded"] == 1
-
-
-def test_entry_from_an_unsynced_previous_boot_is_checksummed(remote, cache_dir):
-    uri = str(remote / "b.bin")
-    payload = os.urandom(3000)
+    payload = os.urandom(2 * BLOCK + BLOCK // 2)
     ckptio.put(payload, uri)
     cache = CachedBackend(LocalBackend(), cache_dir)
-    cache.read(uri)
+    cache.fill(uri)
     [entry] = _entries(cache_dir)
-    [meta] = glob.glob(os.path.join(cache_dir, "data", "*", "*.json"))
-    record = json.load(open(meta))
-    json.dump({**record, "boot_id": "some-earlier-boot"}, open(meta, "w"))
-    with open(entry, "r+b") as f:  # what a power loss can leave: right size, wrong bytes
-        f.write(b"\0" * 3000)
+    flip_byte(entry, BLOCK + 12_345)  # same size, one bit: only a checksum can tell
+    got, want = reader(cache, uri, payload)
+    assert got == want
+    assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
+    with open(_entries(cache_dir)[0], "rb") as f:
+        assert f.read() == payload  # the damaged entry was replaced, not just bypassed
+
+
+@pytest.mark.parametrize("ext", [".fpk", ".pt"])
+def test_flipped_byte_in_a_cached_checkpoint_is_refetched(remote, cache_dir, ext):
+    uri = str(remote / f"m{ext}")
+    w = torch.arange(200_000, dtype=torch.float32)
+    ckptio.dump({"w": w}, uri)
+    assert torch.equal(ckptio.load(uri, cache=cache_dir)["w"], w)
+    [entry] = _entries(cache_dir)
+    flip_byte(entry, os.path.getsize(entry) // 2)  # inside the tensor's bytes
+    for _ in range(2):  # refetched once, then served from the repaired entry
+        assert torch.equal(ckptio.load(uri, cache=cache_dir)["w"], w)
+    backend, _ = ckptio.resolve(uri, cache=cache_dir)
+    assert backend.stats()["discarded"] == 1 and backend.stats()["misses"] == 2
+
+
+def test_ranged_reads_verify_only_the_blocks_they_touch(remote, cache_dir):
+    uri = str(remote / "r.bin")
+    payload = os.urandom(3 * BLOCK + 100)
+    ckptio.put(payload, uri)
+    cache = CachedBackend(LocalBackend(), cache_dir)
+    size = len(payload)
+    for start, end in [(0, 0), (0, 1), (BLOCK - 1, BLOCK + 1), (BLOCK, 2 * BLOCK), (5, size), (size - 1, size),
+                       (size, size + 10), (size + 5, None), (3, None), (2 * BLOCK - 7, 3 * BLOCK + 3)]:
+        assert cache.read_range(uri, start, end) == payload[start:end]
+        buf = bytearray(len(payload[start:end]) + 3)  # up to 3 bytes past ``end``, as far as the object goes
+        n = cache.readinto(uri, buf, start)
+        assert buf[:n] == payload[start: start + len(buf)] and n == len(payload[start: start + len(buf)])
+    [entry] = _entries(cache_dir)
+    flip_byte(entry, 2 * BLOCK + 50)
+    assert cache.read_range(uri, 10, BLOCK + 10) == payload[10: BLOCK + 10]  # blocks 0 and 1: intact
+    assert cache.stats()["discarded"] == 0
+    buf = bytearray(20)
+    assert cache.readinto(uri, buf, 2 * BLOCK + 40) == 20 and buf == payload[2 * BLOCK + 40: 2 * BLOCK + 60]
+    assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
+
+
+def test_damaged_entry_held_by_others_is_read_through_then_replaced(remote, cache_dir):
+    """A pin (ckptio.distributed holds one on every rank) keeps an entry from being replaced: no waiting for it."""
+    uri = str(remote / "p.bin")
+    payload = os.urandom(2 * BLOCK + 10)
+    ckptio.put(payload, uri)
+    cache = CachedBackend(LocalBackend(), cache_dir, lock_timeout=20)
+    with cache.pinned([cache.stat(uri)]):
+        [entry] = _entries(cache_dir)
+        flip_byte(entry, 100)
+        with pytest.warns(UserWarning, match="damaged and in use"):
+            assert cache.read(uri) == payload
+        with pytest.warns(UserWarning, match="damaged and in use"), cache.get_local_path(uri) as path:
+            assert open(path, "rb").read() == payload
+        assert cache.stats()["read_through"] == 2 and cache.stats()["discarded"] == 0
+    assert cache.read(uri) == payload  # nobody holds it now: replaced
+    assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
+
+
+def test_entry_without_block_checksums_is_refetched(remote, cache_dir):
+    """An entry written by the old layout (one whole-file xxh3, no block checksums) cannot be verified."""
+    uri = str(remote / "old.bin")
+    payload = os.urandom(5000)
+    ckptio.put(payload, uri)
+    cache = CachedBackend(LocalBackend(), cache_dir)
+    cache.fill(uri)
+    meta = _meta(cache_dir)
+    with open(meta) as f:
+        record = json.load(f)
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    old = {**{k: record[k] for k in ("uri", "version", "size")}, "xxh3": xxhash.xxh3_64(payload).hexdigest(),
+           "boot_id": boot, "fsynced": False, "created": 0.0}
+    with open(meta, "w") as f:
+        json.dump(old, f)
     assert cache.read(uri) == payload
-    assert cache.stats()["discarded"] == 1
+    assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
 
 
 def test_eviction_respects_max_bytes_and_spares_entries_in_use(remote, cache_dir):
@@ -194,12 +307,10 @@ def _spawn_fill(uri: str, cache_dir: str, delay: float, go: str) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_concurrent_fills_from_several_processes_download_once(remote, cache_dir, tmp_path):
-    uri = str(remote / "shared.bin")
-    payload = os.urandom(64 * 1024)  # 16 slow 4 KiB reads: the fill takes a while
-    ckptio.put(payload, uri)
+def _fill_together(uri: str, cache_dir: str, delay: float, tmp_path, n: int = 4) -> list[dict]:
+    """Start ``n`` fill workers, let them all go at once, return their stats (each checked the bytes)."""
     go = str(tmp_path / "go")
-    procs = [_spawn_fill(uri, cache_dir, 0.02, go) for _ in range(4)]
+    procs = [_spawn_fill(uri, cache_dir, delay, go) for _ in range(n)]
     time.sleep(0.5)  # let the interpreters start
     open(go, "w").close()
     results = []
@@ -208,10 +319,31 @@ def test_concurrent_fills_from_several_processes_download_once(remote, cache_dir
         assert p.returncode == 0, err
         results.append(json.loads(out))
     assert all(r["ok"] for r in results)
+    return results
+
+
+def test_concurrent_fills_from_several_processes_download_once(remote, cache_dir, tmp_path):
+    uri = str(remote / "shared.bin")
+    payload = os.urandom(64 * 1024)  # 16 slow 4 KiB reads: the fill takes a while
+    ckptio.put(payload, uri)
+    results = _fill_together(uri, cache_dir, 0.02, tmp_path)
     assert sum(r["misses"] for r in results) == 1
     assert sum(r["hits"] for r in results) == 3
     assert sum(r["reads"] for r in results) == 16  # the remote saw one download: 16 chunks of 4 KiB
     assert sum(r["bytes_fetched"] for r in results) == len(payload)
+
+
+def test_concurrent_readers_of_a_damaged_entry_all_get_the_right_bytes(remote, cache_dir, tmp_path):
+    uri = str(remote / "shared.bin")
+    payload = os.urandom(64 * 1024)
+    ckptio.put(payload, uri)
+    CachedBackend(LocalBackend(), cache_dir).fill(uri)
+    [entry] = _entries(cache_dir)
+    flip_byte(entry, 1000)
+    results = _fill_together(uri, cache_dir, 0.0, tmp_path)
+    assert sum(r["discarded"] for r in results) == 1  # replaced once; the others waited or read through
+    with open(_entries(cache_dir)[0], "rb") as f:
+        assert f.read() == payload
 
 
 def test_fill_killed_midway_leaves_no_entry_and_next_load_succeeds(remote, cache_dir, tmp_path):
@@ -231,6 +363,7 @@ def test_fill_killed_midway_leaves_no_entry_and_next_load_succeeds(remote, cache
     proc.communicate(timeout=10)
     assert os.listdir(tmp_dir) and not _entries(cache_dir)  # a partial temp file, no entry
     cache = slow_cache(cache_dir, 0.0, lock_timeout=10)
+    assert cache.cached_bytes() == _disk_bytes(cache_dir) > 0  # counted: it takes space until removed
     assert cache.read(uri) == payload
     assert os.listdir(tmp_dir) == []
     assert cache.stats()["misses"] == 1
@@ -254,6 +387,81 @@ def test_lock_timeout_names_the_object(remote, cache_dir, tmp_path):
     finally:
         proc.kill()
         proc.communicate(timeout=10)
+
+
+def test_objects_named_like_metadata_are_evicted_counted_and_cleared(remote, cache_dir, capsys):
+    names = ["x.json", ".json", "a-b.json", "a-b-c.json", "-.json"]
+    opts = {"cache_dir": cache_dir, "max_bytes": 100_000}
+    for i in range(20):
+        uri = str(remote / f"d{i}" / names[i % len(names)])
+        os.makedirs(os.path.dirname(uri))
+        ckptio.dump({"i": i, "pad": "x" * 50_000}, uri)
+        assert ckptio.load(uri, cache=opts)["i"] == i
+        assert _disk_bytes(cache_dir) <= 100_000
+    backend, _ = ckptio.resolve(uri, cache=opts)
+    assert backend.stats()["evictions"] >= 18
+    key = "0" * 40  # what a fill killed before its rename leaves (another object's)
+    with open(os.path.join(cache_dir, "tmp", f"{key}.4242.0badf00d"), "wb") as f:
+        f.write(b"p" * 3000)
+    on_disk = _disk_bytes(cache_dir)
+    code, doc = _cli(capsys, "stats", "--cache-dir", cache_dir)
+    assert code == 0 and doc["bytes"] == backend.cached_bytes() == on_disk
+    assert doc["entries"] == len(_entries(cache_dir)) >= 1
+    code, doc = _cli(capsys, "clear", "--cache-dir", cache_dir)
+    assert code == 0 and doc["freed_bytes"] == on_disk and doc["bytes_left"] == 0
+    assert _disk_bytes(cache_dir) == 0 and not _entries(cache_dir)
+    assert ckptio.load(uri, cache=opts)["i"] == 19
+
+
+def _read_only(path: str) -> list[str]:
+    """Make ``path`` read-only for a subprocess: the argv prefix to run it with (chmod, or a read-only bind as root)."""
+    if os.geteuid() != 0:
+        for d, _, _ in os.walk(path):
+            os.chmod(d, 0o555)
+        return []
+    if shutil.which("unshare") is None:
+        pytest.skip("running as root without unshare(1): cannot make a directory read-only")
+    prefix = ["unshare", "-m", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', path]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"running as root and cannot bind-mount read-only: {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.mark.parametrize("used", [True, False], ids=["with-an-entry", "empty"])
+def test_read_only_cache_dir_is_an_error_that_says_so(remote, tmp_path, used):
+    uri = str(remote / "m.pt")
+    ckptio.dump({"w": torch.arange(10)}, uri)
+    ro = str(tmp_path / "ro-cache")
+    if used:
+        CachedBackend(LocalBackend(), ro).fill(uri)
+    else:
+        os.mkdir(ro)
+    prefix = _read_only(ro)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([*prefix, sys.executable, WORKER, "readonly", ro, uri], env=env, capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        for d, _, _ in os.walk(ro):
+            os.chmod(d, 0o755)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    load = res["load"]
+    assert not load["ok"] and load["permission"] and not load["not_found"], load
+    assert ro in load["message"] and "not writable" in load["message"]
+    assert res["stats"]["code"] == 0 and f"{int(used)} entries" in res["stats"]["out"], res["stats"]
+    assert res["clear"]["code"] == cli.EXIT_DENIED and ro in res["clear"]["err"], res["clear"]
+
+
+def test_cache_dir_below_a_file_is_an_error_that_says_so(remote, tmp_path):
+    uri = str(remote / "m.pt")
+    ckptio.dump({"w": torch.arange(10)}, uri)
+    (tmp_path / "file").write_bytes(b"")
+    bad = str(tmp_path / "file" / "cache")
+    with pytest.raises(PermissionError, match="cache directory") as e:
+        ckptio.load(uri, cache=bad)
+    assert not isinstance(e.value, FileNotFoundError) and bad in str(e.value)
 
 
 @pytest.mark.parametrize("ext", [".fpk", ".pt"])

@@ -4,31 +4,41 @@
 passes writes, listings and deletes through to ``inner``. Layout::
 
     <cache_dir>/data/<kk>/<key>-<basename>   the object's bytes (a complete file, or absent)
-    <cache_dir>/data/<kk>/<key>.json         uri, version, size, xxh3-64, boot id, fsynced
+    <cache_dir>/data/<kk>/<key>.json         uri, version, size, block size, xxh3-64 of each block, fill id
     <cache_dir>/locks/<key>.lock             fcntl.flock: exclusive to fill or evict, shared to use
-    <cache_dir>/tmp/<key>.<pid>.<rand>       a fill in progress
+    <cache_dir>/tmp/<key>.<pid>.<rand>       a fill in progress (and ``.json``: its metadata)
 
-``key`` hashes the URI with the remote version token (etag / generation / ``mtime_ns:size``) and
-the size, so a changed remote object gets a new entry and is never served stale; every read
-``stat``s the remote object unless it is *pinned* (:meth:`CachedBackend.pinned`, used by
-:mod:`ckptio.distributed` once one rank has validated it).
+``key`` is 40 hex digits hashing the URI with the remote version token (etag / generation /
+``mtime_ns:size``) and the size, so a changed remote object gets a new entry and is never served
+stale; every read ``stat``s the remote object unless it is *pinned* (:meth:`CachedBackend.pinned`,
+used by :mod:`ckptio.distributed` once one rank has validated it). Only names of these shapes are
+the cache's: scans, eviction and :meth:`CachedBackend.clear` ignore anything else.
+
+Integrity: a fill records the xxh3-64 of each block of the entry (1 MiB blocks, doubled until an
+entry has at most 16384), and every read verifies the bytes it serves: ``read`` / ``read_range`` /
+``readinto`` hash the blocks they touch, ``open_reader`` and ``get_local_path`` / ``as_local`` hash
+the whole entry before handing it out. An entry that fails, whose size or metadata is wrong, or whose
+metadata has no block checksums (the old layout) is discarded and fetched again. (:meth:`fill` and
+:meth:`pinned` only ensure the entry exists; whoever reads it verifies it.)
 
 Concurrency (any number of processes and threads on one node):
 
 - a fill holds the entry's lock exclusively, downloads into ``tmp/`` and renames into ``data/``,
   so a reader sees a complete entry or none, and concurrent fills of one object download once;
-- a process killed mid-fill releases its lock with its death; the next filler deletes its
-  temporary file and starts over;
-- an entry whose size does not match, whose metadata is missing or different, or (with
-  ``verify=True``, or when written without fsync before the last reboot) whose checksum fails is
-  discarded and fetched again;
-- eviction is least-recently-used (file mtime, touched on each use) down to ``max_bytes``, and
-  only takes entries whose lock it can get exclusively without waiting: an entry held by
-  :meth:`get_local_path` is never evicted, and file objects from :meth:`open_reader` keep working
-  after an eviction (the open file outlives the name).
+- a process killed mid-fill releases its lock with its death; the next filler of that object, or
+  eviction, deletes its temporary file;
+- a reader that finds an entry damaged takes the exclusive lock and discards it only if it is
+  still the same fill (the fill id), so concurrent readers refetch once;
+- eviction is least-recently-used (file mtime, touched on each use) down to ``max_bytes`` (data,
+  metadata and dead fills' temporary files all count), and only takes entries whose lock it can
+  get exclusively without waiting: an entry held by :meth:`get_local_path` is never evicted, and
+  file objects from :meth:`open_reader` keep working after an eviction (the open file outlives the
+  name).
 
-Entries are not fsynced unless ``fsync=True``: a killed process cannot tear a renamed file, and
-entries written before a machine crash are checksummed before their first use after the reboot.
+A cache directory that cannot be created or written raises :class:`~ckptio.errors.AccessDeniedError`
+(a ``PermissionError``) naming it, never ``FileNotFoundError``: point ``cache_dir`` elsewhere, or
+pass ``cache=False``. Entries are not fsynced unless ``fsync=True``: a killed process cannot tear a
+renamed file, and whatever a machine crash leaves fails verification and is fetched again.
 """
 
 from __future__ import annotations
@@ -43,19 +53,20 @@ import re
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Iterator, Mapping
-
-import xxhash
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 
 from .. import uri as _uri
-from ..errors import IntegrityError, NotFoundError, SettingsError
+from ..errors import AccessDeniedError, CkptioError, IntegrityError, SettingsError
 from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from .cache_entries import BlockHasher, Damaged, Entry, Item, block_size, scan
+from .cache_entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
 
 ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
 DEFAULT_LOCK_TIMEOUT = 1800.0
-_HASH_CHUNK = 16 << 20
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def default_cache_dir() -> str:
@@ -67,24 +78,14 @@ def default_cache_dir() -> str:
     return os.path.join(base, "ckptio")
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:  # not Linux: treat every entry as written in this boot
-        return "unknown"
-
-
-_BOOT_ID = _boot_id()
-
-
 @dataclass
 class CacheStats:
     hits: int = 0
     misses: int = 0
     bytes_fetched: int = 0  # bytes downloaded from the wrapped backend
     evictions: int = 0
-    discarded: int = 0  # invalid entries (truncated, stale metadata, bad checksum) removed
+    discarded: int = 0  # invalid entries (damaged bytes, wrong size, bad or old-layout metadata) removed
+    read_through: int = 0  # reads of a damaged entry that others held, served from the wrapped backend
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -170,11 +171,16 @@ def _safe_name(uri: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)[-80:]
 
 
+class _InUse(Exception):
+    """The entry is damaged and other holders keep it from being replaced: read the wrapped backend."""
+
+
 class CachedBackend(Backend):
     """Serve whole-object reads of ``inner`` from ``cache_dir`` (see the module docstring).
 
-    ``max_bytes=None`` never evicts. ``verify=True`` checks every entry's xxh3-64 on each use.
-    ``fsync=True`` makes fills durable. ``lock_timeout`` bounds the wait for another process's fill.
+    ``max_bytes=None`` never evicts. ``fsync=True`` makes fills durable. ``lock_timeout`` bounds the
+    wait for another process's fill. Every read is verified; ``verify`` (``cache_verify``) is accepted
+    for compatibility and changes nothing.
     """
 
     name = "cached"
@@ -193,14 +199,48 @@ class CachedBackend(Backend):
         self._data = os.path.join(self.cache_dir, "data")
         self._locks = os.path.join(self.cache_dir, "locks")
         self._tmp = os.path.join(self.cache_dir, "tmp")
-        for d in (self._data, self._locks, self._tmp):
-            os.makedirs(d, exist_ok=True)
+        self._make_dirs()
         self._stats = CacheStats()
         self._mu = threading.Lock()
         self._pins: dict[str, tuple[ObjectInfo, int]] = {}
+        self._metas: dict[str, tuple[tuple, Entry]] = {}  # parsed metadata, see Entry.load
 
     def __repr__(self) -> str:
         return f"<CachedBackend {self.cache_dir!r} over {self.inner!r}>"
+
+    # ---- the directory -----------------------------------------------------------------------
+    def _unusable(self, e: OSError, what: str = "not writable") -> AccessDeniedError:
+        return AccessDeniedError(self.cache_dir, f"cache directory {what} ({e.strerror or e}; set cache_dir or "
+                                                 f"${ENV_CACHE_DIR} to a writable directory, or pass cache=False)")
+
+    def _make_dirs(self) -> None:
+        try:
+            for d in (self._data, self._locks, self._tmp):
+                os.makedirs(d, exist_ok=True)
+        except OSError as e:  # a parent that is a file, no permission, a read-only file system
+            raise self._unusable(e, "not writable" if e.errno in _UNWRITABLE else "cannot be created") from e
+        for d in (self._data, self._locks, self._tmp):
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise self._unusable(OSError(errno.EACCES, f"cannot write in {d}"))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around the cache's own file operations: a directory we cannot write is the caller's setup
+        problem, not a missing object, and a directory removed under us is made again."""
+        try:
+            yield
+        except OSError as e:
+            if isinstance(e, CkptioError) or e.errno not in _UNWRITABLE:
+                raise
+            raise self._unusable(e) from e
+
+    def _lock(self, path: str, exclusive: bool, uri: str) -> _Lock:
+        with self._writing():
+            try:
+                return _Lock(path, exclusive, self.lock_timeout, uri)
+            except FileNotFoundError:  # someone removed the cache directory
+                self._make_dirs()
+                return _Lock(path, exclusive, self.lock_timeout, uri)
 
     # ---- counters and pins -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -269,75 +309,101 @@ class CachedBackend(Backend):
             raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri)
         return info
 
-    def _valid(self, info: ObjectInfo, data: str, meta: str) -> bool | None:
-        """True: usable. False: present but bad (discard). None: absent."""
-        try:
-            size = os.stat(data).st_size
-        except FileNotFoundError:
-            return None
-        try:
-            with open(meta) as f:
-                m = json.load(f)
-        except (OSError, ValueError):
-            return False
-        if size != info.size or m.get("size") != info.size or m.get("uri") != info.uri:
-            return False
-        if self.verify or (m.get("boot_id") != _BOOT_ID and not m.get("fsynced")):
-            return _file_xxh3(data) == m.get("xxh3")
-        return True
-
     def _discard(self, data: str, meta: str) -> None:
         for p in (data, meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
+    def _read_through(self, uri: str, e: _InUse) -> None:
+        self._count(read_through=1)
+        warnings.warn(f"{e}; reading {uri} from {self.inner.name} until it is free to be replaced", stacklevel=4)
+
+    @staticmethod
+    def _serve(entry: Entry, serve: Callable[[Entry], Any] | None) -> tuple[Any, str | None]:
+        """``(serve(entry), None)``, or ``(None, the entry's fill id)`` if it is damaged."""
+        try:
+            return (serve(entry) if serve is not None else None), None
+        except Damaged:
+            return None, entry.fill_id
+
     @contextlib.contextmanager
-    def _entry(self, uri: str, info: ObjectInfo | None = None, *, count: bool = True) -> Iterator[tuple[str, ObjectInfo]]:
-        """Hold a shared lock on a valid entry for ``uri`` (filling it if needed); yield its path."""
+    def _entry(self, uri: str, info: ObjectInfo | None = None, *, count: bool = True,
+               serve: Callable[[Entry], Any] | None = None) -> Iterator[tuple[Entry, Any]]:
+        """Hold a shared lock on the entry for ``uri`` (filling it if needed); yield it and what
+        ``serve(entry)`` returned. ``serve`` reads and verifies; if it finds the entry damaged, the
+        entry is discarded and fetched again, or, if others hold it (a pin, an open local path), this
+        raises :class:`_InUse` and the caller reads the wrapped backend."""
         info = info or self._remote_info(uri)
         data, meta, lockp = self._paths(info)
+        damaged: str | None = None  # the fill id of an entry found damaged
+        held = False  # ... and held by others when we tried to replace it
         for _ in range(8):
-            with _Lock(lockp, False, self.lock_timeout, uri):
-                if self._valid(info, data, meta):
-                    with contextlib.suppress(OSError):
-                        os.utime(data)  # least recently used goes first
-                    self._count(hits=int(count))
-                    yield data, info
-                    return
-            with _Lock(lockp, True, self.lock_timeout, uri) as lock:
-                downloaded = self._fill_locked(info, data, meta)
+            with self._lock(lockp, False, uri):
+                entry = Entry.load(data, meta, info.uri, info.size, self._metas)
+                if isinstance(entry, Entry):
+                    if entry.fill_id != damaged:
+                        out, damaged = self._serve(entry, serve)
+                        if damaged is None:
+                            with contextlib.suppress(OSError):
+                                os.utime(data)  # least recently used goes first
+                            self._count(hits=int(count))
+                            yield entry, out
+                            return
+                    elif held:
+                        raise _InUse(f"the cache entry {data} is damaged and in use by another reader")
+            # a damaged entry is replaced now or left alone: its holders (pins, local paths) may hold it for long
+            lock = self._lock(lockp, True, uri) if damaged is None else _Lock.try_exclusive(lockp)
+            if lock is None:
+                held = True
+                continue  # back under the shared lock: a new fill is served, the same entry read through
+            with lock:
+                downloaded = self._fill_locked(info, data, meta, damaged)
                 lock.share()  # not atomic: an evictor may slip in, so check the entry survived
-                if not (os.path.exists(data) and lock.still_at(lockp)):
+                entry = Entry.load(data, meta, info.uri, info.size, self._metas)
+                if not (isinstance(entry, Entry) and lock.still_at(lockp)):
+                    continue
+                out, damaged = self._serve(entry, serve)
+                if damaged is not None:
+                    if downloaded:
+                        raise IntegrityError(f"{uri}: the cache entry {data} does not read back as it was written "
+                                             f"moments ago; the file system under {self.cache_dir} is corrupting "
+                                             f"data: check it, or pass cache=False")
                     continue
                 self._count(**({"misses": 1} if downloaded else {"hits": int(count)}))
                 if downloaded:
                     self._evict()  # this entry is share-locked by us, so it stays
-                yield data, info
+                yield entry, out
                 return
-        raise TimeoutError(errno.ETIMEDOUT, f"could not hold a cache entry for {uri}: it was evicted repeatedly "
-                           f"(max_bytes={self.max_bytes} too small for the objects in use?)")
+        raise TimeoutError(errno.ETIMEDOUT, f"could not hold a cache entry for {uri}: it was evicted or damaged "
+                           f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)")
 
-    def _fill_locked(self, info: ObjectInfo, data: str, meta: str) -> bool:
-        """Holding the exclusive lock: make the entry valid. True if it was downloaded now."""
-        state = self._valid(info, data, meta)
-        if state:
+    def _fill_locked(self, info: ObjectInfo, data: str, meta: str, damaged: str | None = None) -> bool:
+        """Holding the exclusive lock: make the entry valid. True if it was downloaded now.
+        ``damaged``: the fill id of an entry a reader found damaged (discarded if still there)."""
+        state = Entry.load(data, meta, info.uri, info.size, self._metas)
+        if isinstance(state, Entry) and state.fill_id != damaged:
             return False
-        if state is False:
+        if state is not None:
             self._discard(data, meta)
             self._count(discarded=1)
         key = self._key(info)
-        for name in os.listdir(self._tmp):  # left by a filler that died holding this lock
-            if name.startswith(key + "."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self._tmp, name))
-        tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        with self._writing():
+            self._make_dirs()
+            for name in os.listdir(self._tmp):  # left by a filler that died holding this lock
+                if name.startswith(key + "."):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self._tmp, name))
+            tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            f = open(tmp, "xb", buffering=0)
         try:
-            digest = self._download(info, tmp)
+            with f:
+                digests = self._download(info, f)
             os.makedirs(os.path.dirname(data), exist_ok=True)
-            record = {"uri": info.uri, "version": info.version, "size": info.size, "xxh3": digest,
-                      "boot_id": _BOOT_ID, "fsynced": self.fsync, "created": time.time()}
-            with open(tmp + ".json", "w") as f:
-                json.dump(record, f)
+            record = {"uri": info.uri, "version": info.version, "size": info.size, "block_size": digests.block,
+                      "blocks": digests.hexdigests(), "fill_id": uuid.uuid4().hex, "fsynced": self.fsync,
+                      "created": time.time()}
+            with open(tmp + ".json", "w") as m:
+                json.dump(record, m)
             os.replace(tmp + ".json", meta)
             os.replace(tmp, data)
         except BaseException:
@@ -348,9 +414,9 @@ class CachedBackend(Backend):
         self._count(bytes_fetched=info.size)
         return True
 
-    def _download(self, info: ObjectInfo, path: str) -> str:
-        """Copy the object into ``path``, reading the next chunk while writing this one. Returns xxh3-64."""
-        h = xxhash.xxh3_64()
+    def _download(self, info: ObjectInfo, f: BinaryIO) -> BlockHasher:
+        """Copy the object into ``f``, reading the next chunk while writing this one; its block checksums."""
+        h = BlockHasher(block_size(info.size))
         chunk = max(1, min(info.size, self.inner.part_size * self.inner.concurrency))
         bufs = [bytearray(chunk), bytearray(chunk)] if info.size > chunk else [bytearray(chunk)]
 
@@ -362,7 +428,7 @@ class CachedBackend(Backend):
                                      f"bytes); it changed during the read, load again")
             return mv, n
 
-        with open(path, "xb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
             pos, i = 0, 0
             nxt = pool.submit(fetch, i, pos) if info.size else None
             while nxt is not None:
@@ -371,67 +437,70 @@ class CachedBackend(Backend):
                 h.update(mv)
                 done = 0
                 while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
-                    done += f.write(mv[done:])
+                    done += f.write(mv[done:])  # type: ignore[operator]
                 pos, i = pos + n, i + 1
             if pos != info.size:
                 raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
             if self.fsync:
                 os.fsync(f.fileno())
-        return h.hexdigest()
+        return h
 
     # ---- eviction ----------------------------------------------------------------------------
-    def _entries(self) -> list[tuple[float, int, str, str, str]]:
-        out = []
-        for sub in os.listdir(self._data):
-            d = os.path.join(self._data, sub)
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                for name in os.listdir(d):
-                    if name.endswith(".json") or "-" not in name:
-                        continue
-                    key = name.split("-", 1)[0]
-                    p = os.path.join(d, name)
-                    with contextlib.suppress(FileNotFoundError):
-                        st = os.stat(p)
-                        out.append((st.st_mtime, st.st_size, p, os.path.join(d, f"{key}.json"),
-                                    os.path.join(self._locks, f"{key}.lock")))
-        return out
-
     def _evict(self) -> None:
-        if self.max_bytes is None:
-            return
-        entries = sorted(self._entries())
-        total = sum(e[1] for e in entries)
-        for _mtime, size, data, meta, lockp in entries:
-            if total <= self.max_bytes:
+        if self.max_bytes is not None:
+            self._shrink(self.max_bytes)
+
+    def _shrink(self, limit: int, *, everything: bool = False) -> None:
+        """Remove leftovers of dead fills, then entries by least recent use, until the cache holds at
+        most ``limit`` bytes (``everything``: all that is not in use). Never waits for a lock."""
+        items = sorted(scan(self.cache_dir), key=lambda it: (it.kind == "entry", it.mtime))
+        total = sum(it.size for it in items)
+        for it in items:
+            if total <= limit and not everything:
                 break
+            lockp = os.path.join(self._locks, f"{it.key}.lock")
             lock = _Lock.try_exclusive(lockp)
             if lock is None:
                 continue  # in use or being filled
             with lock:
-                if os.path.exists(data):
-                    self._discard(data, meta)
-                    total -= size
-                    self._count(evictions=1)
+                if self._remove(it):
+                    total -= it.size
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(lockp)  # holders re-check the inode, so this is safe
 
+    def _remove(self, it: Item) -> bool:
+        """Holding ``it``'s exclusive lock: remove its files unless they changed since the scan."""
+        if it.kind == "entry":
+            if not os.path.exists(it.paths[0]):
+                return False  # evicted by someone else
+            self._count(evictions=1)
+        elif it.kind == "meta":
+            with contextlib.suppress(FileNotFoundError):
+                if any(n.startswith(it.key + "-") for n in os.listdir(os.path.dirname(it.paths[0]))):
+                    return False  # its fill completed after the scan
+        for p in it.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        return True
+
     def cached_bytes(self) -> int:
-        """Bytes currently held in the cache directory."""
-        return sum(e[1] for e in self._entries())
+        """Bytes the cache holds on disk (entries, their metadata, fills in progress or killed)."""
+        return cache_usage(self.cache_dir)["bytes"]
+
+    def usage(self) -> dict[str, int]:
+        """``entries``, ``bytes`` and ``partial_bytes`` on disk (see :func:`.cache_entries.usage`)."""
+        return cache_usage(self.cache_dir)
 
     def clear(self) -> None:
-        """Remove every entry not in use."""
-        saved, self.max_bytes = self.max_bytes, 0
-        try:
-            self._evict()
-        finally:
-            self.max_bytes = saved
+        """Remove every entry and leftover not in use."""
+        self._shrink(0, everything=True)
 
     # ---- public cache operations -------------------------------------------------------------
     def fill(self, uri: str, info: ObjectInfo | None = None) -> ObjectInfo:
         """Make sure the current version of ``uri`` is cached; returns the remote info it was keyed by."""
-        with self._entry(uri, info) as (_path, got):
-            return got
+        info = info or self._remote_info(uri)
+        with self._entry(uri, info):
+            return info
 
     def fill_many(self, uris: Iterable[str], *, threads: int | None = None) -> dict[str, ObjectInfo]:
         """:meth:`fill` for many objects in parallel (``threads`` defaults to the inner concurrency)."""
@@ -440,34 +509,40 @@ class CachedBackend(Backend):
             return dict(zip(uris, pool.map(self.fill, uris)))
 
     # ---- Backend: reads served from the cache ------------------------------------------------
+    def _read(self, uri: str, serve: Callable[[Entry], Any], through: Callable[[], Any]) -> Any:
+        try:
+            with self._entry(uri, serve=serve) as (_entry, out):
+                return out
+        except _InUse as e:
+            self._read_through(uri, e)
+            return through()
+
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        with self.open_reader(uri) as f:
-            f.seek(start)
-            return f.read() if end is None else f.read(max(0, end - start))
+        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)),
+                          lambda: self.inner.read_range(uri, start, end))
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        from .local import _preadinto
-
-        with self._entry(uri) as (path, _info):
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            return _preadinto(fd, memoryview(buf).cast("B"), offset)
-        finally:
-            os.close(fd)
+        mv = memoryview(buf).cast("B")
+        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
+                          lambda: self.inner.readinto(uri, mv, offset))
 
     def read(self, uri: str) -> bytes:
-        with self.open_reader(uri) as f:
-            return f.read()
+        return self.read_range(uri)
 
     def open_reader(self, uri: str, *, size: int | None = None) -> BinaryIO:
-        """A real file on the entry; it keeps working if the entry is evicted while open."""
-        with self._entry(uri) as (path, _info):
-            return open(path, "rb")
+        """A real file on the entry, verified whole first; it keeps working if the entry is evicted while open."""
+        return self._read(uri, _verified_file, lambda: self.inner.open_reader(uri))
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:
-        """The cache entry itself, protected from eviction for the duration of the block. Read only."""
-        with self._entry(uri) as (path, _info):
+        """The cache entry itself, verified whole, protected from eviction for the duration of the block. Read only."""
+        with contextlib.ExitStack() as held:
+            try:
+                entry, _ = held.enter_context(self._entry(uri, serve=lambda e: _on_fd(e, e.verify)))
+                path = entry.path
+            except _InUse as e:
+                self._read_through(uri, e)
+                path = held.enter_context(self.inner.get_local_path(uri))
             yield path
 
     @contextlib.contextmanager
@@ -522,15 +597,22 @@ class CachedBackend(Backend):
         self.inner.close()
 
 
-def _file_xxh3(path: str) -> str:
-    h = xxhash.xxh3_64()
-    buf = bytearray(_HASH_CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                return h.hexdigest()
-            h.update(memoryview(buf)[:n])
+def _on_fd(entry: Entry, fn: Callable[[int], Any]) -> Any:
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        return fn(fd)
+    finally:
+        os.close(fd)
+
+
+def _verified_file(entry: Entry) -> BinaryIO:
+    f = open(entry.path, "rb")
+    try:
+        entry.verify(f.fileno())
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 # ---- configuration: how ``cache=`` arguments and settings become a CachedBackend -------------
