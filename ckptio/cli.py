@@ -260,6 +260,12 @@ class _StorageType:
         self.dtype = dtype
 
 
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise FormatError(f"pickled _codecs.encode with encoding {encoding!r}: only latin1 (torch's bytes) is read")
+    return text.encode("latin1")
+
+
 class _TorchInspector(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import collections
@@ -271,9 +277,7 @@ class _TorchInspector(pickle.Unpickler):
         if module == "builtins" and name in ("set", "frozenset", "complex", "slice", "bytearray", "tuple", "list", "dict"):
             return getattr(__import__("builtins"), name)
         if module == "_codecs" and name == "encode":
-            import _codecs
-
-            return _codecs.encode
+            return _latin1_encode  # how torch pickles bytes; no other codec
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return self._tensor
         if module == "torch._utils" and name == "_rebuild_parameter":

@@ -202,3 +202,23 @@ def test_secrets_never_in_cli_output(tmp_path, s3_faults):
         outs += [r.stdout, r.stderr]
     assert "***" in "".join(outs) or "attempt" in "".join(outs)
     _assert_clean(*outs)
+
+
+def test_cli_inspector_decodes_only_latin1_bytes():
+    """`ckptio info` on a .pt reads its pickle with an inspector; `_codecs.encode` is how torch pickles
+    bytes (latin1), and no other codec (zlib, bz2: compression bombs, arbitrary transforms) is run."""
+    import _codecs
+
+    from ckptio.cli import _TorchInspector
+    from ckptio.errors import FormatError
+
+    def payload(encoding: str) -> bytes:
+        class P:
+            def __reduce__(self):
+                return _codecs.encode, ("x" * 64, encoding)
+        return pickle.dumps({"b": P()}, protocol=2)
+
+    assert _TorchInspector(__import__("io").BytesIO(payload("latin1"))).load() == {"b": b"x" * 64}
+    for enc in ("zlib_codec", "bz2_codec", "rot13"):
+        with pytest.raises(FormatError, match="only latin1"):
+            _TorchInspector(__import__("io").BytesIO(payload(enc))).load()
