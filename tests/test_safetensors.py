@@ -122,7 +122,7 @@ def test_dump_refuses_bad_metadata(local_uri, md, what):
 
 # ---- every storage -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fx", ["local_uri", "memory_uri", "s3_uri", "gcs_uri"])
+@pytest.mark.parametrize("fx", ["local_uri", "memory_uri", "s3_uri", "gcs_uri", "fsspec_uri", "user_uri"])
 def test_round_trip_partial_and_map_location(request, fx):
     uri = request.getfixturevalue(fx) + "/run/model.safetensors"
     sd = sample()
@@ -139,6 +139,10 @@ def test_round_trip_partial_and_map_location(request, fx):
     assert ckptio.load(uri, keys=["ids"], map_location={"cpu": "cpu"})["ids"].device.type == "cpu"
     with pytest.raises(KeyError, match="nope"):
         ckptio.load(uri, keys=["nope"])
+    twice = ckptio.load(uri, keys=["ids", "u8", "ids"])  # one read per range, not two
+    assert list(twice) == ["ids", "u8"] and torch.equal(twice["ids"], sd["ids"]) and torch.equal(twice["u8"], sd["u8"])
+    with pytest.raises(TypeError, match="list"):
+        ckptio.load(uri, keys="ids")
     with pytest.raises(ckptio.AlreadyExistsError):
         ckptio.dump(sd, uri, mode="create")
 
@@ -410,3 +414,17 @@ def test_crafted_files_raise_format_errors_in_a_subprocess(tmp_path):
                                                   "crafted.safetensors")):
             assert kind in ("FormatError", "IntegrityError"), (name, kind, msg)
             assert where in msg and want in msg, (name, msg)
+
+
+# ---- the benchmark runs (no timing checks) -------------------------------------------------------
+
+def test_benchmark_smoke(tmp_path, capsys):
+    sys.path.insert(0, ROOT)
+    from benchmarks import safetensors_bench
+
+    assert safetensors_bench.main(["--size-mib", "1", "--runs", "1", "--no-s3", "--out", str(tmp_path)]) == 0
+    (out,) = tmp_path.iterdir()
+    doc = json.loads(out.read_text())
+    ratios = [r for table in doc["results"] for r in table["ratios"]]
+    assert len(ratios) == 4 and all(r["ratio"] > 0 for r in ratios)
+    assert "ckptio.load (mapped)" in capsys.readouterr().out

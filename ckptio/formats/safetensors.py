@@ -19,12 +19,15 @@ every dtype known, every shape a list of non-negative integers whose size in byt
 last one (the package's own rules). Every violation is a :class:`~ckptio.errors.FormatError`
 (:class:`~ckptio.errors.IntegrityError` for truncation) naming the file and the key.
 
-Loads reuse fastpickle's reading machinery. A local file (or node-cache entry) is mapped privately
-and each tensor is a copy-on-write view of the mapping (what ``safetensors.torch.load_file`` does;
-``mmap=False`` reads into fresh memory instead); any other storage is read with parallel ranged
-reads straight into the tensors, the header first (with the first part of the file on a full load),
-then only the byte ranges of the requested ``keys``. A tensor the file stores at an offset that is
-not a multiple of its element size is copied into aligned memory.
+Loads reuse fastpickle's sources and the backend's parallel ranged reads. A local file (or node-cache
+entry) is mapped privately and each tensor is a copy-on-write view of the mapping (what
+``safetensors.torch.load_file`` does; ``mmap=False`` reads into fresh memory with ``preadv``
+instead). Any other storage: the header first (one read of the first 256 KiB), then, for a full
+load, the rest of the file into one allocation with the backend's ``readinto`` (``part_size``
+ranges, ``concurrency`` at a time, no staging copy), each tensor a storage of its own over its
+bytes, as with a mapping; with ``keys`` only the byte ranges of those tensors, through fastpickle's
+coalesced parallel reads. A tensor stored at an offset that is not a multiple of its element size
+is copied into aligned memory.
 
 A sharded checkpoint is loaded by naming its index (``ckptio.load(".../model.safetensors.index.json")``):
 the shards it names in ``weight_map`` are read from the index's directory, each only for the keys
@@ -188,7 +191,8 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
     return metadata, entries
 
 
-def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry]]:
+def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
+    """Metadata, tensors and the first bytes of the file (one read for all but the largest headers)."""
     name, size = src.name, src.size
     if size < 8:
         raise IntegrityError(f"{name}: {size} bytes is too short for a safetensors file (truncated?)")
@@ -202,7 +206,7 @@ def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry]]:
     raw = first[8: 8 + n]
     if len(raw) < n:
         raw += src.read(len(first), 8 + n - len(first))
-    return parse_header(raw, name, size)
+    return (*parse_header(raw, name, size), first)
 
 
 def _shard_uri(index: str, root: str, key: str, shard: Any) -> str:
@@ -260,18 +264,33 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _read_data(src: _Source, entries: list[TensorEntry], head: bytes) -> dict[int, torch.Tensor]:
+    """A whole remote file: the data after the header in one allocation, read with the backend's parallel
+    ranged reads straight into it (as few requests as ``part_size`` allows, no staging copy); each tensor
+    gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
+    start = min((e.offset for e in entries), default=src.size)
+    buf = torch.empty(src.size - start, dtype=torch.uint8)
+    mv = memoryview(buf.numpy())
+    have = max(0, min(len(head) - start, len(mv)))
+    mv[:have] = head[start: start + have]  # what the header's read brought along
+    got = have + (src.backend.readinto(src.name, mv[have:], start + have) if have < len(mv) else 0)  # type: ignore[attr-defined]
+    if got != len(mv):
+        raise IntegrityError(f"{src.name}: truncated while reading: bytes [{start}, {src.size}) returned only {got}")
+    arr = buf.numpy()
+    return {i: torch.frombuffer(arr, dtype=torch.uint8, count=e.nbytes, offset=e.offset - start)
+            for i, e in enumerate(entries) if e.nbytes}
+
+
 def _load_source(src: _Source, *, keys: Iterable[str] | None = None, map_location: Any = None,
                  mmap: bool | None = None, index: str | None = None, whole: bool = False) -> dict[str, torch.Tensor]:
     """``{key: tensor}`` from one file; ``index``: the keys come from that shard index; ``whole``: they
     are (about) all of the file's."""
     mapped = src.fd is not None if mmap is None else mmap
-    if (keys is None or whole) and not mapped and hasattr(src, "read_ahead"):
-        src.read_ahead()  # type: ignore[attr-defined]  # the header arrives with the first part of the data
-    _, entries = _read_header(src)
+    _, entries, head = _read_header(src)
     if keys is not None:
         by_key = {e.key: e for e in entries}
         picked = []
-        for k in keys:
+        for k in _unique_keys(keys):  # a key twice would be two reads of one range
             if k not in by_key:
                 if index is not None:
                     raise FormatError(f"{index} maps {k!r} to {src.name}, which has no such tensor")
@@ -289,19 +308,27 @@ def _load_source(src: _Source, *, keys: Iterable[str] | None = None, map_locatio
     idxs = [i for i, e in enumerate(entries) if e.nbytes]
     if mapped:
         payloads = _map_payloads(src, meta, idxs, False)
-        for i in idxs:  # views must be aligned to their element size
-            if infos[i].offset % getattr(torch, infos[i].dtype).itemsize:
-                payloads[i] = payloads[i].clone()
-    else:
+    elif (keys is None or whole) and hasattr(src, "backend"):
+        payloads = _read_data(src, entries, head)
+    else:  # fastpickle's coalesced parallel reads of the ranges needed (preadv into the tensors when local)
         payloads = _read_payloads(src, meta, idxs, False)
+    for i in idxs:  # views of a mapping or of one buffer must be aligned to their element size
+        if payloads[i].data_ptr() % getattr(torch, infos[i].dtype).itemsize:
+            payloads[i] = payloads[i].clone()
     payloads.update({i: torch.empty(0, dtype=torch.uint8) for i, e in enumerate(entries) if not e.nbytes})
     make = _tensor_factory(meta, payloads, map_location)
     return {e.key: make(i) for i, e in enumerate(entries)}
 
 
+def _unique_keys(keys: Iterable[str]) -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a list of tensor names, got the string {keys!r}")
+    return list(dict.fromkeys(keys))
+
+
 def _load_index(backend: Backend, uri: str, keys: Iterable[str] | None, **kw: Any) -> dict[str, torch.Tensor]:
     _, weight_map = _read_index(backend, uri)
-    wanted = list(weight_map) if keys is None else list(keys)
+    wanted = list(weight_map) if keys is None else _unique_keys(keys)
     by_shard: dict[str, list[str]] = {}
     for k in wanted:
         if k not in weight_map:
@@ -422,8 +449,6 @@ class SafetensorsFormat(Format):
 
     def load(self, backend: Backend, uri: str, *, keys: Iterable[str] | None = None, map_location: Any = None,
              mmap: bool | None = None) -> dict[str, torch.Tensor]:
-        if isinstance(keys, str):
-            raise TypeError(f"keys must be a list of tensor names, got the string {keys!r}")
         if uri.lower().endswith(INDEX_SUFFIX):
             return _load_index(backend, uri, keys, map_location=map_location, mmap=mmap)
         return _with_source(_source_for(backend, uri), lambda src: _load_source(
@@ -442,7 +467,7 @@ class SafetensorsFormat(Format):
         """The header(s), validated; no tensor bytes are read."""
         if not uri.lower().endswith(INDEX_SUFFIX):
             def one(src: _Source) -> Inspection:
-                metadata, entries = _read_header(src)
+                metadata, entries, _ = _read_header(src)
                 return Inspection(uri, src.size, metadata, entries, [uri])
             return _with_source(_source_for(backend, uri), one)
         metadata, weight_map = _read_index(backend, uri)
