@@ -432,6 +432,7 @@ class SafetensorsFormat(Format):
 
     ``mmap=None`` maps local files and reads anything else; ``keys`` loads only those tensors
     (KeyError for a key the file lacks). An index URI loads the sharded checkpoint it describes.
+    ``allow_pickle`` is accepted as every format takes it; safetensors holds nothing to unpickle.
     """
 
     name = "safetensors"
@@ -448,7 +449,7 @@ class SafetensorsFormat(Format):
             _write(header, tensors, _sink_for(w, durable and getattr(backend, "durable", True)))
 
     def load(self, backend: Backend, uri: str, *, keys: Iterable[str] | None = None, map_location: Any = None,
-             mmap: bool | None = None) -> dict[str, torch.Tensor]:
+             mmap: bool | None = None, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
         if uri.lower().endswith(INDEX_SUFFIX):
             return _load_index(backend, uri, keys, map_location=map_location, mmap=mmap)
         return _with_source(_source_for(backend, uri), lambda src: _load_source(
@@ -459,7 +460,7 @@ class SafetensorsFormat(Format):
         _write(header, tensors, _Sink(_writer_for(f.write)))
 
     def load_file(self, f: IO, *, keys: Iterable[str] | None = None, map_location: Any = None,
-                  mmap: bool | None = None, **kw: Any) -> dict[str, torch.Tensor]:
+                  mmap: bool | None = None, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
         return _with_source(_open_source(f, {}), lambda src: _load_source(
             src, keys=keys, map_location=map_location, mmap=mmap))
 
