@@ -33,7 +33,6 @@ import json
 import math
 import os
 import pickle
-import struct
 import sys
 import time
 import traceback
@@ -356,29 +355,24 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors (header only)
+# formats that inspect and verify their own files (safetensors)
+
+
+def _format(name: str) -> Any:
+    from . import registry
+
+    return registry.formats.by_name(name).instance()
 
 
 def inspect_safetensors(backend: Backend, uri: str) -> dict[str, Any]:
-    size = backend.stat(uri).size
-    head = backend.read_range(uri, 0, 8)
-    if len(head) < 8:
-        raise IntegrityError(f"{uri}: truncated safetensors header")
-    (n,) = struct.unpack("<Q", head)
-    if n > min(size - 8, 100 << 20):
-        raise IntegrityError(f"{uri}: safetensors header length {n} is beyond the file ({size} bytes)")
-    try:
-        header = json.loads(backend.read_range(uri, 8, 8 + n))
-    except ValueError as e:
-        raise IntegrityError(f"{uri}: safetensors header is not JSON: {e}") from None
-    meta = header.pop("__metadata__", {})
-    tensors = [{"key": k, "dtype": v.get("dtype"), "shape": v.get("shape"),
-                "nbytes": v["data_offsets"][1] - v["data_offsets"][0]} for k, v in header.items()]
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise IntegrityError(f"{uri}: truncated: tensors end at byte {8 + n + end}, the file has {size}")
-    return {"format": "safetensors", "tensors": tensors, "tensor_bytes": sum(t["nbytes"] for t in tensors),
-            "values": meta}
+    insp = _format("safetensors").inspect(backend, uri)
+    tensors = [{"key": t.key, "dtype": t.torch_dtype or t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+               for t in insp.tensors]
+    out = {"format": "safetensors", "tensors": tensors, "tensor_bytes": sum(t["nbytes"] for t in tensors),
+           "values": insp.metadata, "size": insp.size}
+    if insp.files != [uri]:
+        out["shards"] = len(insp.files)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,8 +476,11 @@ def _detect(backend: Backend, uri: str) -> tuple[str, str]:
         return "fastpickle", uri
     if name.endswith(TORCH_EXTS):
         return "torch", uri
-    if name.endswith(".safetensors"):
-        return "safetensors", uri
+    with contextlib.suppress(UnknownFormatError):
+        from . import registry
+
+        if registry.formats.find(uri).name == "safetensors":  # a file or a shard index
+            return "safetensors", uri
     return "other", uri
 
 
@@ -568,8 +565,7 @@ def verify(uri: str) -> dict[str, Any]:
     elif kind == "torch":
         out = verify_torch(backend, resolved)
     elif kind == "safetensors":
-        inspect_safetensors(backend, resolved)
-        out = {"what": "header and length only: safetensors stores no checksums", "checked": 0}
+        out = _format("safetensors").verify(backend, resolved)
     else:
         raise FormatError(f"{uri}: no checksums to verify for this format (supported: .fpk, DCP directories, "
                           f"{', '.join(TORCH_EXTS)}, .safetensors)")

@@ -148,7 +148,7 @@ def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
     total = backend.stat(resolved).size if progress not in (None, False) else 0
     with _reporting(progress, backend, uri, total) as counted:
-        if isinstance(backend, CachedBackend):  # formats see a plain local file: mmap and path loads work
+        if isinstance(backend, CachedBackend) and not fmt.reads_through_cache:  # a plain local file: mmap works
             with backend.as_local(resolved) as (local, path):
                 return fmt.load(local, path, **kwargs)
         return fmt.load(counted, resolved, **kwargs)

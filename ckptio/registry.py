@@ -267,3 +267,5 @@ formats.register("msgpack", [".msgpack", ".mpk"], "ckptio.formats.simple:Msgpack
 formats.register("npy", [".npy"], "ckptio.formats.simple:NumpyFormat")
 formats.register("torch", [".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt"], "ckptio.formats.torch:TorchFormat")
 formats.register("fastpickle", [".fpk"], "ckptio.fastpickle:FastpickleFormat")
+formats.register("safetensors", [".safetensors", ".safetensors.index.json"],
+                 "ckptio.formats.safetensors:SafetensorsFormat")

@@ -17,6 +17,9 @@ from ..errors import FormatError
 class Format(abc.ABC):
     name: ClassVar[str] = "base"
     extensions: ClassVar[tuple[str, ...]] = ()
+    # True: load() gets a node-local cache backend as it is and reads its entries itself (fastpickle's
+    # sources do), for formats that read objects next to ``uri``; otherwise it gets the entry's local file
+    reads_through_cache: ClassVar[bool] = False
 
     @abc.abstractmethod
     def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", **kwargs: Any) -> None:
@@ -33,6 +36,14 @@ class Format(abc.ABC):
     def load_file(self, f: IO, **kwargs: Any) -> Any:
         """Deserialize from an open file object."""
         raise NotImplementedError(f"format {self.name!r} cannot read from a file object")
+
+    def inspect(self, backend: Backend, uri: str) -> Any:
+        """What the file holds, without reading tensor bytes (``ckptio info``)."""
+        raise NotImplementedError(f"format {self.name!r} cannot inspect files")
+
+    def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """Check everything the format can check (``ckptio verify``); FormatError/IntegrityError if bad."""
+        raise NotImplementedError(f"format {self.name!r} cannot verify files")
 
     def __repr__(self) -> str:
         return f"<format {self.name!r} {list(self.extensions)}>"
