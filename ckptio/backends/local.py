@@ -16,7 +16,7 @@ import uuid
 from typing import BinaryIO, Iterator
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError, TransferError
+from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
 from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
@@ -32,10 +32,10 @@ def local_path(uri: str) -> str:
 
 @contextlib.contextmanager
 def translate_os_errors(uri: str) -> Iterator[None]:
-    """Re-raise OSErrors as ckptio errors naming ``uri``."""
+    """Re-raise OSErrors as ckptio errors naming ``uri`` (a ckptio error already names its object)."""
     try:
         yield
-    except (NotFoundError, AlreadyExistsError, AccessDeniedError):
+    except CkptioError:
         raise
     except FileNotFoundError as e:
         raise NotFoundError(uri) from e
@@ -46,9 +46,10 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-            raise TransferError(e.errno, f"{what} while writing {uri}", uri) from e
+        full = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)"}
+        if e.errno in full:
+            raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
         if e.errno == errno.EROFS:
             raise AccessDeniedError(uri, "read-only file system") from e
         raise
