@@ -51,7 +51,7 @@ import xxhash
 
 from .. import uri as _uri
 from ..errors import IntegrityError, NotFoundError, SettingsError
-from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer
 
 ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
 DEFAULT_LOCK_TIMEOUT = 1800.0
@@ -517,6 +517,12 @@ class CachedBackend(Backend):
             for u in [u for u in self._pins if u.startswith(uri)]:
                 del self._pins[u]
         self.inner.rmtree(uri)
+
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        return self.inner.list_pending_writes(uri)
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        self.inner.abort_pending_write(write)
 
     def close(self) -> None:
         self.inner.close()

@@ -2,7 +2,9 @@
 
 Writes are atomic: bytes go to a temporary file in the target directory, are fsynced, and are
 renamed (``overwrite``) or hard-linked (``create``, which fails if the name exists) into place,
-then the directory is fsynced. A crash never leaves a torn file under the final name.
+then the directory is fsynced. A crash never leaves a torn file under the final name; a killed
+writer leaves its temporary file, ``.<name>.ckptio-tmp-<random>``, which listings hide and
+``list_pending_writes`` reports (its ``since`` is the file's mtime, the last write).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import BinaryIO, Iterator
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
-from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
 
@@ -219,6 +221,30 @@ class LocalBackend(Backend):
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)
+
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        root = local_path(uri)
+        prefix = uri.rstrip("/") if uri.rstrip("/") else uri
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            for fn in sorted(filenames):
+                at = fn.find(TMP_MARKER)
+                if not fn.startswith(".") or at < 2:
+                    continue
+                path = os.path.join(dirpath, fn)
+                try:
+                    since = os.stat(path).st_mtime
+                except FileNotFoundError:  # committed or aborted meanwhile
+                    continue
+                target = fn[1:at] if rel == "." else f"{rel}/{fn[1:at]}"
+                yield PendingWrite(f"{prefix}/{target}", since, path)
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        if TMP_MARKER not in os.path.basename(write.handle):
+            raise ValueError(f"not a temporary file of a pending write to {write.uri}: {write.handle!r}")
+        with contextlib.suppress(FileNotFoundError), translate_os_errors(write.uri):
+            os.unlink(write.handle)
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         with translate_os_errors(src), open(local_path(src), "rb") as fsrc:
