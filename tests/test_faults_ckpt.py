@@ -138,3 +138,16 @@ def test_checkpointer_resume_with_expired_token_and_provider(s3_faults):
     out = blank()
     assert Checkpointer(root, format="dcp").load(out) == 2 and same(out, make_state(2))
     assert s3_faults.fired("expired") == 2 and len(calls) >= 3  # one per backend instance + 2 refreshes
+
+
+def test_checkpointer_without_permission_to_list_uploads_warns_and_saves(s3_faults):
+    """Listing multipart uploads is a permission of its own (s3:ListBucketMultipartUploads): without it
+    the start-up cleanup is skipped with a warning that says what to grant, and saves work."""
+    from ckptio.checkpointer import CheckpointWarning
+
+    root = s3_faults.uri + "/run"
+    s3_faults.add(Fault("status", status=403, method="GET", path="uploads", fraction=1.0))
+    ck = Checkpointer(root, format="fpk", stale_after=0)
+    with pytest.warns(CheckpointWarning, match="s3:ListBucketMultipartUploads"):
+        ck.save(1, make_state(1))
+    assert s3_faults.fired() == 1 and ck.list() == [1]
