@@ -231,7 +231,9 @@ def test_next_start_removes_the_pointer_temp_file_of_a_killed_save(tmp_path):
 
 
 def big_state(step: int) -> dict:
-    return {"w": torch.full((3 * 1024 * 1024,), float(step))}  # 12 MiB: a multipart upload of 5 MiB parts
+    """12 MiB: a multipart upload of 5 MiB parts. Built without a torch op: an OpenMP pool the parent
+    used before the fork would hang the child's parallel fill."""
+    return {"w": torch.frombuffer(bytearray(12 * 1024 * 1024), dtype=torch.float32)}
 
 
 def test_next_start_aborts_the_multipart_upload_of_a_killed_save(s3_uri, s3_endpoint, tmp_path):
