@@ -21,6 +21,11 @@ Commit protocol of ``save(step, state)``:
 5. retention deletes old checkpoints of this root (marker first, so a crash mid-delete leaves an
    uncommitted directory, never a committed one with files missing), never the latest.
 
+Before its first save, rank 0 also discards what killed saves left under root and storage keeps:
+S3 multipart uploads and local temporary files (``.latest.txt.ckptio-tmp-*``) of the pointer and
+of step directories, started more than ``stale_after`` seconds ago (6 hours by default, so never
+a save still running in another process), through the backend's ``list_pending_writes``.
+
 A crash anywhere leaves the pointer naming a complete checkpoint, or naming an incomplete/missing
 one, in which case :meth:`Checkpointer.latest` falls back to the newest complete checkpoint and says
 which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
@@ -67,6 +72,7 @@ STEP_DIGITS = 12
 FORMATS = ("dcp", "fpk", "pt")
 _DATA_FILE = {"pt": "state.pt", "fpk": "state.fpk"}
 _FILE_FORMAT = {"pt": "torch", "fpk": "fastpickle"}  # the ckptio format each data file is read with, whatever its name
+STALE_AFTER = 6 * 3600.0
 
 
 class CheckpointWarning(RuntimeWarning):
@@ -304,6 +310,8 @@ class Checkpointer:
     ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
     ``process_group``: the group to coordinate over (default: a new gloo group when
     ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
+    ``stale_after``: seconds after which an unfinished write under root is taken for the debris of a
+    killed save and discarded before the first save (see above); ``None``: never.
     ``background_nice``: the async persist thread (and the threads it starts) runs at this nice
     increment on Linux, so background I/O yields the CPU to training; ``None`` leaves it unchanged.
     ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
@@ -316,7 +324,8 @@ class Checkpointer:
                  keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = False, process_group: Any = None,
                  timeout: float = 600.0, weights_only: bool = True, save_options: Mapping[str, Any] | None = None,
-                 load_options: Mapping[str, Any] | None = None, background_nice: int | None = 10) -> None:
+                 load_options: Mapping[str, Any] | None = None, background_nice: int | None = 10,
+                 stale_after: float | None = STALE_AFTER) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -326,6 +335,8 @@ class Checkpointer:
             raise ValueError("keep_best needs best_metric= (the metrics key to rank checkpoints by)")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if stale_after is not None and not float(stale_after) >= 0:
+            raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
         self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
         self.format = format
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
@@ -336,6 +347,8 @@ class Checkpointer:
         self.weights_only = bool(weights_only)
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
+        self.stale_after = None if stale_after is None else float(stale_after)
+        self._swept = stale_after is None
         self.last_load: LoadResult | None = None
         self._backend, self._root = resolve(self.root_uri)
         self._names: dict[int, str] = {}
@@ -523,7 +536,33 @@ class Checkpointer:
         self._on_rank0(self._commit, step, manifest)
         log.info("saved checkpoint %s in %.2fs", self.uri(step), time.perf_counter() - t0)
 
+    def _abort_stale_writes(self) -> None:
+        """Discard the unfinished writes killed saves left under root (``stale_after``); once."""
+        prefix = self._root.rstrip("/") + "/"
+
+        def ours(uri: str) -> bool:  # the pointer, or something in a step directory
+            rel = uri[len(prefix):] if uri.startswith(prefix) else ""
+            return rel == POINTER_NAME or ("/" in rel and rel.split("/", 1)[0].isdigit())
+
+        cutoff = time.time() - (self.stale_after or 0.0)
+        try:
+            stale = [w for w in self._backend.list_pending_writes(self._root) if w.since <= cutoff and ours(w.uri)]
+            for w in stale:
+                self._backend.abort_pending_write(w)
+        except PermissionError as e:
+            warnings.warn(f"{self.root_uri}: cannot discard the unfinished writes of killed saves ({e}); they stay "
+                          "until removed otherwise (S3: grant s3:ListBucketMultipartUploads and "
+                          "s3:AbortMultipartUpload, or add a lifecycle rule); stale_after=None skips this",
+                          CheckpointWarning, stacklevel=2)
+        else:
+            if stale:
+                log.info("discarded %d unfinished write(s) of killed saves under %s: %s", len(stale), self.root_uri,
+                         ", ".join(sorted({w.uri for w in stale})))
+        self._swept = True
+
     def _prepare(self, step: int) -> None:
+        if not self._swept:
+            self._abort_stale_writes()
         d = self._dir(step)
         self._manifests.pop(step, None)
         if self._committed(step):

@@ -664,11 +664,33 @@ def cmd_cp(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _storage_root(uri: str) -> str | None:
+    """What a resolved ``uri`` is the whole of (``"bucket"``, ``"filesystem"``), or None when it is below that."""
+    scheme, rest = _uri.split(uri)
+    if scheme in ("", "file"):
+        return "filesystem" if os.path.realpath(os.path.expanduser(rest) or ".") == os.path.realpath(os.sep) else None
+    return "bucket" if "/" not in rest.strip("/") else None
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on a terminal; anything but yes (or no terminal) is no."""
+    if not sys.stdin.isatty():
+        return False
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 def cmd_rm(args: argparse.Namespace, out: Out) -> int:
     backend, uri = resolve(args.uri)
     if _kind(backend, uri) == "dir":
         if not args.recursive:
             raise UsageError(f"{args.uri} is a directory; pass -r to remove it and everything under it")
+        whole = _storage_root(uri)
+        if whole and not args.force:
+            named = args.uri if args.uri == uri else f"{args.uri} ({uri})"
+            if not _confirmed(f"ckptio rm: {named} is a whole {whole}; remove everything in it?"):
+                raise UsageError(f"refusing to remove everything in {named}: it is a whole {whole}; pass --force "
+                                 "to remove it all")
         victims = [i.uri for i in backend.list(uri, recursive=True) if not i.is_dir]
         backend.rmtree(uri)
         if _uri.scheme_of(uri) in ("", "file"):  # local directories stay behind empty; object stores have none
@@ -819,6 +841,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("rm", parents=[common], help="remove an object (-r: a directory/prefix)")
     a.add_argument("uri")
     a.add_argument("-r", "--recursive", action="store_true")
+    a.add_argument("-f", "--force", action="store_true",
+                   help="with -r on a whole bucket (s3://B, gs://B, memory://B) or /: do not ask, remove it all")
     a.set_defaults(func=cmd_rm)
 
     a = sub.add_parser("info", parents=[common], help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors")

@@ -2,7 +2,9 @@
 chunk written, an object committed, an object or tree deleted), for many N: during data writes,
 between data and marker, between marker and pointer, during cleanup. Afterwards the latest
 checkpoint always loads complete and correct, no save that returned is lost, and a fresh
-Checkpointer on the same root continues."""
+Checkpointer on the same root continues. What a killed save leaves that storage keeps (a local
+temporary file of the pointer, an S3 multipart upload) is discarded by a later Checkpointer once
+it is older than ``stale_after``, and nothing else is."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
+from servers import s3_client
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
               pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
@@ -46,7 +49,7 @@ def check(state: dict, step: int) -> None:
 class Events:
     """Counts storage events of a backend class (in the child only) and kills the process at ``kill_at``."""
 
-    def __init__(self, cls: type, kill_at: int, log_path: str) -> None:
+    def __init__(self, cls: type, kill_at: int | tuple[str, str], log_path: str) -> None:
         self.n, self.kill_at, self.log = 0, kill_at, open(log_path, "w", buffering=1)
         self.lock = threading.Lock()
         events = self
@@ -94,12 +97,16 @@ class Events:
         with self.lock:  # DCP writes from several threads
             self.n += 1
             self.log.write(json.dumps([self.n, kind, uri]) + "\n")
-            if self.n == self.kill_at:
+            # kill_at: the event's number, or (kind, end of the URI) of the first such event
+            if self.n == self.kill_at or (isinstance(self.kill_at, tuple) and self.kill_at[0] == kind
+                                          and uri.endswith(self.kill_at[1])):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_child(root: str, fmt: str, kill_at: int, tmp: str, async_save: bool) -> list:
-    """Fork; the child saves steps 1..STEPS; returns (events logged, steps whose save returned, killed).
+def run_child(root: str, fmt: str, kill_at: int | tuple[str, str], tmp: str, async_save: bool,
+              state=make_state) -> list:
+    """Fork; the child saves ``state(step)`` for steps 1..STEPS; returns (events logged, steps whose
+    save returned, killed).
 
     The child inherits the parent's ckptio settings; its backend clients are recreated after the fork."""
     events_path, done_path = os.path.join(tmp, "events.jsonl"), os.path.join(tmp, "done.txt")
@@ -116,7 +123,7 @@ def run_child(root: str, fmt: str, kill_at: int, tmp: str, async_save: bool) -> 
             ck = Checkpointer(root, format=fmt, keep_last=KEEP, async_save=async_save)
             with open(done_path, "w", buffering=1) as done:
                 for step in range(1, STEPS + 1):
-                    ck.save(step, make_state(step))
+                    ck.save(step, state(step))
                     ck.wait()
                     done.write(f"{step}\n")
             code = 0
@@ -201,3 +208,52 @@ def test_sigkill_during_async_persist(tmp_path):
 
 def test_sigkill_on_s3(s3_uri, tmp_path):
     crash_and_recover(s3_uri + "/ck", "pt", str(tmp_path), limit=4)
+
+
+# ---- what killed saves leave behind -------------------------------------------------------------
+
+def test_next_start_removes_the_pointer_temp_file_of_a_killed_save(tmp_path):
+    ckptio.configure(backends=NO_FSYNC)
+    root, ck_dir = str(tmp_path / "ck"), tmp_path / "ck"
+    make_state(0)
+    _, _, killed = run_child(root, "pt", ("chunk", "/latest.txt"), str(tmp_path), False)  # mid pointer write
+    assert killed
+
+    def temps() -> list[str]:
+        return sorted(p.name for p in ck_dir.iterdir() if ".ckptio-tmp-" in p.name)
+
+    assert len(temps()) == 1 and temps()[0].startswith(".latest.txt.ckptio-tmp-")
+    Checkpointer(root, format="pt").save(5, make_state(5))
+    assert len(temps()) == 1  # written moments ago: it could be a save running in another process
+    ck = Checkpointer(root, format="pt", stale_after=0)
+    ck.save(6, make_state(6))
+    assert temps() == [] and ck.list() == [1, 5, 6] and ck.latest() == 6
+
+
+def big_state(step: int) -> dict:
+    """12 MiB: a multipart upload of 5 MiB parts. Built without a torch op: an OpenMP pool the parent
+    used before the fork would hang the child's parallel fill."""
+    return {"w": torch.frombuffer(bytearray(12 * 1024 * 1024), dtype=torch.float32)}
+
+
+def test_next_start_aborts_the_multipart_upload_of_a_killed_save(s3_uri, s3_endpoint, tmp_path):
+    ckptio.configure(backends={"s3": {"upload_part_size": "5MiB"}})
+    root, bucket = s3_uri + "/ck", s3_uri.removeprefix("s3://")
+    client = s3_client(s3_endpoint)
+
+    def uploads() -> list[str]:
+        return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+    _, _, killed = run_child(root, "pt", ("commit", "/state.pt"), str(tmp_path), False, state=big_state)
+    assert killed
+    killed_upload = uploads()
+    assert len(killed_upload) == 1 and killed_upload[0].startswith("ck/0") and killed_upload[0].endswith("/state.pt")
+    others = ["ck/notes/big.bin", "ck0/000000000001/state.pt", "other/big.bin"]  # not this Checkpointer's
+    for key in others:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    # moto dates every upload 2010-11-10: younger than a century, older than 0 seconds
+    Checkpointer(root, format="pt", stale_after=100 * 365 * 86400.0).save(5, make_state(5))
+    assert uploads() == sorted(killed_upload + others)
+    Checkpointer(root, format="pt", stale_after=0).save(6, make_state(6))
+    assert uploads() == others
+    assert ckptio.load(root + "/000000000006/state.pt")["trainer"] == {"step": 6}

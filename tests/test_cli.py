@@ -198,6 +198,57 @@ def test_verify_unsupported_format_and_plain_directory(local_uri, capsys):
     assert code == 0 and doc["format"] == "bytes" and doc["size"] == 1
 
 
+@pytest.mark.parametrize("fx", ["s3_uri", "gcs_uri", "memory_uri"])
+def test_rm_r_of_a_whole_bucket_needs_force(request, capsys, fx):
+    bucket = request.getfixturevalue(fx)
+    for key in ("a/b.bin", "c.bin"):
+        ckptio.put(b"x", f"{bucket}/{key}")
+    ckptio.configure(aliases={"whole": {"target": bucket}})
+    for given in (bucket, bucket + "/", "whole://"):
+        code, _, err = run(capsys, "rm", "-r", given)
+        assert code == cli.EXIT_USAGE and "whole bucket" in err and "pass --force" in err, err
+        assert given in err and bucket in err  # an alias is shown with what it names
+    assert ckptio.exists(f"{bucket}/a/b.bin") and ckptio.exists(f"{bucket}/c.bin")
+    assert run(capsys, "rm", "-r", f"{bucket}/a")[0] == 0  # below the bucket: no question
+    assert run(capsys, "rm", "-r", "--force", "whole://")[0] == 0
+    assert not ckptio.exists(f"{bucket}/c.bin")
+
+
+def test_rm_r_of_the_filesystem_root_needs_force(capsys, monkeypatch):
+    from ckptio.backends.local import LocalBackend
+
+    def never(*a, **kw):
+        raise AssertionError("rm -r / went on to list or delete")
+
+    for name in ("list", "rmtree", "delete"):  # so a missing guard fails this test instead of deleting /
+        monkeypatch.setattr(LocalBackend, name, never)
+    monkeypatch.setattr("shutil.rmtree", never)
+    for given in ("/", "file:///", "/tmp/.."):
+        code, _, err = run(capsys, "rm", "-r", given)
+        assert code == cli.EXIT_USAGE and "whole filesystem" in err and "pass --force" in err, err
+
+
+def test_rm_r_of_a_whole_bucket_asks_on_a_terminal():
+    import pty
+
+    code = ("import ckptio, sys\n"
+            "from ckptio.cli import main\n"
+            "ckptio.put(b'x', 'memory://b/k')\n"
+            "rc = main(['rm', '-r', 'memory://b'])\n"
+            "print('exit', rc, 'left', ckptio.exists('memory://b/k'))\n")
+    for answer, expect in (("n", "exit 2 left True"), ("", "exit 2 left True"), ("y", "exit 0 left False")):
+        master, slave = pty.openpty()
+        try:
+            os.write(master, f"{answer}\n".encode())
+            r = subprocess.run([sys.executable, "-c", code], stdin=slave, capture_output=True, text=True,
+                               timeout=120)
+        finally:
+            os.close(slave)
+            os.close(master)
+        assert "memory://b is a whole bucket; remove everything in it? [y/N]" in r.stderr, r.stderr
+        assert expect in r.stdout, (answer, r.stdout, r.stderr)
+
+
 def test_config_redacts_secrets(s3_uri, capsys):
     ckptio.configure(aliases={"ckpt": {"target": f"{s3_uri}/checkpoints"}})
     code, doc = run_json(capsys, "config")

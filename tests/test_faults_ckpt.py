@@ -1,14 +1,13 @@
 """DCP save/load and Checkpointer save/resume on S3 and GCS with faults injected by a proxy.
 
 Transient faults (503, 500, resets, stalls, truncated bodies, an expired token) end in a correct
-round trip; a permanent fault makes the save fail with a clear error within the deadline, and the
+round trip; a permanent fault makes the save fail with a clear error once its attempts run out, and the
 last committed checkpoint stays the latest and loads exactly, with nothing of the failed step
 visible as committed.
 """
 
 from __future__ import annotations
 
-import time
 import traceback
 
 import pytest
@@ -70,12 +69,11 @@ def test_dcp_permanent_fault_leaves_no_commit(faults):
     good, bad = faults.uri + "/dcp/good", faults.uri + "/dcp/bad"
     dcp.save(make_state(1), good)
     writes_fail(faults)
-    t0 = time.monotonic()
     with pytest.raises(BaseException) as ei:  # torch's CheckpointException is a BaseException
         dcp.save(make_state(2), bad)
-    assert time.monotonic() - t0 < FAST["deadline"]
     text = "".join(traceback.format_exception(ei.value))
-    assert "attempt(s)" in text and bad in text  # torch wraps it; the cause names object and attempts
+    # torch wraps it; the cause names object and attempts; it ran out of attempts, well within the deadline
+    assert f"gave up after {FAST['max_attempts']} attempt(s)" in text and bad in text
     faults.clear()
     assert not dcp.is_complete(bad) and dcp.is_complete(good)
     out = blank()
@@ -104,13 +102,11 @@ def test_checkpointer_permanent_fault_keeps_last_commit(request, store, fmt):
     ck = Checkpointer(root, format=fmt)
     ck.save(1, make_state(1))
     writes_fail(faults)
-    t0 = time.monotonic()
     with pytest.raises(BaseException) as ei:  # dcp: torch's CheckpointException (a BaseException) wraps it
         ck.save(2, make_state(2))
-    assert time.monotonic() - t0 < FAST["deadline"]
     text = "".join(traceback.format_exception(ei.value))
     assert isinstance(ei.value, TransferError) or "TransferError" in text
-    assert root in text and "attempt(s)" in text
+    assert root in text and f"gave up after {FAST['max_attempts']} attempt(s)" in text  # not the deadline
     faults.clear()
     fresh = Checkpointer(root, format=fmt)
     assert fresh.latest() == 1 and fresh.list() == [1]
@@ -138,3 +134,16 @@ def test_checkpointer_resume_with_expired_token_and_provider(s3_faults):
     out = blank()
     assert Checkpointer(root, format="dcp").load(out) == 2 and same(out, make_state(2))
     assert s3_faults.fired("expired") == 2 and len(calls) >= 3  # one per backend instance + 2 refreshes
+
+
+def test_checkpointer_without_permission_to_list_uploads_warns_and_saves(s3_faults):
+    """Listing multipart uploads is a permission of its own (s3:ListBucketMultipartUploads): without it
+    the start-up cleanup is skipped with a warning that says what to grant, and saves work."""
+    from ckptio.checkpointer import CheckpointWarning
+
+    root = s3_faults.uri + "/run"
+    s3_faults.add(Fault("status", status=403, method="GET", path="uploads", fraction=1.0))
+    ck = Checkpointer(root, format="fpk", stale_after=0)
+    with pytest.warns(CheckpointWarning, match="s3:ListBucketMultipartUploads"):
+        ck.save(1, make_state(1))
+    assert s3_faults.fired() == 1 and ck.list() == [1]

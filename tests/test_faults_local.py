@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +96,33 @@ def test_disk_full_during_checkpointer_save_keeps_last_commit(small_fs):
     state = {"model": {"w": torch.zeros(1000)}}
     assert fresh.latest() == 1 and fresh.load(state) == 1 and torch.equal(state["model"]["w"], torch.ones(1000))
     assert not any(".ckptio-tmp-" in n for n in _names(small_fs))
+
+
+def test_cp_onto_a_full_disk_names_the_destination(small_fs, tmp_path, capsys):
+    from ckptio import cli
+
+    src, dst = tmp_path / "src.bin", small_fs / "copy.bin"
+    src.write_bytes(os.urandom(2 * 1024 * 1024))
+    code = cli.main(["cp", str(src), str(dst)])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILURE and "no space left on device" in err
+    assert str(dst) in err and str(src) not in err, err
+    assert _names(small_fs) == []  # no temporary file left
+
+
+def test_cp_past_the_file_size_limit_names_the_destination(tmp_path):
+    """Without a small filesystem to mount: RLIMIT_FSIZE makes the write fail (EFBIG) in a subprocess."""
+    src, dst = tmp_path / "src.bin", tmp_path / "out" / "copy.bin"
+    src.write_bytes(os.urandom(2 * 1024 * 1024))
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+            "from ckptio.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "cp", str(src), str(dst)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "file too large" in r.stderr, r.stderr
+    assert str(dst) in r.stderr and str(src) not in r.stderr, r.stderr
+    assert os.listdir(dst.parent) == []  # no temporary file left
 
 
 def test_read_only_mount(ro_fs):

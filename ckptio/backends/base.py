@@ -2,7 +2,9 @@
 
 A backend must provide six operations (ranged read, streaming write with a mode, stat, list,
 delete) and may override the derived ones (``readinto``, ``write``, ``copy``...) when the storage
-can do them faster. Backends take and return full URIs (after alias resolution), so their errors
+can do them faster. Optional capabilities have a default that declines: ``list_pending_writes``
+yields nothing unless the storage can keep the debris of a killed writer (S3 multipart uploads,
+local temporary files). Backends take and return full URIs (after alias resolution), so their errors
 name the object. They raise only the exceptions in :mod:`ckptio.errors` (and built-ins they
 subclass); client-specific errors are translated here at the boundary.
 """
@@ -37,6 +39,18 @@ class ObjectInfo:
     mtime: float | None = None
     version: str | None = None
     is_dir: bool = False
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A write that was started and neither committed nor aborted: the debris of a killed writer, or a
+    write in progress. ``uri`` is the object it would create; ``since`` is when it was started (local
+    temporary files: last written), in seconds since the epoch; ``handle`` is what
+    :meth:`Backend.abort_pending_write` needs (an upload id, a temporary file)."""
+
+    uri: str
+    since: float
+    handle: str
 
 
 def check_mode(mode: str) -> None:
@@ -282,6 +296,17 @@ class Backend(abc.ABC):
             if not info.is_dir:
                 with contextlib.suppress(FileNotFoundError):
                     self.delete(info.uri)
+
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        """Writes of objects under the prefix ``uri`` (recursive) that were started and never committed
+        or aborted. Default: none, for storages where an unfinished write leaves nothing behind (memory,
+        fsspec's spooled writes) or where it expires on its own (GCS resumable upload sessions, after a
+        week). A write in progress in another process is listed too: callers decide by ``since``."""
+        return iter(())
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        """Discard what a pending write left (one listed by :meth:`list_pending_writes`); already
+        gone: no error."""
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:

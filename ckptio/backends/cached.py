@@ -60,7 +60,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, CkptioError, IntegrityError, SettingsError
-from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer
 from .cache_entries import BlockHasher, Damaged, Entry, Item, block_size, scan
 from .cache_entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
 
@@ -592,6 +592,12 @@ class CachedBackend(Backend):
             for u in [u for u in self._pins if u.startswith(uri)]:
                 del self._pins[u]
         self.inner.rmtree(uri)
+
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        return self.inner.list_pending_writes(uri)
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        self.inner.abort_pending_write(write)
 
     def close(self) -> None:
         self.inner.close()

@@ -11,6 +11,8 @@ token is the object's generation.
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
 decorator is not on this path). A resumable-upload chunk that fails is retried alone: the
 upload's status is queried first and only the bytes the server has not persisted are re-sent.
+A killed writer's resumable upload session needs no cleanup: GCS discards it a week after it
+started, and it is not an object (``list_pending_writes`` keeps the default: none).
 ``credential_provider`` (a callable or ``"module:function"`` returning an OAuth access token, or a
 dict with ``token``) is called when GCS answers 401; its token is sent as a Bearer token.
 """

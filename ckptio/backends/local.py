@@ -2,7 +2,9 @@
 
 Writes are atomic: bytes go to a temporary file in the target directory, are fsynced, and are
 renamed (``overwrite``) or hard-linked (``create``, which fails if the name exists) into place,
-then the directory is fsynced. A crash never leaves a torn file under the final name.
+then the directory is fsynced. A crash never leaves a torn file under the final name; a killed
+writer leaves its temporary file, ``.<name>.ckptio-tmp-<random>``, which listings hide and
+``list_pending_writes`` reports (its ``since`` is the file's mtime, the last write).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import uuid
 from typing import BinaryIO, Iterator
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError, TransferError
-from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
+from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
 
@@ -32,10 +34,10 @@ def local_path(uri: str) -> str:
 
 @contextlib.contextmanager
 def translate_os_errors(uri: str) -> Iterator[None]:
-    """Re-raise OSErrors as ckptio errors naming ``uri``."""
+    """Re-raise OSErrors as ckptio errors naming ``uri`` (a ckptio error already names its object)."""
     try:
         yield
-    except (NotFoundError, AlreadyExistsError, AccessDeniedError):
+    except CkptioError:
         raise
     except FileNotFoundError as e:
         raise NotFoundError(uri) from e
@@ -46,9 +48,10 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-            raise TransferError(e.errno, f"{what} while writing {uri}", uri) from e
+        full = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)"}
+        if e.errno in full:
+            raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
         if e.errno == errno.EROFS:
             raise AccessDeniedError(uri, "read-only file system") from e
         raise
@@ -218,6 +221,30 @@ class LocalBackend(Backend):
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)
+
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        root = local_path(uri)
+        prefix = uri.rstrip("/") if uri.rstrip("/") else uri
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            for fn in sorted(filenames):
+                at = fn.find(TMP_MARKER)
+                if not fn.startswith(".") or at < 2:
+                    continue
+                path = os.path.join(dirpath, fn)
+                try:
+                    since = os.stat(path).st_mtime
+                except FileNotFoundError:  # committed or aborted meanwhile
+                    continue
+                target = fn[1:at] if rel == "." else f"{rel}/{fn[1:at]}"
+                yield PendingWrite(f"{prefix}/{target}", since, path)
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        if TMP_MARKER not in os.path.basename(write.handle):
+            raise ValueError(f"not a temporary file of a pending write to {write.uri}: {write.handle!r}")
+        with contextlib.suppress(FileNotFoundError), translate_os_errors(write.uri):
+            os.unlink(write.handle)
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         with translate_os_errors(src), open(local_path(src), "rb") as fsrc:

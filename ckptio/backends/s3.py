@@ -26,6 +26,12 @@ file) is for S3-compatible stores that reject checksum headers.
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
 two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
+
+A writer that fails aborts its multipart upload; one that is killed leaves it behind (S3 keeps and
+bills its parts until it is aborted). ``list_pending_writes``/``abort_pending_write`` find and abort
+those (``s3:ListBucketMultipartUploads``, ``s3:AbortMultipartUpload``); the Checkpointer does so under
+its root (see :mod:`ckptio.checkpointer`). A bucket lifecycle rule ``AbortIncompleteMultipartUpload``
+does it for a whole bucket.
 """
 
 from __future__ import annotations
@@ -37,14 +43,14 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from .. import retry as _retry
 from .. import uri as _uri
 from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, MissingDependencyError,
                       NotFoundError, TransferError)
 from . import _parallel
-from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
+from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 from .objectstore import Entry, ObjectStoreBackend
 
 try:
@@ -385,6 +391,26 @@ class S3Backend(ObjectStoreBackend):
                 e = r["Errors"][0]
                 raise TransferError(errno.EIO, f"S3 could not delete {len(r['Errors'])} object(s) under {uri}, "
                                     f"first: {e.get('Key')}: {e.get('Code')}", uri)
+
+    # ---- multipart uploads left by killed writers ---------------------------------------------
+    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
+        bucket, key = self._split(uri, key_required=False)
+        scheme = _uri.scheme_of(uri) or self.scheme
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key.strip("/") else ""}
+        while True:
+            r = self._call(uri, "list_multipart_uploads", **kw)
+            for u in r.get("Uploads", []):
+                yield PendingWrite(f"{scheme}://{bucket}/{u['Key']}", u["Initiated"].timestamp(), u["UploadId"])
+            if not r.get("IsTruncated"):
+                return
+            kw.update(KeyMarker=r.get("NextKeyMarker", ""), UploadIdMarker=r.get("NextUploadIdMarker", ""))
+
+    def abort_pending_write(self, write: PendingWrite) -> None:
+        bucket, key = self._split(write.uri)
+        try:
+            self._call(write.uri, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=write.handle)
+        except FileNotFoundError:  # NoSuchUpload: completed or aborted since it was listed
+            pass
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         check_mode(mode)
