@@ -21,6 +21,10 @@ the payloads are written). A reader takes the footer, checks it against the file
 and trailing bytes), reads and verifies the metadata, validates every offset, size, dtype and shape
 against the file before allocating anything, then reads only the payloads it needs.
 
+Containers (dict, list, tuple, set, frozenset, OrderedDict) nest at most MAX_DEPTH deep: the writer
+refuses deeper trees, naming the key path, and the reader refuses them too. The tree is decoded
+without native recursion (each tuple, set or dict with non-string keys is msgpack inside msgpack).
+
 I/O paths. Save: payloads go out straight from tensor memory, small ones gathered into vectored
 writes, checksums on another thread; no staging copy of CPU tensors. Local load: parallel preads
 into fresh buffers (populated with one madvise first), each payload verified right after its read,
@@ -764,6 +768,7 @@ class _Meta:
     qparams: dict[int, list]  # quantization parameters by tensor index
     tree: bytes
     check: Callable[[], None] | None = None  # a metadata check still to run (remote full loads)
+    all_cpu: bool = True  # every storage was saved from CPU memory
 
 
 def _read_meta(src: _Source, full: bool = False) -> _Meta:
@@ -851,7 +856,7 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
     if type(storages) is not list or type(tensors) is not list or type(tree) is not bytes:
         raise bad("missing storages, tensors or tree")
     out_s: list[tuple[int, int, int, str]] = []
-    prev_end = HEADER.size
+    prev_end, all_cpu = HEADER.size, True
     for i, s in enumerate(storages):
         if type(s) is not list or len(s) != 4:
             raise bad(f"storage {i} is not a 4-item list")
@@ -863,6 +868,7 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                       f"the payload area [{HEADER.size}, {data_end})")
         prev_end = off + nbytes
         out_s.append((off, nbytes, checksum, loc))
+        all_cpu = all_cpu and loc == "cpu"
     out_t: list[TensorInfo] = []
     qparams: dict[int, list] = {}
     nstor, lim, kinds = len(out_s), size * 8, ("torch", "numpy", "quantized")
@@ -873,7 +879,7 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         if not (type(kind) is int and type(sidx) is int and type(soff) is int and type(tflags) is int
                 and 0 <= kind <= 2 and 0 <= sidx < nstor and 0 <= soff <= lim and 0 <= tflags <= 3
                 and type(dtype) is str and type(path) is str and type(shape) is list and type(stride) is list
-                and len(shape) <= MAX_NDIM and _dims_ok(shape, lim) and _dims_ok(stride, lim)):
+                and len(shape) <= MAX_NDIM and _dims_ok(shape) and _dims_ok(stride)):
             raise bad(f"tensor {i} has invalid fields")
         nbytes = out_s[sidx][1]
         numel = math.prod(shape)
@@ -892,8 +898,8 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                 raise bad(f"tensor {key}: unknown dtype {dtype[:40]!r}")
             if len(stride) != len(shape):
                 raise bad(f"tensor {key}: shape and stride lengths differ")
-            if numel * dt.itemsize > _INT64_MAX:
-                raise bad(f"tensor {key}: shape {shape} of {dtype} is larger than any tensor can be")
+            if numel > _INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
+                raise bad(f"tensor {key}: shape {shape} has more elements than any tensor can have")
             if numel and (soff + sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * dt.itemsize > nbytes:
                 raise bad(f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
                           f"{nbytes} bytes")
@@ -909,11 +915,12 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         out_t.append(TensorInfo(i, path, kinds[kind], dtype, tuple(shape), tuple(stride), soff,
                                 bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
                                 checksum, loc))
-    return _Meta(name, size, flags, out_s, out_t, qparams, tree)
+    return _Meta(name, size, flags, out_s, out_t, qparams, tree, all_cpu=all_cpu)
 
 
-def _dims_ok(dims: list, lim: int) -> bool:
-    return not dims or (all(type(d) is int for d in dims) and min(dims) >= 0 and max(dims) <= lim)
+def _dims_ok(dims: list) -> bool:
+    """Sizes or strides as torch and numpy hold them (products are checked against the stored bytes)."""
+    return not dims or (all(type(d) is int for d in dims) and min(dims) >= 0 and max(dims) <= _INT64_MAX)
 
 
 def _valid_qextra(extra: Any, shape: list) -> bool:
@@ -1303,6 +1310,13 @@ def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location
                 st = _target_storage(st, meta.storages[sidx][3], map_location)
             storages[sidx] = st
         return st
+
+    if not (cpu_only and meta.all_cpu):  # devices first: their errors name the file and tensor, not the tree
+        for sidx in sorted(payloads.keys() & {t.storage for t in meta.tensors if t.kind != "numpy"}):
+            try:
+                storage(sidx)
+            except FormatError as e:
+                raise FormatError(f"{meta.source}: {_who(meta, sidx)}: {e}") from e
 
     def make(idx: int) -> Any:
         if idx in made:
