@@ -1114,50 +1114,62 @@ _CONTAINER_EXTS = frozenset((EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZE
 
 
 class _Pending:
-    """A container extension met while unpacking, filled in later by :func:`_decode_tree`'s loop.
+    """A container extension whose items hold containers, built later by :func:`_decode_tree`'s loop.
 
-    Its bytes are never unpacked from inside msgpack's ext hook: each nested ``unpackb`` takes tens
-    of KB of C stack, so a few hundred nested tuples used to overflow it (a segfault, not an error).
+    ``data`` is its msgpack, still to unpack, or ``items`` the unpacked list. Nested extensions are
+    never unpacked from inside msgpack's ext hook more than one level down: each nested ``unpackb``
+    takes tens of KB of C stack, so a few hundred nested tuples used to overflow it (a segfault).
     """
 
     __slots__ = ("code", "data", "items", "depth", "parent", "slot")
 
-    def __init__(self, code: int, data: bytes) -> None:
-        self.code, self.data = code, data
-        self.items: Any = None
-        self.parent: Any = None  # the list or dict holding it, at ``slot``
+    def __init__(self, code: int, data: bytes | None, items: list | None) -> None:
+        self.code, self.data, self.items = code, data, items
+        self.parent: Any = None  # the list or dict holding it, at ``slot``, ``depth`` containers deep
         self.slot: Any = None
         self.depth = 0
 
 
-_NESTED = frozenset((list, dict, _Pending))
+_WALK = frozenset((list, dict, _Pending))
+_BUILT = frozenset((tuple, set, frozenset, collections.OrderedDict))  # from extensions holding no containers
 
 
-def _place(top: list | dict, depth: int, found: list[_Pending]) -> None:
-    """Check the nesting below ``top`` (a container at ``depth``) and note where each of ``found`` sits.
+def _place(top: list | dict, depth: int, placed: list[_Pending]) -> None:
+    """Check the nesting below ``top`` (a container at ``depth``); note where each placeholder sits.
 
-    Containers whose items hold no container are skipped at C speed, so a long list of numbers or
-    tensors costs no Python work per item.
+    A container whose items hold no list, dict or placeholder is not walked: a long list of numbers
+    or a small dict of tensors costs no Python work per item.
     """
-    stack = [] if _NESTED.isdisjoint(map(type, top.values() if type(top) is dict else top)) else [(top, depth)]
-    while stack:  # each container on the stack holds containers, one level deeper
+    stack = [(top, depth)]
+    while stack:
         c, d = stack.pop()
-        d += 1
+        d += 1  # the depth of c's items
+        if _flat(c.values() if type(c) is dict else c, d):
+            continue
         if d > MAX_DEPTH:
-            raise FormatError(f"containers nested more than {MAX_DEPTH} deep, the most fastpickle supports")
+            raise _too_deep()
         for k, v in (c.items() if type(c) is dict else enumerate(c)):
             t = type(v)
-            if t is dict:
-                if not _NESTED.isdisjoint(map(type, v.values())):
-                    stack.append((v, d))
-            elif t is list:
-                if not _NESTED.isdisjoint(map(type, v)):
+            if t is list or t is dict:
+                if not _flat(v.values() if t is dict else v, d + 1):
                     stack.append((v, d))
             elif t is _Pending:
                 v.parent, v.slot, v.depth = c, k, d
-    for p in found:
-        if p.parent is None:
-            raise FormatError(f"extension {p.code} used as a map key")
+                placed.append(v)
+
+
+def _flat(items: Iterable[Any], d: int) -> bool:
+    """Whether ``items`` (at depth ``d``) hold no list, dict or placeholder; raises if they hold containers
+    built already deeper than MAX_DEPTH."""
+    if not _WALK.isdisjoint(map(type, items)):
+        return False
+    if d > MAX_DEPTH and not _BUILT.isdisjoint(map(type, items)):
+        raise _too_deep()
+    return True
+
+
+def _too_deep() -> FormatError:
+    return FormatError(f"containers nested more than {MAX_DEPTH} deep, the most fastpickle supports")
 
 
 def _build(code: int, items: list) -> Any:
@@ -1190,19 +1202,16 @@ def _unpack_plain(data: bytes) -> Any:
 def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, describe: bool = False) -> Any:
     """Decode the object tree; ``tensor(i)`` supplies tensor ``i``. ``describe``: pickles become PickledObject.
 
-    No native recursion: each container extension (tuple, set, dict with other keys) becomes a
-    :class:`_Pending` placeholder while its parent is unpacked; a loop unpacks the placeholders (their
-    own placeholders join the queue), then builds them children first and puts each in its slot.
-    The nesting depth is checked on the way, against the same MAX_DEPTH as at save.
+    No native recursion: the ext hook unpacks a container extension one level down, where nested
+    ones become :class:`_Pending` placeholders. One holding no containers (a tuple of numbers) is
+    built at once; any other is placed by :func:`_place`, which checks the depth against the same
+    MAX_DEPTH as at save; a loop unpacks and places the placeholders' own placeholders, then builds
+    them deepest first, each into its slot.
     """
     ntensors = len(meta.tensors)
-    found: list[_Pending] = []
+    created = 0
 
-    def hook(code: int, data: bytes) -> Any:
-        if code in _CONTAINER_EXTS:
-            p = _Pending(code, data)
-            found.append(p)
-            return p
+    def leaf(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
             idx = int.from_bytes(data, "little")
             if len(data) != 4 or idx >= ntensors:
@@ -1221,7 +1230,7 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         if code == EXT_DTYPE:
             dt = _DTYPES.get(data.decode())
             if dt is None:
-                raise FormatError(f"unknown torch dtype {data!r}")
+                raise FormatError(f"unknown torch dtype {data[:40]!r}")
             return dt
         if code == EXT_DEVICE:
             return torch.device(data.decode())
@@ -1244,25 +1253,49 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
             return pickle.loads(data)
         raise FormatError(f"unknown extension type {code}")
 
+    def inner(code: int, data: bytes) -> Any:  # one level down: containers wait for the loop
+        nonlocal created
+        if code in _CONTAINER_EXTS:
+            created += 1
+            return _Pending(code, data, None)
+        return leaf(code, data)
+
+    def hook(code: int, data: bytes) -> Any:
+        nonlocal created
+        if code not in _CONTAINER_EXTS:
+            return leaf(code, data)
+        items = msgpack.unpackb(data, ext_hook=inner, raw=False, strict_map_key=False, use_list=True)
+        if type(items) is not list:
+            raise FormatError(f"extension {code} does not hold a list")
+        if _WALK.isdisjoint(map(type, items)):
+            return _build(code, items)
+        created += 1
+        return _Pending(code, None, items)
+
     def unpack(data: bytes) -> Any:
         return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True)
 
     try:
         root = [unpack(meta.tree)]
-        _place(root, 0, found)
-        order, todo = found[:], found[:]  # every placeholder, parents before children; those to unpack
-        found.clear()
-        while todo:
-            p = todo.pop()
-            p.items, p.data = unpack(p.data), b""
-            if type(p.items) is not list:
-                raise FormatError(f"extension {p.code} does not hold a list")
-            _place(p.items, p.depth, found)
-            order += found
-            todo += found
-            found.clear()
-        for p in reversed(order):  # children before their parents
-            p.parent[p.slot] = _build(p.code, p.items)
+        placed: list[_Pending] = []
+        _place(root, 0, placed)
+        i = 0
+        while i < len(placed):  # placed grows as placeholders' items are placed in turn
+            p = placed[i]
+            i += 1
+            if p.items is None:
+                p.items, p.data = unpack(p.data), None
+                if type(p.items) is not list:
+                    raise FormatError(f"extension {p.code} does not hold a list")
+            _place(p.items, p.depth, placed)
+        if created != len(placed):
+            raise FormatError("a tuple, set or dict extension used as a map key")
+        by_depth: list[list[_Pending]] = [[] for _ in range(MAX_DEPTH + 1)]
+        for p in placed:
+            by_depth[p.depth].append(p)
+        for level in reversed(by_depth):  # the deepest first: a placeholder's items are built before it
+            for p in level:
+                p.parent[p.slot] = _build(p.code, p.items)
         return root[0]
     except FormatError as e:
         raise FormatError(f"{meta.source}: malformed tree: {e}") from e

@@ -175,19 +175,22 @@ def _child(workdir: str) -> None:
     import faulthandler
     import resource
 
+    import numpy as np
     import torch
 
     from ckptio.errors import FormatError
 
     faulthandler.enable()
+    replies = os.fdopen(os.dup(1), "wb")  # the answers; anything else printed goes to stderr
+    os.dup2(2, 1)
     path = os.path.join(workdir, "crafted.fpk")
-    fp.save({"w": torch.ones(3), "n": __import__("numpy").ones(2), "t": (1, {2})}, path)
+    fp.save({"w": torch.ones(3), "n": np.ones(2), "t": (1, {2})}, path)
     for op in ("load", "inspect", "info", "verify"):  # warm up: thread pools, lazy imports
         _run(op, path, {})
     with open("/proc/self/statm") as f:
         vsize = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (vsize + HEADROOM, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin = sys.stdin.buffer
     while True:
         head = stdin.read(8)
         if len(head) < 8:
@@ -204,8 +207,8 @@ def _child(workdir: str) -> None:
         except BaseException:  # noqa: BLE001 - reported to the test, which fails
             reply = ("unexpected", traceback.format_exc())
         msg = pickle.dumps(reply)
-        stdout.write(struct.pack("<Q", len(msg)) + msg)
-        stdout.flush()
+        replies.write(struct.pack("<Q", len(msg)) + msg)
+        replies.flush()
 
 
 class LoaderProcess:
@@ -217,7 +220,8 @@ class LoaderProcess:
         self.sent = 0
 
     def _start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        # few malloc arenas: each reserves 64 MiB of the capped address space
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MALLOC_ARENA_MAX": "2"}
         self._err = open(os.path.join(self.workdir, "child.stderr"), "ab")
         self.proc = subprocess.Popen([sys.executable, __file__, self.workdir], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, env=env)
@@ -243,9 +247,9 @@ class LoaderProcess:
             how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
             with open(os.path.join(self.workdir, "child.stderr"), "rb") as f:
                 tail = f.read()[-3000:].decode(errors="replace")
-            raise AssertionError(f"the loader process {'hung and was killed' if isinstance(e, TimeoutError) else 'died'}"
-                                 f" ({how}) on {op} {kw} of a {len(data)}-byte file, saved as {saved}:\n"
-                                 f"{tail}") from None
+            what = "hung and was killed" if isinstance(e, TimeoutError) else "died"
+            raise AssertionError(f"the loader process {what} ({how}) on {op} {kw} of a {len(data)}-byte file, "
+                                 f"saved as {saved}:\n{tail}") from None
 
     @property
     def path(self) -> str:

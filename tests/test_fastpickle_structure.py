@@ -55,6 +55,8 @@ def test_every_container_kind_at_and_beyond_the_bound(loader, tmp_path, kind):
     assert data == craft(nested_tree(kinds))  # what the crafting writes is what the writer writes
     assert loader.check(data, ALL_OPS, return_value=True) == "ok"
     assert loader.run("load", data, return_value=True)[1]["value"] == obj
+    if kind == "dict":  # a partial load walks the subtree it returns
+        assert loader.check(data, ("load",), keys=["k.k.k"], return_value=True) == "ok"
 
     deeper = nested_value(chain(DEPTH + 1))
     path = tmp_path / "deep.fpk"
@@ -85,6 +87,36 @@ def test_far_too_deep_is_a_clear_format_error(loader, kinds):
     assert "nested more than" in msg  # msgpack's own limit (1024 natively) or the bound, never an empty reason
 
 
+def _ext(code: int, value=None, raw: bytes | None = None) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb(value) if raw is None else raw)
+
+
+@pytest.mark.parametrize("tree,why", [
+    ({_ext(fp.EXT_TUPLE, [[1]]): 1}, "map key"),  # a placeholder would be left in the tree
+    (_ext(fp.EXT_TUPLE, 5), "does not hold a list"),
+    ([_ext(fp.EXT_TUPLE, [_ext(fp.EXT_SET, 5)])], "does not hold a list"),  # found by the loop, not the hook
+    (_ext(fp.EXT_GDICT, [1]), "odd number"),
+    (_ext(fp.EXT_SET, [[1]]), "unhashable"),
+    (_ext(fp.EXT_TUPLE, raw=b"\xc1"), "invalid msgpack"),
+    (_ext(fp.EXT_TUPLE, raw=b"\x92\x01"), "incomplete"),
+    (_ext(fp.EXT_TUPLE, raw=b"\x91" * 2000 + b"\xc0"), "nested more than msgpack"),
+    (msgpack.ExtType(0x7f, b""), "unknown extension"),
+])
+def test_malformed_trees_say_what_is_wrong(loader, tree, why):
+    data = craft(msgpack.packb(tree))
+    assert loader.check(data, ALL_OPS) == "format"
+    _, msg = loader.run("load", data)
+    assert msg.startswith(f"{loader.path}: malformed tree: ") and why in msg
+
+
+def test_a_tuple_of_scalars_counts_as_one_level():
+    """Extensions that hold no containers are built at once; they still count against the bound."""
+    ok = craft(nested_tree(["tuple"] + ["list"] * (DEPTH - 1)))
+    assert fp.load(io.BytesIO(ok)) == nested_value(["tuple"] + ["list"] * (DEPTH - 1))
+    with pytest.raises(fp.FormatError, match=f"nested more than {DEPTH}"):
+        fp.load(io.BytesIO(craft(nested_tree(["tuple"] + ["list"] * DEPTH))))
+
+
 @FUZZ
 @given(st.lists(st.sampled_from(sorted(KINDS)), min_size=DEPTH - 2, max_size=DEPTH + 2), st.booleans())
 def test_fuzz_mixed_nesting_around_the_bound(loader, kinds, tensor_leaf):
@@ -108,8 +140,9 @@ NP_DTYPES = ["S0", "U0", "S", "U", "a", "V0", "V8", "O", "|O", "S5", "U3", ">U2"
 TORCH_DTYPES = sorted(fp._DTYPES)
 DIMS = [0, 1, 2, 3, 7, 8, 64, 1000, 1 << 20, 1 << 31, 1 << 32, (1 << 62) + 1, (1 << 63) - 1, 1 << 63,
         (1 << 64) - 1, -1, -(1 << 63)]
-QEXTRA = [None, ["per_tensor_affine", 0.1, 0], ["per_tensor_affine", 0.0, (1 << 64) - 1], ["per_tensor_affine", float("nan"), 0],
-          ["per_channel_affine", [0.1, 0.2], [0, 0], 0], ["per_channel_affine", [0.1], [0], 5], ["bogus"]]
+QEXTRA = [None, ["per_tensor_affine", 0.1, 0], ["per_tensor_affine", 0.0, (1 << 64) - 1],
+          ["per_tensor_affine", float("nan"), 0], ["per_channel_affine", [0.1, 0.2], [0, 0], 0],
+          ["per_channel_affine", [0.1], [0], 5], ["bogus"]]
 
 
 @st.composite
