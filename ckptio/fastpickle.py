@@ -21,6 +21,10 @@ the payloads are written). A reader takes the footer, checks it against the file
 and trailing bytes), reads and verifies the metadata, validates every offset, size, dtype and shape
 against the file before allocating anything, then reads only the payloads it needs.
 
+Containers (dict, list, tuple, set, frozenset, OrderedDict) nest at most MAX_DEPTH deep: the writer
+refuses deeper trees, naming the key path, and the reader refuses them too. The tree is decoded
+without native recursion (each tuple, set or dict with non-string keys is msgpack inside msgpack).
+
 I/O paths. Save: payloads go out straight from tensor memory, small ones gathered into vectored
 writes, checksums on another thread; no staging copy of CPU tensors. Local load: parallel preads
 into fresh buffers (populated with one madvise first), each payload verified right after its read,
@@ -95,13 +99,18 @@ MAX_IOV = 512
 PREFAULT_MIN = 1 << 20  # local reads into fresh buffers at least this large populate them first
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
 MAX_NDIM = 64
+# Containers (dict, list, tuple, set, frozenset, OrderedDict) nested deeper than this are refused at save
+# (ValueError naming the key path) and at load (FormatError). Real training state nests a few levels; the
+# bound keeps the encoder and every recursive consumer of a loaded tree far from Python's recursion limit.
+MAX_DEPTH = 128
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
 }
 _QUANT_INT = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
+_QUANT_ALL = {d for n, d in _DTYPES.items() if n.startswith(("qint", "quint"))}  # never a plain tensor's dtype
 _NP_KINDS = "biufcmMSU"
-_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+_INT64_MIN, _INT64_MAX, _UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 _ZEROS = bytes(ALIGN)
 _EMPTY_HASH = xxhash.xxh3_64_intdigest(b"")
 _pack = functools.partial(msgpack.packb, use_bin_type=True, strict_types=True)
@@ -113,6 +122,13 @@ def _align(n: int) -> int:
 
 def _path_str(path: Sequence[Any]) -> str:
     return ".".join(map(str, path)) if path else "<root>"
+
+
+def _short_path(path: Sequence[Any]) -> str:
+    """A key path for messages, its middle elided when it is very long."""
+    if len(path) <= 12:
+        return _path_str(path)
+    return f"{_path_str(path[:6])}...({len(path) - 10} more)...{_path_str(path[-4:])}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -229,6 +245,9 @@ class _Encoder:
         return self._fallback(x, path, f"values of type {t.__module__}.{t.__qualname__}")
 
     def _container(self, x: Any, t: type, path: list) -> Any:
+        if len(path) >= MAX_DEPTH:
+            raise ValueError(f"fastpickle cannot save containers nested more than {MAX_DEPTH} deep (at "
+                             f"{_short_path(path)!r}); flatten that part of the state")
         if id(x) in self._active:
             raise ValueError(f"fastpickle cannot save a reference cycle (at {_path_str(path)!r})")
         self._active.add(id(x))
@@ -749,6 +768,7 @@ class _Meta:
     qparams: dict[int, list]  # quantization parameters by tensor index
     tree: bytes
     check: Callable[[], None] | None = None  # a metadata check still to run (remote full loads)
+    all_cpu: bool = True  # every storage was saved from CPU memory
 
 
 def _read_meta(src: _Source, full: bool = False) -> _Meta:
@@ -812,7 +832,7 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
         except FormatError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
-            raise FormatError(f"{name}: malformed metadata: {e}") from e
+            raise FormatError(f"{name}: malformed metadata: {_reason(e)}") from e
     except FormatError:
         if deferred:  # a checksum mismatch (corruption) explains malformed metadata better
             check_header(src.read(0, HEADER.size))
@@ -836,7 +856,7 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
     if type(storages) is not list or type(tensors) is not list or type(tree) is not bytes:
         raise bad("missing storages, tensors or tree")
     out_s: list[tuple[int, int, int, str]] = []
-    prev_end = HEADER.size
+    prev_end, all_cpu = HEADER.size, True
     for i, s in enumerate(storages):
         if type(s) is not list or len(s) != 4:
             raise bad(f"storage {i} is not a 4-item list")
@@ -848,6 +868,7 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                       f"the payload area [{HEADER.size}, {data_end})")
         prev_end = off + nbytes
         out_s.append((off, nbytes, checksum, loc))
+        all_cpu = all_cpu and loc == "cpu"
     out_t: list[TensorInfo] = []
     qparams: dict[int, list] = {}
     nstor, lim, kinds = len(out_s), size * 8, ("torch", "numpy", "quantized")
@@ -858,62 +879,72 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         if not (type(kind) is int and type(sidx) is int and type(soff) is int and type(tflags) is int
                 and 0 <= kind <= 2 and 0 <= sidx < nstor and 0 <= soff <= lim and 0 <= tflags <= 3
                 and type(dtype) is str and type(path) is str and type(shape) is list and type(stride) is list
-                and len(shape) <= MAX_NDIM and _dims_ok(shape, lim) and _dims_ok(stride, lim)):
+                and len(shape) <= MAX_NDIM and _dims_ok(shape) and _dims_ok(stride)):
             raise bad(f"tensor {i} has invalid fields")
         nbytes = out_s[sidx][1]
         numel = math.prod(shape)
+        key = repr(path if len(path) <= 200 else path[:200] + "...")
         if kind == KIND_NUMPY:
-            itemsize = _np_dtype(dtype, name).itemsize
+            itemsize = _np_dtype(dtype, f"{name}: malformed metadata: array {key}").itemsize
+            if not itemsize:  # numpy would allocate the array anyway, one byte per item
+                raise bad(f"array {key}: dtype {dtype} has 0 bytes per item")
+            if math.prod(d or 1 for d in shape) * itemsize > _INT64_MAX:
+                raise bad(f"array {key}: shape {shape} of {dtype} is larger than any array can be")
             if numel * itemsize != nbytes or stride or soff or tflags:
-                raise bad(f"array {path!r}: shape {shape} of {dtype} does not match its {nbytes} bytes")
+                raise bad(f"array {key}: shape {shape} of {dtype} does not match its {nbytes} bytes")
         else:
             dt = _DTYPES.get(dtype)
-            if dt is None or (kind == KIND_QUANT) != (dt in _QUANT_INT):
-                raise bad(f"tensor {path!r}: unknown dtype {dtype!r}")
+            if dt is None or (dt not in _QUANT_INT if kind == KIND_QUANT else dt in _QUANT_ALL):
+                raise bad(f"tensor {key}: unknown dtype {dtype[:40]!r}")
             if len(stride) != len(shape):
-                raise bad(f"tensor {path!r}: shape and stride lengths differ")
+                raise bad(f"tensor {key}: shape and stride lengths differ")
+            if numel > _INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
+                raise bad(f"tensor {key}: shape {shape} has more elements than any tensor can have")
             if numel and (soff + sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * dt.itemsize > nbytes:
-                raise bad(f"tensor {path!r}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
+                raise bad(f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
                           f"{nbytes} bytes")
             if tflags & TF_REQUIRES_GRAD and not (dt.is_floating_point or dt.is_complex):
-                raise bad(f"tensor {path!r}: requires_grad on dtype {dtype}")
+                raise bad(f"tensor {key}: requires_grad on dtype {dtype}")
             if kind == KIND_QUANT:
-                if not _valid_qextra(extra, shape):
-                    raise bad(f"tensor {path!r}: invalid quantization parameters")
+                # torch copies a quantized tensor out of its integers: no more elements than stored bytes
+                if numel * dt.itemsize > nbytes or not _valid_qextra(extra, shape):
+                    raise bad(f"tensor {key}: invalid quantization parameters or shape {shape} larger than its "
+                              f"{nbytes} bytes")
                 qparams[i] = extra
         off, nb, checksum, loc = out_s[sidx]
         out_t.append(TensorInfo(i, path, kinds[kind], dtype, tuple(shape), tuple(stride), soff,
                                 bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
                                 checksum, loc))
-    return _Meta(name, size, flags, out_s, out_t, qparams, tree)
+    return _Meta(name, size, flags, out_s, out_t, qparams, tree, all_cpu=all_cpu)
 
 
-def _dims_ok(dims: list, lim: int) -> bool:
-    return not dims or (all(type(d) is int for d in dims) and min(dims) >= 0 and max(dims) <= lim)
+def _dims_ok(dims: list) -> bool:
+    """Sizes or strides as torch and numpy hold them (products are checked against the stored bytes)."""
+    return not dims or (all(type(d) is int for d in dims) and min(dims) >= 0 and max(dims) <= _INT64_MAX)
 
 
 def _valid_qextra(extra: Any, shape: list) -> bool:
     if type(extra) is not list or not extra:
         return False
     if extra[0] == "per_tensor_affine":
-        return len(extra) == 3 and type(extra[1]) is float and type(extra[2]) is int
+        return len(extra) == 3 and type(extra[1]) is float and _is_int(extra[2], _INT64_MIN, _INT64_MAX)
     if extra[0] == "per_channel_affine" and len(extra) == 4:
         _, scales, zps, axis = extra
         return (_is_int(axis, 0, len(shape) - 1) and type(scales) is list and type(zps) is list
                 and len(scales) == len(zps) == shape[axis] and all(type(s) is float for s in scales)
-                and all(type(z) is int for z in zps))
+                and all(_is_int(z, _INT64_MIN, _INT64_MAX) for z in zps))
     return False
 
 
-def _np_dtype(s: Any, name: str) -> np.dtype:
+def _np_dtype(s: Any, where: str) -> np.dtype:
     try:
         if type(s) is not str or len(s) > 32:
             raise TypeError("not a short string")
         dt = np.dtype(s)
     except (TypeError, ValueError) as e:
-        raise FormatError(f"{name}: invalid numpy dtype {s!r}") from e
+        raise FormatError(f"{where}: invalid numpy dtype {repr(s)[:40]}") from e
     if dt.kind not in _NP_KINDS or dt.fields is not None or dt.subdtype is not None:
-        raise FormatError(f"{name}: numpy dtype {s!r} is not allowed")
+        raise FormatError(f"{where}: numpy dtype {s!r} is not allowed")
     return dt
 
 
@@ -1079,37 +1110,118 @@ class _Ref:
         return type(other) is _Ref and other.index == self.index
 
 
+_CONTAINER_EXTS = frozenset((EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZENSET))
+
+
+class _Pending:
+    """A container extension whose items hold containers, built later by :func:`_decode_tree`'s loop.
+
+    ``data`` is its msgpack, still to unpack, or ``items`` the unpacked list. Nested extensions are
+    never unpacked from inside msgpack's ext hook more than one level down: each nested ``unpackb``
+    takes tens of KB of C stack, so a few hundred nested tuples used to overflow it (a segfault).
+    """
+
+    __slots__ = ("code", "data", "items", "depth", "parent", "slot")
+
+    def __init__(self, code: int, data: bytes | None, items: list | None) -> None:
+        self.code, self.data, self.items = code, data, items
+        self.parent: Any = None  # the list or dict holding it, at ``slot``, ``depth`` containers deep
+        self.slot: Any = None
+        self.depth = 0
+
+
+_WALK = frozenset((list, dict, _Pending))
+_BUILT = frozenset((tuple, set, frozenset, collections.OrderedDict))  # from extensions holding no containers
+
+
+def _place(top: list | dict, depth: int, placed: list[_Pending]) -> None:
+    """Check the nesting below ``top`` (a container at ``depth``); note where each placeholder sits.
+
+    A container whose items hold no list, dict or placeholder is not walked: a long list of numbers
+    or a small dict of tensors costs no Python work per item.
+    """
+    stack = [(top, depth)]
+    while stack:
+        c, d = stack.pop()
+        d += 1  # the depth of c's items
+        if _flat(c.values() if type(c) is dict else c, d):
+            continue
+        if d > MAX_DEPTH:
+            raise _too_deep()
+        for k, v in (c.items() if type(c) is dict else enumerate(c)):
+            t = type(v)
+            if t is list or t is dict:
+                if not _flat(v.values() if t is dict else v, d + 1):
+                    stack.append((v, d))
+            elif t is _Pending:
+                v.parent, v.slot, v.depth = c, k, d
+                placed.append(v)
+
+
+def _flat(items: Iterable[Any], d: int) -> bool:
+    """Whether ``items`` (at depth ``d``) hold no list, dict or placeholder; raises if they hold containers
+    built already deeper than MAX_DEPTH."""
+    if not _WALK.isdisjoint(map(type, items)):
+        return False
+    if d > MAX_DEPTH and not _BUILT.isdisjoint(map(type, items)):
+        raise _too_deep()
+    return True
+
+
+def _too_deep() -> FormatError:
+    return FormatError(f"containers nested more than {MAX_DEPTH} deep, the most fastpickle supports")
+
+
+def _build(code: int, items: list) -> Any:
+    if code == EXT_TUPLE:
+        return tuple(items)
+    if code == EXT_SET:
+        return set(items)
+    if code == EXT_FROZENSET:
+        return frozenset(items)
+    if len(items) % 2:
+        raise FormatError("dict with an odd number of items")
+    pairs = zip(items[0::2], items[1::2])
+    return collections.OrderedDict(pairs) if code == EXT_ODICT else dict(pairs)
+
+
+def _reason(e: BaseException) -> str:
+    """What an exception from decoding says, never an empty string."""
+    if isinstance(e, msgpack.StackError):
+        return "msgpack data nested more than msgpack's 1024 levels"
+    if isinstance(e, msgpack.FormatError):
+        return "invalid msgpack data (a reserved type byte)"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _unpack_plain(data: bytes) -> Any:
+    """Unpack data that holds no container extensions (an extension comes back as an ExtType)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
 def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, describe: bool = False) -> Any:
-    """Decode the object tree; ``tensor(i)`` supplies tensor ``i``. ``describe``: pickles become PickledObject."""
+    """Decode the object tree; ``tensor(i)`` supplies tensor ``i``. ``describe``: pickles become PickledObject.
+
+    No native recursion: the ext hook unpacks a container extension one level down, where nested
+    ones become :class:`_Pending` placeholders. One holding no containers (a tuple of numbers) is
+    built at once; any other is placed by :func:`_place`, which checks the depth against the same
+    MAX_DEPTH as at save; a loop unpacks and places the placeholders' own placeholders, then builds
+    them deepest first, each into its slot.
+    """
     ntensors = len(meta.tensors)
+    created = 0
 
-    def unpack(data: bytes) -> Any:
-        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True)
-
-    def hook(code: int, data: bytes) -> Any:
+    def leaf(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
             idx = int.from_bytes(data, "little")
             if len(data) != 4 or idx >= ntensors:
                 raise FormatError(f"tensor reference {data!r} out of range")
             return tensor(idx)
-        if code in (EXT_TUPLE, EXT_SET, EXT_FROZENSET, EXT_SIZE, EXT_ODICT, EXT_GDICT):
-            items = unpack(data)
-            if type(items) is not list:
-                raise FormatError(f"extension {code} does not hold a list")
-            if code == EXT_TUPLE:
-                return tuple(items)
-            if code == EXT_SET:
-                return set(items)
-            if code == EXT_FROZENSET:
-                return frozenset(items)
-            if code == EXT_SIZE:
-                if not all(_is_int(d, 0, _UINT64_MAX) for d in items):
-                    raise FormatError("torch.Size with non-integer dimensions")
-                return torch.Size(items)
-            if len(items) % 2:
-                raise FormatError("dict with an odd number of items")
-            pairs = zip(items[0::2], items[1::2])
-            return collections.OrderedDict(pairs) if code == EXT_ODICT else dict(pairs)
+        if code == EXT_SIZE:
+            dims = _unpack_plain(data)
+            if type(dims) is not list or not all(_is_int(d, 0, _UINT64_MAX) for d in dims):
+                raise FormatError("torch.Size with non-integer dimensions")
+            return torch.Size(dims)
         if code == EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
         if code == EXT_COMPLEX:
@@ -1118,17 +1230,20 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         if code == EXT_DTYPE:
             dt = _DTYPES.get(data.decode())
             if dt is None:
-                raise FormatError(f"unknown torch dtype {data!r}")
+                raise FormatError(f"unknown torch dtype {data[:40]!r}")
             return dt
         if code == EXT_DEVICE:
             return torch.device(data.decode())
         if code == EXT_NPDTYPE:
-            return _np_dtype(data.decode(), meta.source)
+            return _np_dtype(data.decode(), "numpy dtype value")
         if code == EXT_NPSCALAR:
-            dts, raw = unpack(data)
-            dt = _np_dtype(dts, meta.source)
-            if type(raw) is not bytes or len(raw) != dt.itemsize:
-                raise FormatError(f"numpy scalar of {dts} with {len(raw)} bytes")
+            v = _unpack_plain(data)
+            if type(v) is not list or len(v) != 2:
+                raise FormatError("numpy scalar is not a [dtype, bytes] pair")
+            dts, raw = v
+            dt = _np_dtype(dts, "numpy scalar")
+            if type(raw) is not bytes or len(raw) != dt.itemsize or not dt.itemsize:
+                raise FormatError(f"numpy scalar of {dts} with {len(raw) if type(raw) is bytes else 'no'} bytes")
             return np.frombuffer(raw, dtype=dt)[0]
         if code == EXT_PICKLE:
             if describe:
@@ -1138,13 +1253,55 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
             return pickle.loads(data)
         raise FormatError(f"unknown extension type {code}")
 
+    def inner(code: int, data: bytes) -> Any:  # one level down: containers wait for the loop
+        nonlocal created
+        if code in _CONTAINER_EXTS:
+            created += 1
+            return _Pending(code, data, None)
+        return leaf(code, data)
+
+    def hook(code: int, data: bytes) -> Any:
+        nonlocal created
+        if code not in _CONTAINER_EXTS:
+            return leaf(code, data)
+        items = msgpack.unpackb(data, ext_hook=inner, raw=False, strict_map_key=False, use_list=True)
+        if type(items) is not list:
+            raise FormatError(f"extension {code} does not hold a list")
+        if _WALK.isdisjoint(map(type, items)):
+            return _build(code, items)
+        created += 1
+        return _Pending(code, None, items)
+
+    def unpack(data: bytes) -> Any:
+        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True)
+
     try:
-        return unpack(meta.tree)
+        root = [unpack(meta.tree)]
+        placed: list[_Pending] = []
+        _place(root, 0, placed)
+        i = 0
+        while i < len(placed):  # placed grows as placeholders' items are placed in turn
+            p = placed[i]
+            i += 1
+            if p.items is None:
+                p.items, p.data = unpack(p.data), None
+                if type(p.items) is not list:
+                    raise FormatError(f"extension {p.code} does not hold a list")
+            _place(p.items, p.depth, placed)
+        if created != len(placed):
+            raise FormatError("a tuple, set or dict extension used as a map key")
+        by_depth: list[list[_Pending]] = [[] for _ in range(MAX_DEPTH + 1)]
+        for p in placed:
+            by_depth[p.depth].append(p)
+        for level in reversed(by_depth):  # the deepest first: a placeholder's items are built before it
+            for p in level:
+                p.parent[p.slot] = _build(p.code, p.items)
+        return root[0]
     except FormatError as e:
         raise FormatError(f"{meta.source}: malformed tree: {e}") from e
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, struct.error,
             UnicodeDecodeError, RuntimeError) as e:
-        raise FormatError(f"{meta.source}: malformed tree: {type(e).__name__}: {e}") from e
+        raise FormatError(f"{meta.source}: malformed tree: {_reason(e)}") from e
 
 
 def _target_storage(storage: torch.UntypedStorage, location: str, map_location: Any) -> torch.UntypedStorage:
@@ -1186,6 +1343,13 @@ def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location
                 st = _target_storage(st, meta.storages[sidx][3], map_location)
             storages[sidx] = st
         return st
+
+    if not (cpu_only and meta.all_cpu):  # devices first: their errors name the file and tensor, not the tree
+        for sidx in sorted(payloads.keys() & {t.storage for t in meta.tensors if t.kind != "numpy"}):
+            try:
+                storage(sidx)
+            except FormatError as e:
+                raise FormatError(f"{meta.source}: {_who(meta, sidx)}: {e}") from e
 
     def make(idx: int) -> Any:
         if idx in made:
