@@ -25,7 +25,6 @@ import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -105,8 +104,7 @@ def rank_main(rank: int, world: int, port: int, endpoint: str, uri: str, base: s
 def distributed(endpoint: str, uri: str, size: int, ranks: int, reps: int, base: str) -> dict:
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from servers import free_port
+    from ckptio.bench.servers import free_port
 
     out = os.path.join(base, "times.json")
     mp.start_processes(rank_main, args=(ranks, free_port(), endpoint, uri, base, reps, out), nprocs=ranks,
@@ -126,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cache_bench.json"))
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from servers import MotoServer, make_s3_bucket
+    from ckptio.bench.servers import MotoServer, make_s3_bucket
 
     base = tempfile.mkdtemp(prefix="ckptio-cache-bench-")
     doc: dict = {"args": vars(args), "format": ".fpk"}

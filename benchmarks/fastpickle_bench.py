@@ -36,7 +36,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks._heap import trim_heap  # noqa: E402
+from ckptio.bench.heap import trim_heap  # noqa: E402
 from ckptio import fastpickle as fp  # noqa: E402
 
 MiB = 1 << 20
@@ -345,9 +345,8 @@ def bench_s3(b: Bench, nbytes: int) -> None:
     except ImportError as e:
         print(f"\nS3: skipped, the S3 backend or a baseline client is not available ({e})")
         return
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import ckptio
-    from servers import MotoServer, make_s3_bucket  # type: ignore[import-not-found]
+    from ckptio.bench.servers import MotoServer, make_s3_bucket
 
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in creds.items():

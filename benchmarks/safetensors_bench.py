@@ -43,12 +43,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import ckptio  # noqa: E402
-from benchmarks._heap import trim_heap  # noqa: E402
-from benchmarks.throughput import _fsync_path, make_state, nbytes, touch  # noqa: E402
+from ckptio.bench.heap import trim_heap  # noqa: E402
+from ckptio.bench.workload import fsync_path, make_state, nbytes, touch  # noqa: E402
 
 MiB = 1 << 20
 
@@ -110,7 +109,7 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
     def save_file(r: int, sync: bool) -> None:
         st.save_file(sd, fresh(f"st{int(sync)}", r))
         if sync:
-            _fsync_path(fresh(f"st{int(sync)}", r))
+            fsync_path(fresh(f"st{int(sync)}", r))
 
     saves = {
         "ckptio.dump (atomic + fsync)": lambda r: ckptio.dump(sd, fresh("ck1", r)),
@@ -128,7 +127,7 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
 def s3_bucket() -> Iterator[tuple[str, Any]]:
     import boto3
     import s3fs
-    from servers import MotoServer
+    from ckptio.bench.servers import MotoServer
 
     with MotoServer() as server:
         bucket = "bench-" + uuid.uuid4().hex[:8]

@@ -781,19 +781,6 @@ def cmd_config(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
-def _bench_module() -> Any:
-    try:
-        from benchmarks import throughput
-    except ImportError:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isfile(os.path.join(root, "benchmarks", "throughput.py")):
-            raise MissingDependencyError("`ckptio bench` needs the benchmarks/ directory of a ckptio source "
-                                         "checkout (run it from a clone)") from None
-        sys.path.insert(0, root)
-        from benchmarks import throughput
-    return throughput
-
-
 def cmd_bench(args: argparse.Namespace, out: Out) -> int:
     argv = list(args.bench_args)
     if argv and argv[0] == "--":
@@ -802,7 +789,9 @@ def cmd_bench(args: argparse.Namespace, out: Out) -> int:
         argv.append("--json")
     if out.quiet and "--quiet" not in argv:
         argv.append("--quiet")
-    return int(_bench_module().main(argv) or 0)
+    from .bench import throughput  # imported on use only: `import ckptio` stays cheap
+
+    return int(throughput.main(argv) or 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,116 +1,30 @@
 """Real storage servers on loopback for tests and benchmarks: moto (S3 API) and gcp-storage-emulator.
 
-Each server runs as a subprocess on a free 127.0.0.1 port; :meth:`Server.start` waits until it
-answers, :meth:`Server.stop` terminates its process group (and ``atexit`` does it for any still
-running). :class:`CountingProxy` sits in front of a server and records every request with the
-bytes sent and received, for tests that check what the server saw.
+The launchers (:class:`Server`, :class:`MotoServer`, :class:`GCSEmulator`, the bucket helpers) live
+in :mod:`ckptio.bench.servers`, since ``ckptio bench`` starts them too; they are re-exported here.
+This module adds what only tests use: moto over TLS, a boto3 client, and :class:`CountingProxy`,
+which sits in front of a server and records every request with the bytes sent and received, for
+tests that check what the server saw.
 """
 
 from __future__ import annotations
 
-import atexit
 import http.client
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-_running: list["Server"] = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _exe(name: str) -> str:
-    here = os.path.join(os.path.dirname(sys.executable), name)
-    return here if os.path.exists(here) else (shutil.which(name) or name)
-
-
-class Server:
-    """A storage server subprocess. ``url`` is its endpoint (``http://127.0.0.1:PORT``)."""
-
-    name = "server"
-    ready_path = "/"
-
-    ssl_context: Any = None  # how start() checks an https server's certificate
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    def env(self) -> dict[str, str]:
-        return dict(os.environ)
-
-    def start(self, timeout: float = 30.0) -> "Server":
-        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        _running.append(self)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting: {self.command()}")
-            try:
-                with urllib.request.urlopen(self.url + self.ready_path, timeout=1, context=self.ssl_context):
-                    return self
-            except urllib.error.HTTPError:
-                return self  # it answered
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{self.name} did not answer on {self.url} within {timeout}s")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if self in _running:
-            _running.remove(self)
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def __enter__(self) -> "Server":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class MotoServer(Server):
-    """S3 API (moto). Accepts any credentials; bucket names need >= 3 characters."""
-
-    name = "moto_server"
-    ready_path = "/moto-api/"
-
-    def command(self) -> list[str]:
-        return [_exe("moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
-
-    def reset(self) -> None:
-        """Drop every bucket and object (moto's reset API)."""
-        urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).close()
+from ckptio.bench.servers import (  # noqa: F401 - re-exported for the tests and benchmarks/
+    GCSEmulator,
+    MotoServer,
+    Server,
+    free_port,
+    make_gcs_bucket,
+    make_s3_bucket,
+)
 
 
 class TLSMotoServer(MotoServer):
@@ -159,23 +73,6 @@ def _self_signed_certificate(directory: str) -> tuple[str, str]:
     return cert_file, key_file
 
 
-class GCSEmulator(Server):
-    """gcp-storage-emulator, in memory. Note: it does not enforce ``ifGenerationMatch``."""
-
-    name = "gcp-storage-emulator"
-    ready_path = "/storage/v1/b"
-
-    def command(self) -> list[str]:
-        return [_exe("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(self.port),
-                "--in-memory", "--quiet"]
-
-
-@atexit.register
-def _stop_all() -> None:
-    for s in list(_running):
-        s.stop()
-
-
 # ---- bucket helpers ---------------------------------------------------------------------------
 
 def s3_client(endpoint: str):
@@ -183,19 +80,6 @@ def s3_client(endpoint: str):
 
     return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                         aws_secret_access_key="testing")
-
-
-def make_s3_bucket(endpoint: str, bucket: str) -> None:
-    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
-    urllib.request.urlopen(req, timeout=10).close()  # moto does not check signatures
-
-
-def make_gcs_bucket(endpoint: str, bucket: str) -> None:
-    import json
-
-    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    urllib.request.urlopen(req, timeout=10).close()
 
 
 # ---- a counting proxy -------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""A tiny run of benchmarks/throughput.py: the JSON and PNG it writes are complete and sane (no timing checks)."""
+"""A tiny run of the throughput benchmark (ckptio.bench, through benchmarks/throughput.py and `ckptio bench`):
+the JSON and PNG it writes are complete and sane (no timing checks); missing extras are named, not fatal.
+tests/test_bench_wheel.py runs it from an installed wheel."""
 
 from __future__ import annotations
 
@@ -65,3 +67,22 @@ def test_ckptio_bench_command(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["outputs"]["json"] == str(tmp_path / "cmd.json") and doc["outputs"]["png"] is None
     assert {r["backend"] for r in doc["results"]} == {"memory"}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsys):
+    from ckptio.bench import throughput as bench
+
+    for mod in ("moto", "matplotlib", "safetensors"):  # as if not installed
+        monkeypatch.setitem(sys.modules, mod, None)
+    code = bench.main(["--sizes", "64KiB", "--repeats", "1", "--backends", "local,s3", "--out", str(tmp_path),
+                       "--name", "bare", "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    hint = "pip install 'ckptio[bench]'"
+    assert f"s3 *: moto_server needs the Python module(s) moto, which are not installed: {hint}" in out
+    assert "local safetensors: baseline left out: the safetensors package is not installed" in out
+    assert f"chart:   (not written: matplotlib is not installed: {hint})" in out
+    doc = json.loads((tmp_path / "bare.json").read_text())
+    assert {r["backend"] for r in doc["results"]} == {"local"} and doc["outputs"]["png"] is None
+    assert not [r for r in doc["results"] if r["impl"] == "safetensors"]

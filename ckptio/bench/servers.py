@@ -1,0 +1,143 @@
+"""Storage servers on loopback for the benchmark (and the tests): moto (S3 API) and gcp-storage-emulator.
+
+Each server runs as a subprocess (``python -m moto.server`` / ``python -m gcp_storage_emulator``
+with this interpreter, so it works from any virtual environment that has the packages, activated
+or not) on a free 127.0.0.1 port; :meth:`Server.start` waits until it answers, :meth:`Server.stop`
+terminates its process group (and ``atexit`` does it for any still running). A missing package
+raises :class:`~ckptio.errors.MissingDependencyError` naming ``pip install 'ckptio[bench]'``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ..errors import MissingDependencyError
+
+_running: list["Server"] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A storage server subprocess. ``url`` is its endpoint (``http://127.0.0.1:PORT``)."""
+
+    name = "server"
+    ready_path = "/"
+    requires: tuple[str, ...] = ()  # modules the server needs (checked before starting it)
+
+    ssl_context: Any = None  # how start() checks an https server's certificate
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self, timeout: float = 30.0) -> "Server":
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise MissingDependencyError(f"{self.name} needs the Python module(s) {', '.join(missing)}, which are "
+                                         f"not installed: pip install 'ckptio[bench]'")
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        _running.append(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting: {self.command()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=1, context=self.ssl_context):
+                    return self
+            except urllib.error.HTTPError:
+                return self  # it answered
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer on {self.url} within {timeout}s")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if self in _running:
+            _running.remove(self)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class MotoServer(Server):
+    """S3 API (moto). Accepts any credentials; bucket names need >= 3 characters."""
+
+    name = "moto_server"
+    ready_path = "/moto-api/"
+    requires = ("moto", "flask", "flask_cors")  # moto[server]
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's reset API)."""
+        urllib.request.urlopen(urllib.request.Request(self.url + "/moto-api/reset", method="POST"), timeout=10).close()
+
+
+class GCSEmulator(Server):
+    """gcp-storage-emulator, in memory. Note: it does not enforce ``ifGenerationMatch``."""
+
+    name = "gcp-storage-emulator"
+    ready_path = "/storage/v1/b"
+    requires = ("gcp_storage_emulator",)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
+                str(self.port), "--in-memory", "--quiet"]
+
+
+@atexit.register
+def _stop_all() -> None:
+    for s in list(_running):
+        s.stop()
+
+
+def make_s3_bucket(endpoint: str, bucket: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
+    urllib.request.urlopen(req, timeout=10).close()  # moto does not check signatures
+
+
+def make_gcs_bucket(endpoint: str, bucket: str) -> None:
+    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    urllib.request.urlopen(req, timeout=10).close()
