@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, TypeVar
@@ -126,7 +127,15 @@ class _Registry:
             for ep in metadata.entry_points(group=self.group):
                 # an entry point names a class registered by decorator on import, or a class with
                 # ``prefixes``/``extensions`` attributes
-                obj = ep.load()
+                try:
+                    obj = ep.load()
+                except Exception as e:  # one broken plugin must not break every other lookup
+                    dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+                    warnings.warn(f"ckptio: skipping the {self.kind} plug-in {ep.name!r} ({ep.value}, from {dist}) "
+                                  f"of entry-point group {self.group!r}: it failed to import: "
+                                  f"{type(e).__name__}: {e}. Reinstall or uninstall that package.",
+                                  RuntimeWarning, stacklevel=3)
+                    continue
                 if self.by_name_unloaded(ep.name) is None:
                     keys = getattr(obj, "prefixes", None) or getattr(obj, "extensions", None) or ()
                     if keys:
