@@ -358,3 +358,25 @@ def test_manifest_format_switch_runs_no_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="weights_only"):
         Checkpointer(str(root), format="dcp").load({"m": {}})
     assert not os.path.exists(evil.marker)
+
+
+def test_extension_codes_cached_by_a_trusted_load_are_refused(tmp_path):
+    # EXT opcodes: the C unpickler serves a code from copyreg's cache without asking find_class once any
+    # load in the process resolved it; here os.system, registered and cached by a trusted plain load
+    marker = tmp_path / "PWNED"
+    path = _write(tmp_path / "ext.pkl", b"\x80\x02\x83\x00\x0f(S'touch " + str(marker).encode() + b"'\ntR.")
+    script = textwrap.dedent("""
+        import copyreg, pickle, sys
+        import ckptio
+        from ckptio.errors import FormatError
+        copyreg.add_extension("os", "system", 0xF00)
+        pickle.loads(b"\\x80\\x02\\x83\\x00\\x0f.")  # a trusted load resolves (and caches) the code
+        try:
+            ckptio.load(sys.argv[1])
+        except FormatError as e:
+            print("REFUSED", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert not marker.exists() and r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    assert "REFUSED" in r.stdout and path in r.stdout and "extension" in r.stdout, r.stdout
