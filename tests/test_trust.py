@@ -105,6 +105,10 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "torch tensor": pickle.dumps(torch.ones(2), protocol=2),
         "user class": pickle.dumps(Point(1, 2)),
         "scalar of a lying object dtype": pickle.dumps(_reduce_as(scalar, (obj_dtype, b"A" * 8))),
+        # numpy's __setstate__ loses the error of a field it cannot convert (SystemError, a leaked buffer)
+        "numpy structured object array with unconvertible items": pickle.dumps(_reduce_as(
+            recon, (np.ndarray, (0,), b"b"), (1, (2,), np.dtype([("o", "O"), ("i", "<i4")]), False,
+                                              [(None, "x"), bytearray(b"ab")]))),
     }
 
 
@@ -168,7 +172,9 @@ def _plain_data():
                    "fortran": np.asfortranarray(a), "strings": np.array(["a", "bcd"]), "bytes": np.array([b"x"]),
                    "objects": np.array([1, "a", None, np.arange(2)], dtype=object), "empty": np.zeros((0, 3)),
                    "struct": np.zeros(2, dtype=[("a", "<i4"), ("b", "f8", (2,))]), "datetime": np.array(
-                       ["2024-01-01"], dtype="M8[ns]"), "f16": np.ones(2, dtype=np.float16)},
+                       ["2024-01-01"], dtype="M8[ns]"), "f16": np.ones(2, dtype=np.float16),
+                   "struct_objects": np.asfortranarray(np.array([[(1, 2), ("a", 3)], [(None, 4), ((5,), 6)]],
+                                                                dtype=[("o", "O"), ("i", "<i4")]))},
         "scalars": [np.float32(1.5), np.int64(3), np.bool_(True), np.str_("s"), np.datetime64("2024-01-02")],
         "dtypes": {np.dtype("f4"), np.dtype(">i2")},
         "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),

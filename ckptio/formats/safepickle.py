@@ -341,6 +341,12 @@ def _build_array(state: Any) -> Any:
         if type(data) is not list or len(data) != n:
             raise FormatError(f"pickled numpy array of {dt} needs a list of {n} items, got {_what(data)}")
         data = _swap_stand_ins(data, {})
+        if dt.names is not None:  # numpy's __setstate__ loses a field's conversion error: assign item by item
+            arr = np.empty(shape, dtype=dt, order="F" if fortran else "C")
+            flat = arr.flat  # C order, as __setstate__ fills
+            for i, v in enumerate(data):
+                flat[i] = v
+            return arr
     elif type(data) is not bytes or len(data) != n * dt.itemsize:
         raise FormatError(f"pickled numpy array of {dt} and shape {shape} needs {n * dt.itemsize} bytes of data, "
                           f"got {_what(data)}")
