@@ -109,6 +109,7 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "numpy structured object array with unconvertible items": pickle.dumps(_reduce_as(
             recon, (np.ndarray, (0,), b"b"), (1, (2,), np.dtype([("o", "O"), ("i", "<i4")]), False,
                                               [(None, "x"), bytearray(b"ab")]))),
+        "Decimal of text that is not a number": b"cdecimal\nDecimal\n(S'garbage'\ntR.",
     }
 
 

@@ -85,7 +85,7 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
     except RecursionError:
         raise FormatError("the pickle nests too deeply to load") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            OverflowError) as e:
+            ArithmeticError) as e:  # ArithmeticError: OverflowError, decimal.InvalidOperation
         raise FormatError(f"not a readable pickle of plain data ({type(e).__name__}: {e})") from e
 
 
