@@ -51,7 +51,7 @@ REDACTED = "***"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
     r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$", re.I)
-_URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/@\s]+@", re.I)  # also user:pass@host
+_URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/?#\s]+@", re.I)  # user:pass@host; to the last @
 _URL_QUERY_RE = re.compile(r"^([a-z][a-z0-9+.\-]*://[^?#]*\?)[^#]*", re.I)
 _SCHEME_NAME_RE = re.compile(r"[a-z][a-z0-9+.\-]*")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)

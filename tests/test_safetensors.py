@@ -382,6 +382,8 @@ CRAFTED = {
     "many_dims": (craft({"w": T(shape=(1,) * 65, offsets=(0, 4))}, bytes(4)), "'w'"),
     "huge_dims": (craft({"w": T(shape=(1 << 62, 1 << 62), offsets=(0, 8))}, bytes(8)), "'w'"),
     "zero_and_huge": (craft({"w": T(shape=(0, 1 << 70), offsets=(0, 0))}, b""), "'w'"),
+    "zero_and_huge_product": (craft({"w": T(shape=(0, 1 << 62, 1 << 62), offsets=(0, 0))}, b""), "'w'"),
+    "huge_product_then_zero": (craft({"w": T(shape=(1 << 40, 1 << 40, 0), offsets=(0, 0))}, b""), "'w'"),
     "size_mismatch": (craft({"w": T(shape=(3,))}, bytes(8)), "'w'"),
     "offsets_reversed": (craft({"w": T(offsets=(8, 0))}, bytes(8)), "'w'"),
     "offsets_three": (craft({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4, 8]}}, bytes(8)), "'w'"),

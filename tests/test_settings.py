@@ -362,3 +362,12 @@ def test_unknown_keys_and_url_credentials_are_never_shown(tmp_path, monkeypatch)
     assert shown["backends"]["s3"]["endpoint_url"] == "https://***@host:9000"
     assert shown["aliases"]["ck"]["target"] == "https://***@host/x?***"
     assert shown["backends"]["abfs"] == {"account_name": "***", "client_kwargs": {"nested": "***"}}
+
+
+@pytest.mark.parametrize("url, want", [
+    ("https://user:p@ss@host:9000/x", "https://***@host:9000/x"),  # an unencoded '@' in the password
+    ("user:p@ss@host", "***@host"),
+    ("https://host/a@b?sig=1", "https://host/a@b?***"),  # an '@' in the path is not a credential
+])
+def test_url_credentials_are_masked_up_to_the_last_at_sign(url, want):
+    assert config.redact_url(url) == want

@@ -105,6 +105,11 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "torch tensor": pickle.dumps(torch.ones(2), protocol=2),
         "user class": pickle.dumps(Point(1, 2)),
         "scalar of a lying object dtype": pickle.dumps(_reduce_as(scalar, (obj_dtype, b"A" * 8))),
+        # numpy's __setstate__ loses the error of a field it cannot convert (SystemError, a leaked buffer)
+        "numpy structured object array with unconvertible items": pickle.dumps(_reduce_as(
+            recon, (np.ndarray, (0,), b"b"), (1, (2,), np.dtype([("o", "O"), ("i", "<i4")]), False,
+                                              [(None, "x"), bytearray(b"ab")]))),
+        "Decimal of text that is not a number": b"cdecimal\nDecimal\n(S'garbage'\ntR.",
     }
 
 
@@ -168,7 +173,9 @@ def _plain_data():
                    "fortran": np.asfortranarray(a), "strings": np.array(["a", "bcd"]), "bytes": np.array([b"x"]),
                    "objects": np.array([1, "a", None, np.arange(2)], dtype=object), "empty": np.zeros((0, 3)),
                    "struct": np.zeros(2, dtype=[("a", "<i4"), ("b", "f8", (2,))]), "datetime": np.array(
-                       ["2024-01-01"], dtype="M8[ns]"), "f16": np.ones(2, dtype=np.float16)},
+                       ["2024-01-01"], dtype="M8[ns]"), "f16": np.ones(2, dtype=np.float16),
+                   "struct_objects": np.asfortranarray(np.array([[(1, 2), ("a", 3)], [(None, 4), ((5,), 6)]],
+                                                                dtype=[("o", "O"), ("i", "<i4")]))},
         "scalars": [np.float32(1.5), np.int64(3), np.bool_(True), np.str_("s"), np.datetime64("2024-01-02")],
         "dtypes": {np.dtype("f4"), np.dtype(">i2")},
         "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),
@@ -358,3 +365,25 @@ def test_manifest_format_switch_runs_no_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="weights_only"):
         Checkpointer(str(root), format="dcp").load({"m": {}})
     assert not os.path.exists(evil.marker)
+
+
+def test_extension_codes_cached_by_a_trusted_load_are_refused(tmp_path):
+    # EXT opcodes: the C unpickler serves a code from copyreg's cache without asking find_class once any
+    # load in the process resolved it; here os.system, registered and cached by a trusted plain load
+    marker = tmp_path / "PWNED"
+    path = _write(tmp_path / "ext.pkl", b"\x80\x02\x83\x00\x0f(S'touch " + str(marker).encode() + b"'\ntR.")
+    script = textwrap.dedent("""
+        import copyreg, pickle, sys
+        import ckptio
+        from ckptio.errors import FormatError
+        copyreg.add_extension("os", "system", 0xF00)
+        pickle.loads(b"\\x80\\x02\\x83\\x00\\x0f.")  # a trusted load resolves (and caches) the code
+        try:
+            ckptio.load(sys.argv[1])
+        except FormatError as e:
+            print("REFUSED", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert not marker.exists() and r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    assert "REFUSED" in r.stdout and path in r.stdout and "extension" in r.stdout, r.stdout

@@ -24,6 +24,11 @@ C unpickler with ``find_class`` restricted to an allow-list, and ``persistent_lo
 Everything else (any other class or function, ``copyreg._reconstructor``, ``builtins.eval``, torch
 tensors...) raises :class:`FormatError` naming the class, before anything is called. Files from
 trusted sources load with plain ``pickle`` through ``allow_pickle=True``.
+
+Extension codes (the ``EXT1/2/4`` opcodes of :mod:`copyreg`'s registry) are refused: the C unpickler
+serves a code that any earlier load in the process resolved from a cache, without ``find_class``.
+While the process has codes registered (rare), loads go through pickle's Python unpickler, whose
+extension lookup this module overrides; otherwise no code can resolve and the C unpickler is used.
 """
 
 from __future__ import annotations
@@ -69,7 +74,9 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
 
     ``kwargs`` are ``pickle.Unpickler``'s (``encoding``, ``errors``, ``fix_imports``, ``buffers``).
     """
-    u = _Unpickler(f, **kwargs)
+    import copyreg
+
+    u = (_PyUnpickler if copyreg._inverted_registry else _Unpickler)(f, **kwargs)  # type: ignore[attr-defined]
     try:
         obj = u.load()
         return _swap_stand_ins(obj, {}) if u.made_stand_ins else obj
@@ -78,11 +85,13 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
     except RecursionError:
         raise FormatError("the pickle nests too deeply to load") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            OverflowError) as e:
+            ArithmeticError) as e:  # ArithmeticError: OverflowError, decimal.InvalidOperation
         raise FormatError(f"not a readable pickle of plain data ({type(e).__name__}: {e})") from e
 
 
-class _Unpickler(pickle.Unpickler):
+class _Checks:
+    """The checks, for pickle's C unpickler (:class:`_Unpickler`) and its Python one (:class:`_PyUnpickler`)."""
+
     def __init__(self, f: IO[bytes], **kwargs: Any) -> None:
         super().__init__(f, **kwargs)
         self.made_stand_ins = False
@@ -163,6 +172,16 @@ class _Unpickler(pickle.Unpickler):
         if memoryview(buf).nbytes != math.prod(shape) * dt.itemsize:
             raise FormatError(f"numpy array of {dt} and shape {shape} with {memoryview(buf).nbytes} bytes of data")
         return np.frombuffer(buf, dtype=dt).reshape(shape, order=order)
+
+
+class _Unpickler(_Checks, pickle.Unpickler):
+    pass
+
+
+class _PyUnpickler(_Checks, pickle._Unpickler):  # type: ignore[name-defined]
+    def get_extension(self, code: int) -> None:
+        raise FormatError(f"refusing to unpickle copyreg extension code {code}: plain pickles of data have none; "
+                          f"{_HINT}")
 
 
 NDARRAY = object()  # numpy.ndarray: only _reconstruct's subtype; no attributes, and not a type (NEWOBJ refuses it)
@@ -322,6 +341,12 @@ def _build_array(state: Any) -> Any:
         if type(data) is not list or len(data) != n:
             raise FormatError(f"pickled numpy array of {dt} needs a list of {n} items, got {_what(data)}")
         data = _swap_stand_ins(data, {})
+        if dt.names is not None:  # numpy's __setstate__ loses a field's conversion error: assign item by item
+            arr = np.empty(shape, dtype=dt, order="F" if fortran else "C")
+            flat = arr.flat  # C order, as __setstate__ fills
+            for i, v in enumerate(data):
+                flat[i] = v
+            return arr
     elif type(data) is not bytes or len(data) != n * dt.itemsize:
         raise FormatError(f"pickled numpy array of {dt} and shape {shape} needs {n * dt.itemsize} bytes of data, "
                           f"got {_what(data)}")

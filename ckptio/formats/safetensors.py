@@ -168,6 +168,8 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
             raise bad(f"unknown dtype {str(dtype)[:40]!r}")
         if type(shape) is not list or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
             raise bad("shape must be a list of at most 64 non-negative integers")
+        if math.prod(max(d, 1) for d in shape) >= 1 << 63:  # an empty tensor too: torch's strides and numel overflow
+            raise bad(f"shape {shape} is too large (more than 2**63 elements, not counting empty dimensions)")
         if (type(offsets) is not list or len(offsets) != 2 or not all(_is_uint(o) for o in offsets)
                 or offsets[0] > offsets[1]):
             raise bad("data_offsets must be [begin, end] with 0 <= begin <= end")
