@@ -75,6 +75,11 @@ _FILE_FORMAT = {"pt": "torch", "fpk": "fastpickle"}  # the ckptio format each da
 STALE_AFTER = 6 * 3600.0
 
 
+def _is_step_name(name: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²' and other characters ``int()`` refuses."""
+    return name.isascii() and name.isdigit()
+
+
 class CheckpointWarning(RuntimeWarning):
     """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
 
@@ -399,7 +404,7 @@ class Checkpointer:
             u = info.uri.rstrip("/")
             name = _uri.basename(u)
             # only direct children of this root: "root-2/..." or "root/x/5" never match
-            if not info.is_dir or not name.isdigit() or u != _uri.join_path(root, name).rstrip("/"):
+            if not info.is_dir or not _is_step_name(name) or u != _uri.join_path(root, name).rstrip("/"):
                 continue
             step = int(name)
             if step not in out or name == f"{step:0{STEP_DIGITS}d}":
@@ -417,7 +422,7 @@ class Checkpointer:
         except FileNotFoundError:
             return None
         name = _uri.basename(text)
-        if not name.isdigit():
+        if not _is_step_name(name):
             warnings.warn(f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
                           CheckpointWarning, stacklevel=3)
             return None
@@ -542,7 +547,7 @@ class Checkpointer:
 
         def ours(uri: str) -> bool:  # the pointer, or something in a step directory
             rel = uri[len(prefix):] if uri.startswith(prefix) else ""
-            return rel == POINTER_NAME or ("/" in rel and rel.split("/", 1)[0].isdigit())
+            return rel == POINTER_NAME or ("/" in rel and _is_step_name(rel.split("/", 1)[0]))
 
         cutoff = time.time() - (self.stale_after or 0.0)
         try:

@@ -394,3 +394,15 @@ def test_dcp_load_errors_are_ckptio_errors(tmp_path):
         with pytest.raises(FormatError, match="system"):
             Checkpointer(str(tmp_path / "run"), format="dcp").load({"m": {"w": torch.zeros(1000)}}, step=step)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_unicode_digit_names_are_not_steps(tmp_path):
+    """'²'.isdigit() is True but int('²') fails: a stray directory or pointer named so is ignored."""
+    ck = Checkpointer(str(tmp_path), format="fpk")
+    ck.save(3, {"x": torch.ones(2)})
+    (tmp_path / "\u00b2").mkdir()
+    (tmp_path / "1\u00b2").mkdir()
+    assert ck.list() == [3]
+    (tmp_path / "latest.txt").write_text("\u00b2\n")
+    with pytest.warns(Warning):
+        assert Checkpointer(str(tmp_path), format="fpk").latest() == 3
