@@ -28,7 +28,7 @@ from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, Creden
                       NotFoundError, TransferError)
 from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
-from .objectstore import Entry, ObjectStoreBackend
+from .objectstore import Entry, ObjectStoreBackend, check_versions
 
 try:
     import aiohttp
@@ -36,6 +36,9 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
+
+MIN_VERSIONS = {"gcsfs": "2025.2.0"}  # = the gcs extra's floor in pyproject.toml
+check_versions("gcs", MIN_VERSIONS)
 
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
 READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)
