@@ -58,7 +58,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'") from _e
 
-MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.19.0"}  # = the s3 extra's floors in pyproject.toml
+MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's floors in pyproject.toml
 check_versions("s3", MIN_VERSIONS)
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
