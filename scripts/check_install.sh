@@ -24,26 +24,36 @@ if [ -n "${CHECK_INSTALL_TORCH:-}" ]; then
   echo "torch==$CHECK_INSTALL_TORCH" >"$TMP/torch.txt"
   export PIP_CONSTRAINT="$TMP/torch.txt"
 fi
-echo "check_install: $("$VPY" -m pip --version | cut -d' ' -f1-2), limit ${LIMIT}s per extra"
-for extra in "$@"; do
+echo "check_install: $("$VPY" -m pip --version | cut -d' ' -f1-2), limit ${LIMIT}s per extra, extras resolved in parallel"
+
+resolve() {  # EXTRA: dry-run resolution into $TMP/EXTRA.{log,json,secs,rc}
+  local out="$TMP/$1" start rc=0
   start=$(date +%s)
-  rc=0
   timeout "$LIMIT" "$VPY" -m pip install --dry-run --ignore-installed --disable-pip-version-check \
-    --report "$TMP/report.json" -e "$ROOT[$extra]" >"$TMP/pip.log" 2>&1 || rc=$?
-  backtracked="$(grep -o "looking at multiple versions of [^ ]*" "$TMP/pip.log" | sort -u | tr '\n' ' ' || true)"
-  why=""
-  if [ "$rc" = 124 ]; then why="not resolved within ${LIMIT}s"
+    --report "$out.json" -e "$ROOT[$1]" >"$out.log" 2>&1 || rc=$?
+  echo $(( $(date +%s) - start )) >"$out.secs"
+  echo "$rc" >"$out.rc"
+}
+for extra in "$@"; do resolve "$extra" & done
+wait
+
+failed=0
+for extra in "$@"; do
+  out="$TMP/$extra" rc="$(cat "$TMP/$extra.rc")" why=""
+  backtracked="$(grep -o "looking at multiple versions of [^ ]*" "$out.log" | sort -u | tr '\n' ' ' || true)"
+  if [ -n "$backtracked" ]; then why="pip backtracked (${backtracked% })"
+  elif [ "$rc" = 124 ]; then why="not resolved within ${LIMIT}s"
   elif [ "$rc" != 0 ]; then why="pip failed (exit $rc)"
-  elif [ -n "$backtracked" ]; then why="pip backtracked (${backtracked% })"
   fi
   if [ -n "$why" ]; then
-    grep -v "is ignored: it is neither" "$TMP/pip.log" | tail -15 >&2 || true
+    grep -v "is ignored: it is neither" "$out.log" | tail -15 >&2 || true
     echo "check_install: FAIL: ckptio[$extra]: $why. If pip backtracked through boto3/botocore/aiobotocore," \
          "move the boto3 window in pyproject.toml to the botocore range of the newest aiobotocore (and" \
          "requirements/dev.txt with it)." >&2
-    exit 1
+    failed=1
+    continue
   fi
-  "$VPY" - "$TMP/report.json" "$extra" "$(( $(date +%s) - start ))" <<'PYEOF'
+  "$VPY" - "$out.json" "$extra" "$(cat "$out.secs")" <<'PYEOF'
 import json, sys
 report, extra, secs = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
 got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}
@@ -52,3 +62,4 @@ print(f"check_install: ckptio[{extra}] resolved in {secs}s, {len(got)} packages:
       " ".join(f"{k}={got[k]}" for k in keys if k in got))
 PYEOF
 done
+exit "$failed"

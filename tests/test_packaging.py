@@ -84,10 +84,13 @@ def test_import_time_floors_are_the_extras_floors(module, extra):
     ("gcsfs", "2023.6.0", "gs://bucket/k", "gcs"),
 ])
 def test_too_old_client_library_is_refused_by_name_and_version(tmp_path, dist, old, uri, extra):
-    """An older release's metadata first on sys.path is what importlib.metadata reports as installed."""
+    """An older release first on sys.path: its metadata, and a module that fails to import (as old
+    releases do against today's dependencies). The version is named, not the import error."""
     info = tmp_path / f"{dist}-{old}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {old}\n")
+    (tmp_path / dist).mkdir()
+    (tmp_path / dist / "__init__.py").write_text("raise ImportError('cannot import name Session')\n")
     code = textwrap.dedent(f"""
         import ckptio
         try:

@@ -30,15 +30,16 @@ from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 from .objectstore import Entry, ObjectStoreBackend, check_versions
 
+# checked before the imports below: an old release can fail there with a less helpful error
+MIN_VERSIONS = {"gcsfs": "2025.2.0"}  # = the gcs extra's floor in pyproject.toml
+check_versions("gcs", MIN_VERSIONS)
+
 try:
     import aiohttp
     import gcsfs
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
-
-MIN_VERSIONS = {"gcsfs": "2025.2.0"}  # = the gcs extra's floor in pyproject.toml
-check_versions("gcs", MIN_VERSIONS)
 
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
 READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)

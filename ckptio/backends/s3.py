@@ -47,6 +47,10 @@ from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 from .objectstore import Entry, ObjectStoreBackend, check_versions
 
+# checked before the imports below: an old release can fail there with a less helpful error
+MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's floors in pyproject.toml
+check_versions("s3", MIN_VERSIONS)
+
 try:
     import s3fs
     import aiohttp
@@ -57,9 +61,6 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'") from _e
-
-MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's floors in pyproject.toml
-check_versions("s3", MIN_VERSIONS)
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
