@@ -40,7 +40,8 @@ wait
 failed=0
 for extra in "$@"; do
   out="$TMP/$extra" rc="$(cat "$TMP/$extra.rc")" why=""
-  backtracked="$(grep -o "looking at multiple versions of [^ ]*" "$out.log" | sort -u | tr '\n' ' ' || true)"
+  backtracked="$(grep -o "looking at multiple versions of [^ ]*" "$out.log" | awk '{print $NF}' | sort -u |
+                 tr '\n' ' ' || true)"
   if [ -n "$backtracked" ]; then why="pip backtracked (${backtracked% })"
   elif [ "$rc" = 124 ]; then why="not resolved within ${LIMIT}s"
   elif [ "$rc" != 0 ]; then why="pip failed (exit $rc)"
