@@ -23,6 +23,7 @@ from .errors import (
 )
 from .formats.base import Format, StreamFormat
 from .io import (
+    copy_if_symlink_fails,
     copyfile,
     copyfile_from_local,
     copyfile_to_local,
@@ -72,7 +73,7 @@ def __getattr__(name: str):  # lazy: these import torch (and torch.distributed);
 __all__ = [
     "AccessDeniedError", "AlreadyExistsError", "Backend", "Checkpointer", "CkptioError", "Context", "CredentialsError", "Format",
     "FormatError", "IntegrityError", "MissingDependencyError", "NotFoundError", "ObjectInfo", "SettingsError",
-    "StreamFormat", "UnknownFormatError", "UnknownSchemeError", "Writer", "configure", "copyfile",
+    "StreamFormat", "UnknownFormatError", "UnknownSchemeError", "Writer", "configure", "copy_if_symlink_fails", "copyfile",
     "copyfile_from_local", "copyfile_to_local", "copytree", "copytree_from_local", "copytree_to_local", "dump",
     "errors", "exists", "get", "get_local_path", "get_text", "isdir", "isfile", "join_path", "list_dir_or_file",
     "load", "ls", "open", "put", "put_text", "readinto", "register_backend", "register_format", "remove", "reset",

@@ -39,6 +39,7 @@ import traceback
 import zipfile
 from typing import Any, Callable, Iterator, Sequence
 
+from . import __version__
 from . import config as _config
 from . import uri as _uri
 from .backends.base import Backend, ObjectInfo
@@ -808,6 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptio", parents=[common], description="Checkpoint I/O on any storage.",
                                 epilog="exit status: 0 ok, 1 failure or corruption, 2 usage or settings, 3 not found, "
                                        "4 access denied, 5 missing optional package, 130 interrupted")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

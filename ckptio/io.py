@@ -10,15 +10,16 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 from typing import IO, Any, Iterator, Mapping
 
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend, WriteMode, copy_between
-from .backends.local import ensure_inside
+from .backends.local import ensure_inside, local_path
 from .backends.cached import CachedBackend
 from .context import default_context
-from .errors import SettingsError, UnknownSchemeError
+from .errors import AlreadyExistsError, NotFoundError, SettingsError, UnknownSchemeError
 from .formats.base import Format
 
 
@@ -274,12 +275,19 @@ def ls(dir_path: Any, *, recursive: bool = False, backend_args: Mapping[str, Any
 def list_dir_or_file(dir_path: Any, list_dir: bool = True, list_file: bool = True, suffix: str | tuple[str, ...] | None = None,
                      recursive: bool = False, *, backend_args: Mapping[str, Any] | None = None,
                      backend_key: str | None = None) -> Iterator[str]:
-    """Paths relative to ``dir_path``, as mmengine/easy_io yield them. ``suffix`` filters files only."""
+    """Paths relative to ``dir_path``, as mmengine/easy_io yield them. ``suffix`` filters files only.
+
+    Arguments are checked at the call (as mmengine does); the listing runs as the result is iterated."""
     if list_dir and suffix is not None:
         raise TypeError("`suffix` should be None when `list_dir` is True")
     if suffix is not None and not isinstance(suffix, (str, tuple)):
         raise TypeError("`suffix` must be a string or tuple of strings")
     backend, uri = _resolve(dir_path, backend_args, backend_key)
+    return _list_relative(backend, uri, list_dir, list_file, suffix, recursive)
+
+
+def _list_relative(backend: Backend, uri: str, list_dir: bool, list_file: bool,
+                   suffix: str | tuple[str, ...] | None, recursive: bool) -> Iterator[str]:
     root = uri.rstrip("/")
     dirs_seen: set[str] = set()
     for info in backend.list(uri, recursive=recursive):
@@ -318,27 +326,61 @@ def rmtree(dir_path: Any, *, backend_args: Mapping[str, Any] | None = None, back
 
 
 def copyfile(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
-             mode: WriteMode = "overwrite") -> str:
-    """Copy one object, across backends if needed. If ``dst`` is an existing directory, copy into it."""
+             mode: WriteMode = "overwrite") -> Any:
+    """Copy one object, across backends if needed. If ``dst`` is an existing directory, copy into it.
+
+    Returns ``dst`` as given (a ``Path`` stays a ``Path``), or the joined ``str`` when copied into a
+    directory, as mmengine does. Copying an object onto itself raises ``shutil.SameFileError``."""
     sb, s = _resolve(src, backend_args, backend_key)
     db, d = _resolve(dst, backend_args, backend_key)
     if db.isdir(d):
         d = _uri.join_path(d, _uri.basename(s))
         dst = join_path(os.fspath(dst), _uri.basename(s))
+    if sb is db and _same_object(s, d):
+        raise shutil.SameFileError(f"{os.fspath(src)!r} and {os.fspath(dst)!r} are the same file; copy to another name")
     if sb is db:
         sb.copy(s, d, mode=mode)
     else:
         copy_between(sb, s, db, d, mode=mode)
-    return os.fspath(dst)
+    return dst
+
+
+def _same_object(a: str, b: str) -> bool:
+    """Whether two resolved URIs on one backend name the same object (local: the same inode)."""
+    if a == b:
+        return True
+    if not _is_local(a):
+        return False
+    try:
+        return os.path.samefile(local_path(a), local_path(b))
+    except OSError:  # the destination does not exist yet
+        return False
+
+
+def _is_local(resolved: str) -> bool:
+    """Whether a resolved URI is served by the local filesystem backend."""
+    return _registry.backends.find(resolved).name == "local"
 
 
 def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
-             mode: WriteMode = "overwrite") -> str:
-    """Copy every object under ``src`` to the same relative path under ``dst``."""
+             mode: WriteMode = "overwrite", dirs_exist_ok: bool = False) -> Any:
+    """Copy every object under ``src`` to the same relative path under ``dst``; returns ``dst`` as given.
+
+    As mmengine (and ``shutil.copytree``), ``dst`` must not exist: ``FileExistsError`` otherwise.
+    ``dirs_exist_ok=True`` copies into an existing ``dst``, replacing objects of the same name
+    (``mode="create"`` refuses to replace them)."""
     sb, s = _resolve(src, backend_args, backend_key)
     db, d = _resolve(dst, backend_args, backend_key)
+    if not dirs_exist_ok and db.exists(d):
+        raise AlreadyExistsError(os.fspath(dst), "copytree destination already exists (pass dirs_exist_ok=True "
+                                 "to copy into it)")
+    infos = list(sb.list(s, recursive=True))
+    if not infos and not sb.isdir(s):
+        raise NotFoundError(os.fspath(src), "no such directory")
+    if _is_local(d):  # as shutil: the destination directory exists afterwards, even for an empty tree
+        os.makedirs(local_path(d), exist_ok=True)
     root = s.rstrip("/")
-    for info in list(sb.list(s, recursive=True)):
+    for info in infos:
         if info.is_dir:
             continue
         rel = info.uri[len(root):].lstrip("/")
@@ -350,25 +392,46 @@ def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = Non
             sb.copy(info.uri, target, mode=mode)
         else:
             copy_between(sb, info.uri, db, target, mode=mode)
-    return os.fspath(dst)
+    return dst
 
 
-def copyfile_from_local(src: Any, dst: Any, **kw: Any) -> str:
+def copyfile_from_local(src: Any, dst: Any, **kw: Any) -> Any:
     """Upload a local file (same as ``copyfile`` with a local source)."""
     return copyfile(src, dst, **kw)
 
 
-def copyfile_to_local(src: Any, dst: Any, **kw: Any) -> str:
+def copyfile_to_local(src: Any, dst: Any, **kw: Any) -> Any:
     """Download to a local path (same as ``copyfile`` with a local destination)."""
     return copyfile(src, dst, **kw)
 
 
-def copytree_from_local(src: Any, dst: Any, **kw: Any) -> str:
+def copytree_from_local(src: Any, dst: Any, **kw: Any) -> Any:
     return copytree(src, dst, **kw)
 
 
-def copytree_to_local(src: Any, dst: Any, **kw: Any) -> str:
+def copytree_to_local(src: Any, dst: Any, **kw: Any) -> Any:
     return copytree(src, dst, **kw)
+
+
+def copy_if_symlink_fails(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None,
+                          backend_key: str | None = None) -> bool:
+    """Make ``dst`` a symbolic link to ``src`` (True); where that fails, or either side is not on
+    the local filesystem, copy the file or tree instead (False). As mmengine, the link holds
+    ``src`` exactly as given, so a relative ``src`` is relative to ``dst``'s directory."""
+    sb, s = _resolve(src, backend_args, backend_key)
+    db, d = _resolve(dst, backend_args, backend_key)
+    if _is_local(s) and _is_local(d):
+        target = os.fspath(src) if not _uri.scheme_of(os.fspath(src)) else local_path(s)
+        try:
+            os.symlink(target, local_path(d))
+            return True
+        except (OSError, NotImplementedError):  # no symlinks here (privilege, filesystem, platform): copy
+            pass
+    if sb.isfile(s):
+        copyfile(src, dst, backend_args=backend_args, backend_key=backend_key)
+    else:
+        copytree(src, dst, backend_args=backend_args, backend_key=backend_key)
+    return False
 
 
 @contextlib.contextmanager

@@ -39,6 +39,8 @@ class Entry:
                 mod, _, attr = self.target.partition(":")
                 try:
                     self._loaded = getattr(importlib.import_module(mod), attr)
+                except MissingDependencyError:  # the module's own message names the package and version
+                    raise
                 except ImportError as e:
                     hint = f"pip install 'ckptio[{self.extra}]'" if self.extra else "install the package that provides it"
                     raise MissingDependencyError(

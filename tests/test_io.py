@@ -311,3 +311,107 @@ def test_progress_true_is_quiet_off_a_terminal(tmp_path, capsys):
     ckptio.put(b"z" * 100, str(tmp_path / "q.bin"), progress=True)
     assert ckptio.get(str(tmp_path / "q.bin"), progress=True) == b"z" * 100
     assert capsys.readouterr().err == ""
+
+
+# ---- mmengine.fileio / easy_io semantics (their LocalBackend is shutil's) ------------------------
+
+def test_copyfile_onto_itself_raises_same_file_error(root, tmp_path):
+    import shutil
+
+    src = ckptio.join_path(root, "same.txt")
+    ckptio.put_text("keep", src)
+    with pytest.raises(shutil.SameFileError, match="same.txt"):
+        ckptio.copyfile(src, src)
+    with pytest.raises(shutil.SameFileError):
+        ckptio.copyfile(src, root)  # into its own directory: the same name again
+    assert ckptio.get_text(src) == "keep"
+    if root == str(tmp_path):  # another name for the same file
+        os.link(src, tmp_path / "hard.txt")
+        with pytest.raises(shutil.SameFileError):
+            ckptio.copyfile(tmp_path / "hard.txt", src)
+
+
+def test_copytree_refuses_an_existing_destination(root):
+    src, dst = ckptio.join_path(root, "tree"), ckptio.join_path(root, "dst")
+    ckptio.put(b"new", ckptio.join_path(src, "a.bin"))
+    ckptio.put(b"old", ckptio.join_path(dst, "a.bin"))
+    ckptio.put(b"other", ckptio.join_path(dst, "b.bin"))
+    with pytest.raises(FileExistsError, match="dirs_exist_ok.*dst"):
+        ckptio.copytree(src, dst)
+    assert ckptio.get(ckptio.join_path(dst, "a.bin")) == b"old"  # nothing copied
+    with pytest.raises(FileExistsError):
+        ckptio.copytree_to_local(src, dst)
+    assert ckptio.copytree(src, dst, dirs_exist_ok=True) == dst  # opt-in merge
+    assert ckptio.get(ckptio.join_path(dst, "a.bin")) == b"new"
+    assert ckptio.get(ckptio.join_path(dst, "b.bin")) == b"other"
+
+
+def test_copytree_of_an_empty_or_missing_source(tmp_path):
+    (tmp_path / "empty").mkdir()
+    ckptio.copytree(tmp_path / "empty", tmp_path / "out")
+    assert (tmp_path / "out").is_dir()  # as shutil.copytree
+    for missing in ("memory://gone/tree", tmp_path / "gone"):
+        with pytest.raises(FileNotFoundError, match="gone"):
+            ckptio.copytree(missing, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_copy_functions_return_the_destination_as_given(tmp_path):
+    from pathlib import Path
+
+    src = tmp_path / "f.txt"
+    ckptio.put_text("x", src)
+    for fn in (ckptio.copyfile, ckptio.copyfile_to_local, ckptio.copyfile_from_local):
+        dst = tmp_path / f"{fn.__name__}.txt"
+        out = fn(src, dst)
+        assert out == dst and isinstance(out, Path)
+    (tmp_path / "into").mkdir()
+    out = ckptio.copyfile(src, tmp_path / "into")  # into a directory: the joined path, as a str
+    assert out == os.path.join(tmp_path / "into", "f.txt") and isinstance(out, str)
+    ckptio.put(b"m", "memory://ret/a.bin")
+    assert ckptio.copyfile("memory://ret/a.bin", "memory://ret/b.bin") == "memory://ret/b.bin"
+    tree = tmp_path / "tree"
+    ckptio.put(b"t", tree / "a.bin")
+    for i, fn in enumerate((ckptio.copytree, ckptio.copytree_to_local, ckptio.copytree_from_local)):
+        dst = tmp_path / f"tree{i}"
+        out = fn(tree, dst)
+        assert out == dst and isinstance(out, Path)
+        assert (dst / "a.bin").read_bytes() == b"t"
+
+
+def test_list_dir_or_file_checks_its_arguments_at_the_call(root):
+    with pytest.raises(TypeError, match="should be None when `list_dir` is True"):
+        ckptio.list_dir_or_file(root, list_file=False, suffix=".txt")  # not iterated
+    with pytest.raises(TypeError, match="string or tuple"):
+        ckptio.list_dir_or_file(root, list_dir=False, suffix=[".txt"])
+    it = ckptio.list_dir_or_file(root, list_dir=False, suffix=(".txt", ".jpg"))
+    ckptio.put(b"x", ckptio.join_path(root, "late.txt"))  # the listing runs when iterated
+    assert list(it) == ["late.txt"]
+
+
+def test_copy_if_symlink_fails(tmp_path, monkeypatch):
+    src = tmp_path / "f.txt"
+    ckptio.put_text("disk", src)
+    (tmp_path / "d").mkdir()
+    ckptio.put_text("in dir", tmp_path / "d" / "g.txt")
+    assert ckptio.copy_if_symlink_fails(src, tmp_path / "link.txt") is True
+    assert os.path.islink(tmp_path / "link.txt") and ckptio.get_text(tmp_path / "link.txt") == "disk"
+    assert ckptio.copy_if_symlink_fails(tmp_path / "d", tmp_path / "dlink") is True
+    assert os.path.islink(tmp_path / "dlink")
+    ckptio.copy_if_symlink_fails("f.txt", tmp_path / "rel.txt")  # the target as given: relative to the link
+    assert os.readlink(tmp_path / "rel.txt") == "f.txt" and ckptio.get_text(tmp_path / "rel.txt") == "disk"
+
+    def no_symlinks(*a, **k):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", no_symlinks)
+    assert ckptio.copy_if_symlink_fails(src, tmp_path / "copy.txt") is False
+    assert not os.path.islink(tmp_path / "copy.txt") and ckptio.get_text(tmp_path / "copy.txt") == "disk"
+    assert ckptio.copy_if_symlink_fails(tmp_path / "d", tmp_path / "dcopy") is False
+    assert not os.path.islink(tmp_path / "dcopy") and ckptio.get_text(tmp_path / "dcopy" / "g.txt") == "in dir"
+    monkeypatch.undo()
+    # not on the local filesystem: always a copy
+    assert ckptio.copy_if_symlink_fails(src, "memory://sym/f.txt") is False
+    assert ckptio.get_text("memory://sym/f.txt") == "disk"
+    assert ckptio.copy_if_symlink_fails(tmp_path / "d", "memory://sym/d") is False
+    assert ckptio.get_text("memory://sym/d/g.txt") == "in dir"

@@ -30,7 +30,11 @@ from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, Creden
                       NotFoundError, TransferError)
 from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
-from .objectstore import Entry, ObjectStoreBackend
+from .objectstore import Entry, ObjectStoreBackend, check_versions
+
+# checked before the imports below: an old release can fail there with a less helpful error
+MIN_VERSIONS = {"gcsfs": "2025.2.0"}  # = the gcs extra's floor in pyproject.toml
+check_versions("gcs", MIN_VERSIONS)
 
 try:
     import aiohttp

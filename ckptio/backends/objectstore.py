@@ -11,16 +11,41 @@ request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memor
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, ClassVar, Iterator
+import re
+from typing import Any, Awaitable, Callable, ClassVar, Iterator, Mapping
 
 from .. import retry as _retry
 from .. import uri as _uri
-from ..errors import InvalidURIError, NotFoundError
+from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import _parallel
 from .base import Backend, Buffer, ObjectInfo
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
+
+
+def check_versions(extra: str, minimums: Mapping[str, str]) -> None:
+    """Refuse client libraries older than ``minimums`` (distribution -> oldest release that works,
+    the floors of the ``extra`` in pyproject.toml), naming the package and the version needed."""
+    from importlib import metadata
+
+    for dist, minimum in minimums.items():
+        try:
+            found = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # imported without installed metadata: nothing to compare
+            continue
+        if _release(found) < _release(minimum):
+            raise MissingDependencyError(f"ckptio's {extra} backend needs {dist}>={minimum}, but {dist} {found} is "
+                                         f"installed; run: pip install -U 'ckptio[{extra}]'")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2025.2.0.post1"`` -> ``(2025, 2)``: the release numbers without trailing zeros."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    parts = [int(p) for p in m.group(0).split(".")] if m else []
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
 
 
 class ObjectStoreBackend(Backend):

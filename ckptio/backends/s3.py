@@ -51,7 +51,11 @@ from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, Creden
                       NotFoundError, TransferError)
 from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
-from .objectstore import Entry, ObjectStoreBackend
+from .objectstore import Entry, ObjectStoreBackend, check_versions
+
+# checked before the imports below: an old release can fail there with a less helpful error
+MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's floors in pyproject.toml
+check_versions("s3", MIN_VERSIONS)
 
 try:
     import s3fs
