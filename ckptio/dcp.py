@@ -15,7 +15,10 @@ Layout (compatible with torch's ``FileSystemWriter``/``FileSystemReader`` both w
 
 ``.metadata`` is read with a restricted unpickler (:func:`loads_metadata`) that builds only the
 classes DCP metadata contains; anything else is refused with a :class:`FormatError`, so a crafted
-``.metadata`` cannot run code.
+``.metadata`` cannot run code. Every data object name in it must be a relative path inside the
+checkpoint (no empty, ``.`` or ``..`` segment, no leading ``/``, backslash, NUL or ``scheme://``,
+not a ``.metadata``; on local disk it must not leave the directory through a symlink), else
+reading or verifying it stops with a :class:`FormatError` naming the entry.
 
 Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zip CRC fields are
 zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a
@@ -68,9 +71,10 @@ from torch.futures import Future
 
 from . import uri as _uri
 from .backends.base import Backend, BytesReader
-from .backends.local import LocalBackend
+from .backends.local import LocalBackend, ensure_inside
 from .context import resolve
-from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
+from .errors import (AccessDeniedError, AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError,
+                     IntegrityError)
 
 __all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "loads_metadata", "surface_error",
            "METADATA_NAME"]
@@ -156,6 +160,55 @@ def loads_metadata(data: bytes | bytearray | memoryview, uri: str = METADATA_NAM
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{uri}: not DCP metadata (holds a {type(metadata).__name__})")
     return metadata
+
+
+def _name_problem(name: Any) -> str | None:
+    """Why ``name`` (a data object name from ``.metadata``) is not a plain relative path; None when it is one."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a relative path"
+    if not name:
+        return "is empty"
+    for char, what in (("\x00", "a NUL byte"), ("\\", "a backslash")):
+        if char in name:
+            return f"contains {what}"
+    if _uri.scheme_of(name):
+        return "is a URI, not a relative path"
+    if name.startswith("/"):
+        return "is an absolute path"
+    segments = name.split("/")
+    if any(seg in ("", ".", "..") for seg in segments):
+        return "has an empty, '.' or '..' path segment"
+    if segments[-1].lower().endswith(METADATA_NAME):
+        return "names a metadata file, not a data object"
+    return None
+
+
+def _data_objects(metadata: Metadata, backend: Backend, root: str, meta_uri: str) -> dict[str, str]:
+    """Each data object name ``metadata`` refers to -> its URI inside the checkpoint at ``root``.
+
+    A name that is not a plain relative path, or that leaves ``root`` through a symlink (local
+    disk), raises :class:`FormatError` naming ``meta_uri`` and the entry.
+    """
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise FormatError(f"{meta_uri}: storage_data is a {type(storage).__name__}, not a dict: not DCP metadata")
+    out: dict[str, str] = {}
+    for index, sinfo in storage.items():
+        name = getattr(sinfo, "relative_path", None)
+        if isinstance(name, str) and name in out:
+            continue
+        why = _name_problem(name)
+        if why is None:
+            try:
+                ensure_inside(backend, root, _uri.join_path(root, name))
+            except AccessDeniedError:
+                why = "leaves the checkpoint through a symlink"
+        if why is not None:
+            raise FormatError(f"{meta_uri}: the storage entry of item {getattr(index, 'fqn', index)!r} names the data "
+                              f"object {name!r}, which {why}; refusing to use it (only names inside the checkpoint "
+                              f"are followed: the metadata is corrupt or crafted)")
+        out[name] = _uri.join_path(root, name)
+    return out
 
 
 def _uint8(t: torch.Tensor) -> torch.Tensor:
@@ -616,12 +669,16 @@ class StorageReader(_AtURI, _storage.StorageReader):
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
         self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
+        self._meta_uri = self._path(METADATA_NAME)
+        self._objects: dict[str, str] = {}  # data object name in the metadata -> URI, checked to be inside
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._objects = {}
         self._metadata_error = None
         if checkpoint_id:
             self._set_uri(checkpoint_id)
+        self._meta_uri = self._path(METADATA_NAME)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -646,11 +703,15 @@ class StorageReader(_AtURI, _storage.StorageReader):
                     f"checkpoint {self.uri!r} is incomplete: it has no {_uri.basename(meta)} (the save was "
                     f"interrupted or is still running)") from None
             raise
-        return loads_metadata(data, meta)
+        metadata = loads_metadata(data, meta)
+        _data_objects(metadata, self.backend, self.root, meta)  # refuse names outside the checkpoint up front
+        self._meta_uri = meta
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
+        self._objects = _data_objects(metadata, self.backend, self.root, self._meta_uri)
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
 
@@ -743,7 +804,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
 
     def _plan_item(self, req: ReadItem, planner: LoadPlanner, fetch: Callable) -> _Unit:
         sinfo = self.storage_data[req.storage_index]
-        obj = self._path(sinfo.relative_path)
+        obj = self._objects[sinfo.relative_path]
         info = getattr(sinfo, _INFO_ATTR, None)
         what = f"item {req.storage_index.fqn!r} (offset {list(req.storage_index.offset or [])})"
         if info is None or getattr(sinfo, "transform_descriptors", None):
