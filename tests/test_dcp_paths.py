@@ -1,7 +1,7 @@
 """A DCP ``.metadata`` names its data objects by relative path: every name must stay inside the
 checkpoint. Crafted names (``..``, absolute paths, URIs, symlinks out, the metadata itself) are
-refused with a FormatError naming the metadata file and the entry, by the reader and by ``ckptio
-info``/``verify``."""
+refused with a FormatError naming the metadata file and the entry, by the reader, by ``ckptio
+info``/``verify`` and by an ``overwrite=True`` save (which deletes the replaced checkpoint's files)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 import ckptio.dcp as cd
 from ckptio import cli
+from ckptio.checkpointer import Checkpointer
 from ckptio.errors import FormatError
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -139,3 +140,28 @@ def test_cli_info_and_verify_refuse(local_ckpt, capsys, case):
         out, err = capsys.readouterr()
         assert code == cli.EXIT_FAILURE, (command, out, err)
         assert repr(BAD_NAMES[case]) in err and SECRET[:20].decode() not in out + err
+
+
+def test_overwrite_never_deletes_outside_the_checkpoint(tmp_path):
+    """An overwrite deletes the replaced checkpoint's data objects: never the targets of crafted names."""
+    victim = tmp_path / "outside.bin"
+    victim.write_bytes(SECRET)
+    uri = str(tmp_path / "ckpt")
+    cd.save(state(), uri)
+    md = cd.loads_metadata(ckptio.get(f"{uri}/.metadata"))
+    old = {s.relative_path for s in md.storage_data.values()}
+    craft(uri, "../outside.bin")
+    new = {k: v + 1 for k, v in state().items()}
+    cd.save(new, uri, overwrite=True)
+    assert victim.read_bytes() == SECRET
+    out = zeros()
+    cd.load(out, uri)
+    assert all(torch.equal(out[k], v) for k, v in new.items())
+    assert all(os.path.exists(f"{uri}/{n}") for n in old)  # an unreadable old metadata: its files are kept
+
+    step = str(tmp_path / "ck")  # the Checkpointer replacing a crafted, uncommitted step directory
+    os.makedirs(f"{step}/000000000001")
+    ckptio.put(ckptio.get(f"{uri}/.metadata"), f"{step}/000000000001/.metadata")
+    craft(f"{step}/000000000001", "../../outside.bin")
+    Checkpointer(step).save(1, {"m": state()})
+    assert victim.read_bytes() == SECRET
