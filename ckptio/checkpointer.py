@@ -5,7 +5,7 @@ Layout under ``root`` (any URI: local path, ``s3://``, ``gs://``, ``memory://``,
     root/latest.txt                 the latest pointer: the step directory's name and a newline
     root/000000001000/              one directory per step: the step, zero-padded to 12 digits
         state.pt | state.fpk        format "pt" / "fpk": the whole state in one file
-        __0_0.distcp ... .metadata  format "dcp": a ckptio.dcp checkpoint (its .metadata written last)
+        __*.distcp .metadata        format "dcp": a ckptio.dcp checkpoint (its .metadata written last)
         checkpoint.json             the commit marker, written last, create-only
 
 Any all-digit directory name is read as a step (so unpadded names written by hand also work).
@@ -13,7 +13,12 @@ Any all-digit directory name is read as a step (so unpadded names written by han
 Commit protocol of ``save(step, state)``:
 
 1. if ``root/<step>/`` exists but is not committed it is debris of a crashed save and is wiped; a
-   committed one is replaced only when it is not the latest (its marker is removed first);
+   committed one is replaced only when it is not the latest (its marker is removed first). With
+   ``dcp`` only the DCP checkpoint there is discarded (its ``.metadata`` and the data objects that
+   names, :func:`ckptio.dcp.discard`), never the whole directory: DCP names data objects per save,
+   so of two saves of one step at once the first DCP commit wins and the other raises
+   :class:`AlreadyExistsError` (only a save starting between another's DCP commit and its marker
+   replaces that one's data);
 2. the data objects are written (each atomic on its own; DCP commits its ``.metadata`` last);
 3. ``checkpoint.json`` (format, step, metrics, files) is written with ``mode="create"``: from here on the
    checkpoint is complete; ``list()`` shows only directories with this marker;
@@ -577,7 +582,13 @@ class Checkpointer:
             warnings.warn(f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning,
                           stacklevel=2)
             self._backend.delete(_uri.join_path(d, MARKER_NAME))  # uncommit before touching its data
-        self._rmtree(d)  # debris of a crashed save, or the uncommitted old data
+        if self.format == "dcp":
+            from . import dcp
+
+            # not the whole directory: another save of this step may be writing its own data objects there
+            dcp.discard(self.uri(step))
+        else:
+            self._rmtree(d)  # debris of a crashed save, or the uncommitted old data
 
     def _write_data(self, step: int, sd: dict[str, Any]) -> list[str]:
         if self.format == "dcp":

@@ -10,12 +10,20 @@ ranged reads straight into the destination tensors.
 
 Layout (compatible with torch's ``FileSystemWriter``/``FileSystemReader`` both ways)::
 
-    <uri>/__<rank>_<n>.distcp   items back to back; a tensor item is a torch.save zip archive
-    <uri>/.metadata             pickled ``Metadata``: the commit marker, written last
+    <uri>/__<rank>_<n>.<attempt>.distcp   items back to back; a tensor item is a torch.save zip archive
+    <uri>/.metadata                       pickled ``Metadata``: the commit marker, written last
+
+``<attempt>`` (16 hex digits) is chosen by the coordinator for each save and shipped to every rank
+in its plan, so a save never writes a name that another save's ``.metadata`` refers to. Readers
+follow the names recorded in ``.metadata`` (torch's reader too), so checkpoints written by torch or
+by older ckptio (``__<rank>_<n>.distcp``) load unchanged.
 
 ``.metadata`` is read with a restricted unpickler (:func:`loads_metadata`) that builds only the
 classes DCP metadata contains; anything else is refused with a :class:`FormatError`, so a crafted
-``.metadata`` cannot run code.
+``.metadata`` cannot run code. Every data object name in it must be a relative path inside the
+checkpoint (no empty, ``.`` or ``..`` segment, no leading ``/``, backslash, NUL or ``scheme://``,
+not a ``.metadata``; on local disk it must not leave the directory through a symlink), else
+reading, verifying or replacing it stops with a :class:`FormatError` naming the entry.
 
 Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zip CRC fields are
 zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a
@@ -25,13 +33,18 @@ offset, dtype, shape and xxh3-64 checksums per block of ``CHECKSUM_BLOCK`` bytes
 
 Commit protocol:
 1. the coordinator, in ``prepare_global_plan`` (before any rank receives its plan, so before any
-   data object is touched), refuses an existing ``.metadata`` unless ``overwrite=True``, in which
-   case it deletes it first;
-2. every rank streams its data objects; each is committed (and fsynced where local) before
-   ``write_data`` returns;
-3. the coordinator writes ``.metadata`` with ``mode="create"``.
+   data object is touched), picks the attempt id and refuses an existing ``.metadata`` unless
+   ``overwrite=True``, in which case it reads it (to know the data objects it refers to) and
+   deletes it;
+2. every rank streams its data objects under this attempt's names; each is committed (and
+   fsynced where local) before ``write_data`` returns; a rank that fails deletes the ones it wrote;
+3. the coordinator writes ``.metadata`` with ``mode="create"``. If another save committed first,
+   this save deletes its own data objects and raises :class:`AlreadyExistsError`. Either way, a
+   save that removed a ``.metadata`` in step 1 then deletes the data objects that one referred to
+   (nothing refers to them any more); a concurrent save's data objects are never touched.
 A crash at any point leaves either the old complete checkpoint or a directory without
-``.metadata``, which :func:`is_complete` reports as incomplete and the reader refuses.
+``.metadata``, which :func:`is_complete` reports as incomplete and the reader refuses. Data objects
+of a crashed save stay until the directory is deleted: nothing tells them from a save still running.
 """
 
 from __future__ import annotations
@@ -45,7 +58,8 @@ import pickle
 import struct
 import threading
 import uuid
-from typing import Any, Callable, Iterator, Sequence
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -68,12 +82,13 @@ from torch.futures import Future
 
 from . import uri as _uri
 from .backends.base import Backend, BytesReader
-from .backends.local import LocalBackend
+from .backends.local import LocalBackend, ensure_inside
 from .context import resolve
-from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
+from .errors import (AccessDeniedError, AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError,
+                     IntegrityError)
 
-__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "loads_metadata", "surface_error",
-           "METADATA_NAME"]
+__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "discard", "loads_metadata",
+           "surface_error", "METADATA_NAME"]
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -106,6 +121,38 @@ def is_complete(uri: str | os.PathLike, **backend_options: Any) -> bool:
     """Whether ``uri`` holds a committed DCP checkpoint (its ``.metadata`` exists)."""
     backend, root = resolve(uri, **backend_options)
     return backend.isfile(_uri.join_path(root, METADATA_NAME))
+
+
+def discard(uri: str | os.PathLike, **backend_options: Any) -> None:
+    """Uncommit the DCP checkpoint at ``uri`` (delete its ``.metadata``), then delete the data objects it referred to.
+
+    Nothing else under ``uri`` is touched: data objects of another save of ``uri``, maybe still being
+    written, stay. Without a ``.metadata`` this does nothing.
+    """
+    backend, root = resolve(uri, **backend_options)
+    failed = _delete_objects(backend, _uncommit(backend, root, _uri.join_path(root, METADATA_NAME)))
+    if failed:
+        raise CkptioError(f"uncommitted {os.fspath(uri)!r} but could not delete its data objects: {'; '.join(failed)}")
+
+
+def _note(e: BaseException, text: str) -> None:
+    if hasattr(e, "add_note"):
+        e.add_note(text)
+    else:  # Python 3.10
+        e.__notes__ = [*getattr(e, "__notes__", []), text]  # type: ignore[attr-defined]
+
+
+def _delete_objects(backend: Backend, uris: Iterable[str]) -> list[str]:
+    """Delete each object (one already gone is fine); returns "URI (error)" for each that could not be deleted."""
+    failed = []
+    for u in uris:
+        try:
+            backend.delete(u)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported by every caller
+            failed.append(f"{u} ({type(e).__name__}: {e})")
+    return failed
 
 
 # What a DCP ``.metadata`` legitimately contains (torch's FileSystemWriter/FsspecWriter and ckptio's
@@ -156,6 +203,73 @@ def loads_metadata(data: bytes | bytearray | memoryview, uri: str = METADATA_NAM
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{uri}: not DCP metadata (holds a {type(metadata).__name__})")
     return metadata
+
+
+def _name_problem(name: Any) -> str | None:
+    """Why ``name`` (a data object name from ``.metadata``) is not a plain relative path; None when it is one."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a relative path"
+    if not name:
+        return "is empty"
+    for char, what in (("\x00", "a NUL byte"), ("\\", "a backslash")):
+        if char in name:
+            return f"contains {what}"
+    if _uri.scheme_of(name):
+        return "is a URI, not a relative path"
+    if name.startswith("/"):
+        return "is an absolute path"
+    segments = name.split("/")
+    if any(seg in ("", ".", "..") for seg in segments):
+        return "has an empty, '.' or '..' path segment"
+    if segments[-1].lower().endswith(METADATA_NAME):
+        return "names a metadata file, not a data object"
+    return None
+
+
+def _data_objects(metadata: Metadata, backend: Backend, root: str, meta_uri: str) -> dict[str, str]:
+    """Each data object name ``metadata`` refers to -> its URI inside the checkpoint at ``root``.
+
+    A name that is not a plain relative path, or that leaves ``root`` through a symlink (local
+    disk), raises :class:`FormatError` naming ``meta_uri`` and the entry.
+    """
+    storage = metadata.storage_data if metadata.storage_data is not None else {}
+    if not isinstance(storage, dict):
+        raise FormatError(f"{meta_uri}: storage_data is a {type(storage).__name__}, not a dict: not DCP metadata")
+    out: dict[str, str] = {}
+    for index, sinfo in storage.items():
+        name = getattr(sinfo, "relative_path", None)
+        if isinstance(name, str) and name in out:
+            continue
+        why = _name_problem(name)
+        if why is None:
+            try:
+                ensure_inside(backend, root, _uri.join_path(root, name))
+            except AccessDeniedError:
+                why = "leaves the checkpoint through a symlink"
+        if why is not None:
+            raise FormatError(f"{meta_uri}: the storage entry of item {getattr(index, 'fqn', index)!r} names the data "
+                              f"object {name!r}, which {why}; refusing to use it (only names inside the checkpoint "
+                              f"are followed: the metadata is corrupt or crafted)")
+        out[name] = _uri.join_path(root, name)
+    return out
+
+
+def _uncommit(backend: Backend, root: str, meta: str) -> list[str]:
+    """Delete the ``.metadata`` at ``meta``; returns the data objects it referred to.
+
+    None when another save removed it first, or when it is unreadable or names objects outside the
+    checkpoint (only the marker goes then: its names are not trusted)."""
+    try:
+        objects = list(_data_objects(loads_metadata(backend.read(meta), meta), backend, root, meta).values())
+    except FileNotFoundError:
+        return []
+    except FormatError:
+        objects = []
+    try:
+        backend.delete(meta)
+    except FileNotFoundError:  # a concurrent overwrite deleted it first: its data objects are that save's to delete
+        return []
+    return objects
 
 
 def _uint8(t: torch.Tensor) -> torch.Tensor:
@@ -360,7 +474,13 @@ class _AtURI:
 
 @dataclasses.dataclass
 class _Prefix:
+    """A rank's data object names: ``<prefix><n>.<attempt>.distcp``."""
+
     prefix: str
+    attempt: str = ""
+
+    def name(self, n: int) -> str:
+        return f"{self.prefix}{n}.{self.attempt}{DATA_SUFFIX}" if self.attempt else f"{self.prefix}{n}{DATA_SUFFIX}"
 
 
 class StorageWriter(_AtURI, _storage.StorageWriter):
@@ -391,12 +511,14 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
         self.rank: int | None = None
         self.is_coordinator = False
         self.use_collectives = True
+        self._replaced: list[str] = []  # data objects of the checkpoint this save replaces (coordinator)
 
     # ---- the StorageWriter protocol --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self._set_uri(checkpoint_id)
         self.save_id = uuid.uuid4().hex
+        self._replaced = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -414,33 +536,40 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank gets its plan, hence before any data is written.
         meta = self._path(_metadata_name(self.rank, self.use_collectives))
+        self._replaced = []
         if self.backend.isfile(meta):
             if not self.overwrite:
                 raise AlreadyExistsError(
                     meta, f"a complete checkpoint already exists at {self.uri!r}; pass overwrite=True to replace it")
-            self.backend.delete(meta)  # uncommit first: from here on the old data may be overwritten
-        return [p if p.storage_data is not None else dataclasses.replace(p, storage_data=_Prefix(f"__{i}_"))
-                for i, p in enumerate(plans)]
+            self._replaced = _uncommit(self.backend, self.root, meta)  # deleted after the commit attempt
+        attempt = uuid.uuid4().hex[:16]  # this save's data object names: no other save writes or deletes them
+        return [dataclasses.replace(p, storage_data=_Prefix(
+            p.storage_data.prefix if p.storage_data is not None else f"__{i}_", attempt)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix
         groups = _split(plan.items, self.thread_count)
         cancel = threading.Event()
-        jobs = [(f"{prefix}{n}{DATA_SUFFIX}", g) for n, g in enumerate(groups)]
+        jobs = [(plan.storage_data.name(n), g) for n, g in enumerate(groups)]
         results: list[WriteResult] = []
         workers = self._bound_memory(sum(_item_nbytes(i) for i in plan.items), len(jobs))
-        if workers <= 1:
-            for name, g in jobs:
-                results += self._write_object(name, g, planner, cancel)
-        else:
-            with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-dcp-write") as pool:
-                futs = [pool.submit(self._write_object, name, g, planner, cancel) for name, g in jobs]
-                try:
-                    for f in futs:
-                        results += f.result()
-                except BaseException:
-                    cancel.set()
-                    raise
+        try:
+            if workers <= 1:
+                for name, g in jobs:
+                    results += self._write_object(name, g, planner, cancel)
+            else:
+                with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-dcp-write") as pool:
+                    futs = [pool.submit(self._write_object, name, g, planner, cancel) for name, g in jobs]
+                    try:
+                        for f in futs:
+                            results += f.result()
+                    except BaseException:
+                        cancel.set()
+                        raise
+        except BaseException as e:  # this save will not commit: its objects are debris (names only it uses)
+            failed = _delete_objects(self.backend, [self._path(name) for name, _ in jobs])
+            if failed:
+                _note(e, f"ckptio.dcp: could not delete this save's data objects: {'; '.join(failed)}")
+            raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -533,8 +662,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                     offset += length
         except Exception as e:
             what = f"item {item.index.fqn!r}" if item is not None else "opening"
-            if hasattr(e, "add_note"):
-                e.add_note(f"ckptio.dcp: rank {self.rank}: writing data object {uri} ({what}) failed")
+            _note(e, f"ckptio.dcp: rank {self.rank}: writing data object {uri} ({what}) failed")
             raise
         return results
 
@@ -544,12 +672,22 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
         metadata.storage_meta = self.storage_meta()
         meta = self._path(_metadata_name(self.rank, self.use_collectives))
         data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        own = {self._path(sinfo.relative_path) for sinfo in metadata.storage_data.values()}
+        # the data objects of the .metadata this save removed: nothing refers to them any more
+        replaced, self._replaced = [u for u in self._replaced if u not in own], []
         try:
             self.backend.write(meta, data, mode="create", durable=True)  # the commit
         except FileExistsError as e:
-            raise AlreadyExistsError(
-                meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded"
-            ) from e
+            err = AlreadyExistsError(
+                meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded")
+            failed = _delete_objects(self.backend, [*sorted(own), *replaced])
+            if failed:
+                _note(err, f"ckptio.dcp: could not delete data objects nothing refers to: {'; '.join(failed)}")
+            raise err from e
+        failed = _delete_objects(self.backend, replaced)
+        if failed:
+            warnings.warn(f"ckptio.dcp: saved {self.uri!r}, but could not delete data objects of the checkpoint it "
+                          f"replaced: {'; '.join(failed)}", stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,12 +754,16 @@ class StorageReader(_AtURI, _storage.StorageReader):
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
         self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
+        self._meta_uri = self._path(METADATA_NAME)
+        self._objects: dict[str, str] = {}  # data object name in the metadata -> URI, checked to be inside
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._objects = {}
         self._metadata_error = None
         if checkpoint_id:
             self._set_uri(checkpoint_id)
+        self._meta_uri = self._path(METADATA_NAME)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -646,11 +788,15 @@ class StorageReader(_AtURI, _storage.StorageReader):
                     f"checkpoint {self.uri!r} is incomplete: it has no {_uri.basename(meta)} (the save was "
                     f"interrupted or is still running)") from None
             raise
-        return loads_metadata(data, meta)
+        metadata = loads_metadata(data, meta)
+        _data_objects(metadata, self.backend, self.root, meta)  # refuse names outside the checkpoint up front
+        self._meta_uri = meta
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
+        self._objects = _data_objects(metadata, self.backend, self.root, self._meta_uri)
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
 
@@ -743,7 +889,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
 
     def _plan_item(self, req: ReadItem, planner: LoadPlanner, fetch: Callable) -> _Unit:
         sinfo = self.storage_data[req.storage_index]
-        obj = self._path(sinfo.relative_path)
+        obj = self._objects[sinfo.relative_path]
         info = getattr(sinfo, _INFO_ATTR, None)
         what = f"item {req.storage_index.fqn!r} (offset {list(req.storage_index.offset or [])})"
         if info is None or getattr(sinfo, "transform_descriptors", None):
@@ -868,11 +1014,7 @@ def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
             x = metadata_error
         if isinstance(x, (CkptioError, OSError)) or not isinstance(x, Exception):
             others = f" (all failures: {summary})" if len(failures) > 1 else ""
-            note = f"{where} failed on rank {r}{others}"
-            if hasattr(x, "add_note"):
-                x.add_note(note)
-            else:  # Python 3.10
-                x.__notes__ = [*getattr(x, "__notes__", []), note]
+            _note(x, f"{where} failed on rank {r}{others}")
             x.__cause__ = exc
             return x
     err = CkptioError(f"{where} failed: {summary}")

@@ -1,15 +1,18 @@
-"""Child-process code for the DCP tests: spawned gloo ranks and save-then-SIGKILL scripts.
+"""Child-process code for the DCP tests: spawned gloo ranks, save-then-SIGKILL scripts and racing saves.
 
 Kept out of the test modules so children import only this (not pytest fixtures). Run as a
-script for the crash tests: ``python dcp_workers.py crash POINT URI [OVERWRITE]``.
+script for the crash tests: ``python dcp_workers.py crash POINT URI [OVERWRITE]``, and for the
+race tests: ``python dcp_workers.py race SYNC_DIR JSON_ARGS`` (see :func:`race`).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import sys
+import time
 import traceback
 import warnings
 
@@ -63,7 +66,7 @@ def save_rank(rank: int, world: int, port: int, uri: str, backends: dict | None,
     mesh = _init(rank, world, port)
     try:
         if fail_rank == rank:
-            _fail_on_object(f"__{rank}_1.distcp")
+            _fail_on_object(f"__{rank}_1.")
         sd = _sharded(mesh, full_state(1))
         sd["extra"] = {"step": 7, "rank_count": world}
         outcomes = []
@@ -168,13 +171,13 @@ def _shutdown() -> None:
     dist.destroy_process_group()
 
 
-def _fail_on_object(name: str) -> None:
+def _fail_on_object(prefix: str) -> None:
     from ckptio.backends import local
 
     original = local.LocalWriter.write
 
     def write(self, data):
-        if os.path.basename(self._path) == name:
+        if os.path.basename(self._path).startswith(prefix):
             raise OSError(5, "injected I/O error")
         return original(self, data)
 
@@ -225,6 +228,76 @@ def crash(point: str, uri: str, overwrite: bool) -> None:
     raise SystemExit("the save finished but should have been killed")
 
 
+# ---- racing saves: two processes save to one URI ---------------------------------------------
+
+def _wait_for(path: str, timeout: float = 60.0, pause: float = 0.001) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {path}")
+        if pause:
+            time.sleep(pause)
+
+
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def _interleave(sync: str, me: str, other: str) -> None:
+    """Force the order: ``first`` writes its data, ``second`` writes its data, ``first`` commits, ``second`` commits."""
+    import ckptio.dcp as cd
+
+    write_data, finish = cd.StorageWriter.write_data, cd.StorageWriter.finish
+
+    def gated_write(self, plan, planner):
+        if me == "second":
+            _wait_for(os.path.join(sync, "first-written"))
+        return write_data(self, plan, planner)
+
+    def gated_finish(self, metadata, results):
+        _touch(os.path.join(sync, f"{me}-written"))
+        _wait_for(os.path.join(sync, f"{other}-written"))
+        if me == "second":
+            _wait_for(os.path.join(sync, "first-done"))
+        try:
+            return finish(self, metadata, results)
+        finally:
+            _touch(os.path.join(sync, f"{me}-done"))
+
+    cd.StorageWriter.write_data, cd.StorageWriter.finish = gated_write, gated_finish
+
+
+def race(sync: str, args: dict) -> None:
+    """One racer. ``args``: kind ("dcp" or "checkpointer"), uri, seed (its state is ``big_state(seed)``),
+    role ("free": start at the shared barrier and run; "first"/"second": :func:`_interleave`),
+    overwrite, backends. Writes ``result-<seed>``: "ok", or the exception's type and message."""
+    import ckptio.dcp as cd
+    from ckptio.checkpointer import Checkpointer
+
+    warnings.simplefilter("ignore")
+    _configure(args.get("backends"))
+    seed, uri = args["seed"], args["uri"]
+    state = big_state(seed)
+    cd.save({"warm": torch.ones(4)}, f"{uri}-warm-{seed}")  # import and connect before the start line
+    if args["role"] != "free":
+        _interleave(sync, args["role"], "second" if args["role"] == "first" else "first")
+    _touch(os.path.join(sync, f"ready-{seed}"))
+    _wait_for(os.path.join(sync, "go"), pause=0)  # spin: both racers leave the start line together
+    try:
+        if args["kind"] == "checkpointer":
+            Checkpointer(uri).save(1, {"model": state})
+        else:
+            cd.save(state, uri, thread_count=2, overwrite=args.get("overwrite", False))
+        outcome = "ok"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(sync, f"result-{seed}"), "w") as f:
+        f.write(outcome)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "crash":
         crash(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "overwrite")
+    elif sys.argv[1] == "race":
+        race(sys.argv[2], json.loads(sys.argv[3]))

@@ -377,7 +377,7 @@ def test_dcp_load_errors_are_ckptio_errors(tmp_path):
     ck = Checkpointer(str(tmp_path / "run"), format="dcp")
     ck.save(1, {"m": {"w": torch.randn(1000)}})
     d = tmp_path / "run" / "000000000001"
-    data = d / "__0_0.distcp"
+    (data,) = d.glob("*.distcp")
     raw = bytearray(data.read_bytes())
     raw[-200] ^= 0xFF  # inside the tensor bytes (the zip trailer follows them)
     raw[len(raw) // 2] ^= 0xFF

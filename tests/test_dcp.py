@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
 import traceback
 import uuid
@@ -33,6 +34,13 @@ def root(request, tmp_path):
 
 def join(root: str, name: str) -> str:
     return f"{root}/{name}"
+
+
+DATA_NAME = re.compile(r"__(\d+)_(\d+)\.([0-9a-f]{16})\.distcp")  # rank, object number, save attempt
+
+
+def data_objects(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))
 
 
 def sample() -> dict:
@@ -99,7 +107,9 @@ def test_thread_counts_and_small_parts(root):
     cd.save(sd, uri, thread_count=3)
     backend, r = ckptio.resolve(uri)
     names = sorted(i.uri.rsplit("/", 1)[-1] for i in backend.list(r))
-    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert names[0] == ".metadata" and len(names) == 4
+    parts = [DATA_NAME.fullmatch(n).groups() for n in names[1:]]
+    assert [p[:2] for p in parts] == [("0", "0"), ("0", "1"), ("0", "2")] and len({p[2] for p in parts}) == 1
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     cd.load(out, uri, thread_count=1)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
@@ -233,9 +243,33 @@ def test_overwrite_removes_metadata_before_touching_data(tmp_path, monkeypatch):
         return original(self, u, **kw)
 
     monkeypatch.setattr(local_backend.LocalBackend, "open_writer", open_writer)
+    old = data_objects(uri)
     cd.save({"x": torch.zeros(3)}, uri, overwrite=True)
-    assert seen[0] == ("__0_0.distcp", False)
+    assert DATA_NAME.fullmatch(seen[0][0]) and seen[0][1] is False
     assert seen[-1] == (".metadata", False)
+    new = data_objects(uri)  # once committed, the replaced checkpoint's data objects are deleted
+    assert len(new) == 1 and not set(old) & set(new)
+
+
+def test_old_data_object_names_load_and_are_replaced(tmp_path):
+    """Checkpoints written before data objects were named per save (``__0_0.distcp``) still load, and
+    an overwrite deletes their data objects once it has committed."""
+    uri = str(tmp_path / "c")
+    cd.save({"x": torch.arange(10.0)}, uri, thread_count=1)
+    (name,) = data_objects(uri)
+    os.rename(os.path.join(uri, name), os.path.join(uri, "__0_0.distcp"))
+    md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    for sinfo in md.storage_data.values():
+        sinfo.relative_path = "__0_0.distcp"
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    out = {"x": torch.zeros(10)}
+    cd.load(out, uri)
+    assert torch.equal(out["x"], torch.arange(10.0))
+    cd.save({"x": torch.ones(10)}, uri, overwrite=True)
+    (name,) = data_objects(uri)
+    assert DATA_NAME.fullmatch(name)
+    cd.load(out, uri)
+    assert torch.equal(out["x"], torch.ones(10))
 
 
 def test_incomplete_checkpoint_is_reported(root):
@@ -255,7 +289,7 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
     original = local_backend.LocalWriter.write
 
     def write(self, data):
-        if self._path.endswith("__0_1.distcp"):
+        if os.path.basename(self._path).startswith("__0_1."):
             raise OSError(5, "injected I/O error")
         return original(self, data)
 
@@ -263,9 +297,9 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="injected I/O error") as ei:
         cd.save({f"t{i}": torch.randn(100) for i in range(4)}, uri, thread_count=2)
     text = _text(ei.value)
-    assert "__0_1.distcp" in text and "rank 0" in text
+    assert re.search(r"__0_1\.[0-9a-f]{16}\.distcp", text) and "rank 0" in text
     assert not cd.is_complete(uri)
-    assert not any(n.startswith(".__0_1") for n in os.listdir(uri))  # the failed object's temp file is gone
+    assert os.listdir(uri) == []  # the failed object's temp file and the rank's other object are gone
 
 
 # ---- integrity -----------------------------------------------------------------------------------
@@ -280,7 +314,7 @@ def test_corruption_names_object_and_item(tmp_path):
     with pytest.raises(IntegrityError) as ei:
         cd.load({"a": torch.zeros(1000), "b": torch.zeros(1000)}, uri)
     err = ei.value
-    assert "__0_0.distcp" in str(err) and "'b'" in str(err)
+    assert info.relative_path in str(err) and "'b'" in str(err)
     out = {"a": torch.zeros(1000)}
     cd.load(out, uri)  # the intact item still loads
     assert torch.equal(out["a"], sd["a"])
@@ -302,7 +336,7 @@ def test_corrupt_bytes_item(tmp_path):
 def test_truncated_object(tmp_path):
     uri = str(tmp_path / "c")
     cd.save({"a": torch.randn(5000)}, uri)
-    path = tmp_path / "c" / "__0_0.distcp"
+    path = tmp_path / "c" / data_objects(uri)[0]
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(IntegrityError, match="truncated"):
         cd.load({"a": torch.zeros(5000)}, uri)
