@@ -78,8 +78,15 @@ def _enabled_by_env() -> bool:
 class Bar:
     """A progress bar usable as a callback. Use as a context manager so the line is finished."""
 
-    def __init__(self, total: int = 0, desc: str = "", *, enabled: bool | None = None,
-                 file: TextIO | None = None, min_interval: float = 0.1) -> None:
+    def __init__(
+        self,
+        total: int = 0,
+        desc: str = "",
+        *,
+        enabled: bool | None = None,
+        file: TextIO | None = None,
+        min_interval: float = 0.1,
+    ) -> None:
         self.file = file if file is not None else sys.stderr
         if enabled is None:
             enabled = _enabled_by_env() and bool(getattr(self.file, "isatty", lambda: False)())
@@ -102,8 +109,16 @@ class Bar:
                 except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
                     cols = 0
                 size = {"dynamic_ncols": True} if cols else {"ncols": 100}  # a pty without a size reports 0
-                self._tqdm = tqdm(total=self.total or None, desc=desc or None, unit="B", unit_scale=True,
-                                  unit_divisor=1024, file=self.file, leave=False, **size)
+                self._tqdm = tqdm(
+                    total=self.total or None,
+                    desc=desc or None,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    file=self.file,
+                    leave=False,
+                    **size,
+                )
 
     def __call__(self, bytes_done: int, bytes_total: int) -> None:
         if not self.enabled:

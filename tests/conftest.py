@@ -20,12 +20,21 @@ import pytest
 
 # before anything imports gcsfs: without it gcsfs 2026.x stalls a minute per call on the emulator
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-_ENV_DEFAULTS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true"}
+_ENV_DEFAULTS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 for _k, _v in _ENV_DEFAULTS.items():
     os.environ.setdefault(_k, _v)
 # the developer's AWS settings (a profile, request_checksum_calculation for R2/MinIO...) must not change the tests
-for _k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+for _k in (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION",
+):
     os.environ.pop(_k, None)
 os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
@@ -43,6 +52,7 @@ S3_TEST_OPTIONS = {"access_key_id": "testing", "secret_access_key": "testing", "
 
 
 # ---- a user backend and an fsspec protocol, registered the way users would ---------------------
+
 
 @ckptio.register_backend("userdict", prefixes=["userdict://"], force=True)
 class UserDictBackend(Backend):
@@ -83,7 +93,7 @@ class UserDictBackend(Backend):
         for k in sorted(self.store):
             if not k.startswith(prefix):
                 continue
-            rest = k[len(prefix):]
+            rest = k[len(prefix) :]
             if "/" in rest and not recursive:
                 d = prefix + rest.split("/", 1)[0]
                 if d not in dirs:
@@ -110,6 +120,7 @@ fsspec.register_implementation("fstest", FsTestFileSystem, clobber=True)
 
 # ---- per-test isolation ------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _ckptio_isolation() -> Iterator[None]:
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -134,6 +145,7 @@ def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
 
 
 # ---- servers -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[MotoServer]:

@@ -92,16 +92,26 @@ class Seen:
 
 def _error_body(flavor: str, status: int, code: str, message: str) -> tuple[bytes, str]:
     if flavor == "s3":
-        return (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-                f"<RequestId>fault</RequestId></Error>").encode(), "application/xml"
+        return (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+            f"<RequestId>fault</RequestId></Error>"
+        ).encode(), "application/xml"
     import json
 
-    return json.dumps({"error": {"code": status, "message": message, "errors": [{"reason": code}]}}).encode(), \
-        "application/json"
+    return json.dumps(
+        {"error": {"code": status, "message": message, "errors": [{"reason": code}]}}
+    ).encode(), "application/json"
 
 
-_S3_CODES = {500: "InternalError", 502: "BadGateway", 503: "SlowDown", 504: "GatewayTimeout", 403: "AccessDenied",
-             404: "NoSuchKey", 412: "PreconditionFailed"}
+_S3_CODES = {
+    500: "InternalError",
+    502: "BadGateway",
+    503: "SlowDown",
+    504: "GatewayTimeout",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    412: "PreconditionFailed",
+}
 
 
 @dataclass
@@ -151,8 +161,9 @@ class FaultProxy(LoopbackProxy):
                 kind = fault.kind if fault else None
                 if kind == "status":
                     seen.status = fault.status
-                    code = fault.code or (_S3_CODES.get(fault.status, "InternalError") if proxy.flavor == "s3"
-                                          else "backendError")
+                    code = fault.code or (
+                        _S3_CODES.get(fault.status, "InternalError") if proxy.flavor == "s3" else "backendError"
+                    )
                     return self._error(fault.status, code, fault.message or f"injected {fault.status}")
                 if kind == "expired":
                     if proxy.flavor == "s3":
@@ -170,8 +181,9 @@ class FaultProxy(LoopbackProxy):
                     kind = None
                 head_len = next((v for k, v in headers if k.lower() == "content-length"), None)
                 if kind is None:
-                    self._head(status, reason, headers, int(head_len) if self.command == "HEAD" and head_len
-                               else len(data))
+                    self._head(
+                        status, reason, headers, int(head_len) if self.command == "HEAD" and head_len else len(data)
+                    )
                     if self.command != "HEAD":
                         self.wfile.write(data)
                     return
@@ -253,13 +265,34 @@ def _setup(flavor: str, endpoint: str, **options) -> FaultProxy:
     bucket = _unique("f")
     if flavor == "s3":
         make_s3_bucket(endpoint, bucket)
-        ckptio.configure(backends={"s3": {"endpoint_url": p.url, **S3_TEST_OPTIONS, "part_size": 5 * MiB,
-                                          "concurrency": 3, **FAST, **options}})
+        ckptio.configure(
+            backends={
+                "s3": {
+                    "endpoint_url": p.url,
+                    **S3_TEST_OPTIONS,
+                    "part_size": 5 * MiB,
+                    "concurrency": 3,
+                    **FAST,
+                    **options,
+                }
+            }
+        )
         p.uri = f"s3://{bucket}"  # type: ignore[attr-defined]
     else:
         make_gcs_bucket(endpoint, bucket)
-        ckptio.configure(backends={"gcs": {"endpoint_url": p.url, "anon": True, "project": "test",
-                                           "part_size": 256 * 1024, "concurrency": 3, **FAST, **options}})
+        ckptio.configure(
+            backends={
+                "gcs": {
+                    "endpoint_url": p.url,
+                    "anon": True,
+                    "project": "test",
+                    "part_size": 256 * 1024,
+                    "concurrency": 3,
+                    **FAST,
+                    **options,
+                }
+            }
+        )
         p.uri = f"gs://{bucket}"  # type: ignore[attr-defined]
     p.endpoint = endpoint  # type: ignore[attr-defined]
     p.bucket = bucket  # type: ignore[attr-defined]

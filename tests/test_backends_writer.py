@@ -74,7 +74,7 @@ def test_part_buffers_stay_within_max_buffer_bytes(scheme, request):
     w = b.open_writer(u)
     peak = 0
     for i in range(0, len(data), 3 * MiB):
-        w.write(mv[i: i + 3 * MiB])
+        w.write(mv[i : i + 3 * MiB])
         peak = max(peak, w._allocated)
     w.close()
     assert 0 < peak <= budget

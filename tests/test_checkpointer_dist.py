@@ -29,8 +29,9 @@ def _worker(rank: int, world: int, port: int, roots: list[str], out_dir: str, ba
     try:
         if backends:
             ckptio.configure(backends=backends)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         for root in roots:
             _save_and_resume(rank, root)
         dist.barrier()

@@ -49,8 +49,10 @@ def outcome(tmp_path_factory, s3_endpoint):
         run_ranks(W.dist_main, WORLD, backends, root, tmp)
         results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
         counts = {k: gets(proxy, k) for k in [*tensors, *dcp_files, "missing.pt"]}
-        bytes_out = {k: sum(r.bytes_out for r in proxy.requests if r.method == "GET"
-                            and r.path.split("?")[0].endswith("/" + k)) for k in tensors}
+        bytes_out = {
+            k: sum(r.bytes_out for r in proxy.requests if r.method == "GET" and r.path.split("?")[0].endswith("/" + k))
+            for k in tensors
+        }
     ckptio.reset()
     yield {"results": results, "counts": counts, "sizes": sizes, "bytes_out": bytes_out, "dcp_files": dcp_files}
 

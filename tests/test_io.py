@@ -29,15 +29,18 @@ def model_state():
     return {"model": m.state_dict(), "optim": o.state_dict(), "step": 7}
 
 
-@pytest.mark.parametrize("name, obj", [
-    ("a.json", {"a": [1, 2, {"b": None}]}),
-    ("a.yaml", {"a": [1, 2]}),
-    ("a.pkl", {"a": {1, 2}, "b": (1, 2)}),
-    ("a.msgpack", {"a": [1, 2], 3: b"x"}),
-    ("a.txt", "hello\nworld"),
-    ("a.bin", b"\x00\x01raw"),
-    ("a.npy", np.arange(12, dtype=np.float32).reshape(3, 4)),
-])
+@pytest.mark.parametrize(
+    "name, obj",
+    [
+        ("a.json", {"a": [1, 2, {"b": None}]}),
+        ("a.yaml", {"a": [1, 2]}),
+        ("a.pkl", {"a": {1, 2}, "b": (1, 2)}),
+        ("a.msgpack", {"a": [1, 2], 3: b"x"}),
+        ("a.txt", "hello\nworld"),
+        ("a.bin", b"\x00\x01raw"),
+        ("a.npy", np.arange(12, dtype=np.float32).reshape(3, 4)),
+    ],
+)
 def test_dump_load_by_extension(root, name, obj):
     uri = ckptio.join_path(root, "sub", name)
     ckptio.dump(obj, uri)
@@ -134,10 +137,19 @@ def test_listing(root):
     assert sorted(ckptio.list_dir_or_file(root)) == ["a.txt", "b.json", "sub"]
     assert sorted(ckptio.list_dir_or_file(root, list_dir=False)) == ["a.txt", "b.json"]
     assert sorted(ckptio.list_dir_or_file(root, list_file=False)) == ["sub"]
-    assert sorted(ckptio.list_dir_or_file(root, list_dir=False, suffix=".txt", recursive=True)) == \
-        ["a.txt", "sub/c.txt", "sub/deep/d.txt"]
-    assert sorted(ckptio.list_dir_or_file(root, recursive=True)) == \
-        ["a.txt", "b.json", "sub", "sub/c.txt", "sub/deep", "sub/deep/d.txt"]
+    assert sorted(ckptio.list_dir_or_file(root, list_dir=False, suffix=".txt", recursive=True)) == [
+        "a.txt",
+        "sub/c.txt",
+        "sub/deep/d.txt",
+    ]
+    assert sorted(ckptio.list_dir_or_file(root, recursive=True)) == [
+        "a.txt",
+        "b.json",
+        "sub",
+        "sub/c.txt",
+        "sub/deep",
+        "sub/deep/d.txt",
+    ]
     with pytest.raises(TypeError):
         list(ckptio.list_dir_or_file(root, suffix=".txt"))
     assert [u.rsplit("/", 1)[-1] for u in ckptio.ls(root)] == ["a.txt", "b.json", "sub"]
@@ -225,7 +237,9 @@ def test_easy_io_backend_args_and_keys(tmp_path):
     ckptio.dump({"a": 1}, "memory://mapped/x.json", backend_args=args)
     assert ckptio.load("memory://real/x.json") == {"a": 1}
     assert ckptio.load("memory://mapped/x.json", backend_args=args) == {"a": 1}
-    ckptio.set_s3_backend(key="team", backend_args={"backend": "s3", "path_mapping": {"memory://team/": "memory://t2/"}})
+    ckptio.set_s3_backend(
+        key="team", backend_args={"backend": "s3", "path_mapping": {"memory://team/": "memory://t2/"}}
+    )
     ckptio.put(b"k", "memory://team/y.bin", backend_key="team")
     assert ckptio.get("memory://t2/y.bin") == b"k"
     assert ckptio.exists("memory://team/y.bin", backend_key="team")
@@ -260,6 +274,7 @@ def test_register_format_decorator_and_conflicts(tmp_path):
 
 def test_register_backend_conflict_requires_force():
     with pytest.raises(ValueError, match="already registered"):
+
         @ckptio.register_backend("mine", prefixes=["memory"])
         class Mine(ckptio.Backend):
             pass
@@ -314,6 +329,7 @@ def test_progress_true_is_quiet_off_a_terminal(tmp_path, capsys):
 
 
 # ---- mmengine.fileio / easy_io semantics (their LocalBackend is shutil's) ------------------------
+
 
 def test_copyfile_onto_itself_raises_same_file_error(root, tmp_path):
     import shutil

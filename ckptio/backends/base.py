@@ -193,7 +193,7 @@ class BytesReader(_SeekableReader):
     def readinto(self, b) -> int:  # type: ignore[override]
         out = memoryview(b).cast("B")
         n = max(0, min(len(out), self.size - self._pos))
-        out[:n] = self._mv[self._pos: self._pos + n]
+        out[:n] = self._mv[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -338,8 +338,9 @@ def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
     return pos
 
 
-def copy_between(src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite") -> None:
+def copy_between(
+    src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite"
+) -> None:
     """Stream one object from any backend to any backend with bounded memory."""
     with dst_backend.open_writer(dst, mode=mode) as w:
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
-

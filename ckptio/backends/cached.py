@@ -111,8 +111,11 @@ class _Lock:
                         break
                     except BlockingIOError:
                         if deadline is not None and time.monotonic() > deadline:
-                            raise TimeoutError(errno.ETIMEDOUT, f"timed out after {timeout:.0f}s waiting for the "
-                                               f"cache lock of {what} (another process is filling it: {path})")
+                            raise TimeoutError(
+                                errno.ETIMEDOUT,
+                                f"timed out after {timeout:.0f}s waiting for the "
+                                f"cache lock of {what} (another process is filling it: {path})",
+                            )
                         time.sleep(delay)
                         delay = min(delay * 2, 0.05)
             except BaseException:
@@ -185,8 +188,16 @@ class CachedBackend(Backend):
 
     name = "cached"
 
-    def __init__(self, inner: Backend, cache_dir: str | os.PathLike | None = None, *, max_bytes: int | None = None,
-                 verify: bool = False, fsync: bool = False, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        inner: Backend,
+        cache_dir: str | os.PathLike | None = None,
+        *,
+        max_bytes: int | None = None,
+        verify: bool = False,
+        fsync: bool = False,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
         super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
         if isinstance(inner, CachedBackend):
             raise ValueError("CachedBackend cannot wrap another CachedBackend")
@@ -210,8 +221,11 @@ class CachedBackend(Backend):
 
     # ---- the directory -----------------------------------------------------------------------
     def _unusable(self, e: OSError, what: str = "not writable") -> AccessDeniedError:
-        return AccessDeniedError(self.cache_dir, f"cache directory {what} ({e.strerror or e}; set cache_dir or "
-                                                 f"${ENV_CACHE_DIR} to a writable directory, or pass cache=False)")
+        return AccessDeniedError(
+            self.cache_dir,
+            f"cache directory {what} ({e.strerror or e}; set cache_dir or "
+            f"${ENV_CACHE_DIR} to a writable directory, or pass cache=False)",
+        )
 
     def _make_dirs(self) -> None:
         try:
@@ -292,8 +306,11 @@ class CachedBackend(Backend):
     def _paths(self, info: ObjectInfo) -> tuple[str, str, str]:
         key = self._key(info)
         d = os.path.join(self._data, key[:2])
-        return (os.path.join(d, f"{key}-{_safe_name(info.uri)}"), os.path.join(d, f"{key}.json"),
-                os.path.join(self._locks, f"{key}.lock"))
+        return (
+            os.path.join(d, f"{key}-{_safe_name(info.uri)}"),
+            os.path.join(d, f"{key}.json"),
+            os.path.join(self._locks, f"{key}.lock"),
+        )
 
     def entry_path(self, info: ObjectInfo) -> str:
         """Where the entry for this exact object version lives (it may not exist)."""
@@ -327,8 +344,14 @@ class CachedBackend(Backend):
             return None, entry.fill_id
 
     @contextlib.contextmanager
-    def _entry(self, uri: str, info: ObjectInfo | None = None, *, count: bool = True,
-               serve: Callable[[Entry], Any] | None = None) -> Iterator[tuple[Entry, Any]]:
+    def _entry(
+        self,
+        uri: str,
+        info: ObjectInfo | None = None,
+        *,
+        count: bool = True,
+        serve: Callable[[Entry], Any] | None = None,
+    ) -> Iterator[tuple[Entry, Any]]:
         """Hold a shared lock on the entry for ``uri`` (filling it if needed); yield it and what
         ``serve(entry)`` returned. ``serve`` reads and verifies; if it finds the entry damaged, the
         entry is discarded and fetched again, or, if others hold it (a pin, an open local path), this
@@ -365,17 +388,22 @@ class CachedBackend(Backend):
                 out, damaged = self._serve(entry, serve)
                 if damaged is not None:
                     if downloaded:
-                        raise IntegrityError(f"{uri}: the cache entry {data} does not read back as it was written "
-                                             f"moments ago; the file system under {self.cache_dir} is corrupting "
-                                             f"data: check it, or pass cache=False")
+                        raise IntegrityError(
+                            f"{uri}: the cache entry {data} does not read back as it was written "
+                            f"moments ago; the file system under {self.cache_dir} is corrupting "
+                            f"data: check it, or pass cache=False"
+                        )
                     continue
                 self._count(**({"misses": 1} if downloaded else {"hits": int(count)}))
                 if downloaded:
                     self._evict()  # this entry is share-locked by us, so it stays
                 yield entry, out
                 return
-        raise TimeoutError(errno.ETIMEDOUT, f"could not hold a cache entry for {uri}: it was evicted or damaged "
-                           f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)")
+        raise TimeoutError(
+            errno.ETIMEDOUT,
+            f"could not hold a cache entry for {uri}: it was evicted or damaged "
+            f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)",
+        )
 
     def _fill_locked(self, info: ObjectInfo, data: str, meta: str, damaged: str | None = None) -> bool:
         """Holding the exclusive lock: make the entry valid. True if it was downloaded now.
@@ -399,9 +427,16 @@ class CachedBackend(Backend):
             with f:
                 digests = self._download(info, f)
             os.makedirs(os.path.dirname(data), exist_ok=True)
-            record = {"uri": info.uri, "version": info.version, "size": info.size, "block_size": digests.block,
-                      "blocks": digests.hexdigests(), "fill_id": uuid.uuid4().hex, "fsynced": self.fsync,
-                      "created": time.time()}
+            record = {
+                "uri": info.uri,
+                "version": info.version,
+                "size": info.size,
+                "block_size": digests.block,
+                "blocks": digests.hexdigests(),
+                "fill_id": uuid.uuid4().hex,
+                "fsynced": self.fsync,
+                "created": time.time(),
+            }
             with open(tmp + ".json", "w") as m:
                 json.dump(record, m)
             os.replace(tmp + ".json", meta)
@@ -424,8 +459,10 @@ class CachedBackend(Backend):
             mv = memoryview(bufs[i % len(bufs)])[: min(chunk, info.size - pos)]
             n = self.inner.readinto(info.uri, mv, pos)
             if n != len(mv):
-                raise IntegrityError(f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
-                                     f"bytes); it changed during the read, load again")
+                raise IntegrityError(
+                    f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
+                    f"bytes); it changed during the read, load again"
+                )
             return mv, n
 
         with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
@@ -518,13 +555,17 @@ class CachedBackend(Backend):
             return through()
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)),
-                          lambda: self.inner.read_range(uri, start, end))
+        return self._read(
+            uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)), lambda: self.inner.read_range(uri, start, end)
+        )
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         mv = memoryview(buf).cast("B")
-        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
-                          lambda: self.inner.readinto(uri, mv, offset))
+        return self._read(
+            uri,
+            lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
+            lambda: self.inner.readinto(uri, mv, offset),
+        )
 
     def read(self, uri: str) -> bytes:
         return self.read_range(uri)
@@ -640,15 +681,20 @@ def cache_options(cache: Any, backend_options: dict[str, Any]) -> dict[str, Any]
         return None
     if cache is None and "cache_dir" not in found:
         return None
-    opts: dict[str, Any] = {"cache_dir": found.get("cache_dir"), "max_bytes": found.get("max_bytes"),
-                            "verify": found.get("cache_verify", False), "fsync": found.get("cache_fsync", False)}
+    opts: dict[str, Any] = {
+        "cache_dir": found.get("cache_dir"),
+        "max_bytes": found.get("max_bytes"),
+        "verify": found.get("cache_verify", False),
+        "fsync": found.get("cache_fsync", False),
+    }
     if isinstance(cache, (str, os.PathLike)):
         opts["cache_dir"] = os.fspath(cache)
     elif isinstance(cache, Mapping):
         bad = set(cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
         if bad:
-            raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, "
-                                f"fsync, lock_timeout")
+            raise SettingsError(
+                f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, fsync, lock_timeout"
+            )
         names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
         given = coerce_options({names.get(k, k): v for k, v in cache.items()}, "cache=")
         opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})

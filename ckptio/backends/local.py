@@ -48,8 +48,11 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except OSError as e:
-        full = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)"}
+        full = {
+            errno.ENOSPC: "no space left on device",
+            errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)",
+        }
         if e.errno in full:
             raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
         if e.errno == errno.EROFS:
@@ -67,8 +70,9 @@ def ensure_inside(backend: Backend, root: str, target: str) -> None:
     real_root = os.path.realpath(local_path(root))
     real = os.path.realpath(local_path(target))
     if os.path.commonpath([real_root, real]) != real_root:
-        raise AccessDeniedError(target, f"refusing to write outside {root} (the path leaves it through a "
-                                "symlink or '..')")
+        raise AccessDeniedError(
+            target, f"refusing to write outside {root} (the path leaves it through a symlink or '..')"
+        )
 
 
 def fsync_dir(path: str) -> None:
@@ -264,7 +268,7 @@ def _preadinto(fd: int, mv: memoryview, offset: int) -> int:
     total = 0
     step = 1 << 30
     while total < len(mv):
-        n = os.preadv(fd, [mv[total: total + step]], offset + total)
+        n = os.preadv(fd, [mv[total : total + step]], offset + total)
         if n == 0:
             break
         total += n

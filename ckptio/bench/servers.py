@@ -56,10 +56,13 @@ class Server:
     def start(self, timeout: float = 30.0) -> "Server":
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if missing:
-            raise MissingDependencyError(f"{self.name} needs the Python module(s) {', '.join(missing)}, which are "
-                                         f"not installed: pip install 'ckptio[bench]'")
-        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            raise MissingDependencyError(
+                f"{self.name} needs the Python module(s) {', '.join(missing)}, which are "
+                f"not installed: pip install 'ckptio[bench]'"
+            )
+        self.proc = subprocess.Popen(
+            self.command(), env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         _running.append(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -122,8 +125,18 @@ class GCSEmulator(Server):
     requires = ("gcp_storage_emulator",)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
-                str(self.port), "--in-memory", "--quiet"]
+        return [
+            sys.executable,
+            "-m",
+            "gcp_storage_emulator",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--in-memory",
+            "--quiet",
+        ]
 
 
 @atexit.register
@@ -138,6 +151,10 @@ def make_s3_bucket(endpoint: str, bucket: str) -> None:
 
 
 def make_gcs_bucket(endpoint: str, bucket: str) -> None:
-    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test",
+        data=json.dumps({"name": bucket}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     urllib.request.urlopen(req, timeout=10).close()

@@ -17,8 +17,14 @@ def make_state(size: int) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for i in range(layers):
         p = f"layers.{i}."
-        for name, shape in (("attn.qkv.weight", (3 * h, h)), ("attn.out.weight", (h, h)), ("mlp.up.weight", (4 * h, h)),
-                            ("mlp.down.weight", (h, 4 * h)), ("norm1.weight", (h,)), ("norm2.weight", (h,))):
+        for name, shape in (
+            ("attn.qkv.weight", (3 * h, h)),
+            ("attn.out.weight", (h, h)),
+            ("mlp.up.weight", (4 * h, h)),
+            ("mlp.down.weight", (h, 4 * h)),
+            ("norm1.weight", (h,)),
+            ("norm2.weight", (h,)),
+        ):
             state[p + name] = torch.randn(shape, generator=g)
     return state
 
@@ -54,7 +60,7 @@ def pack(state: dict[str, torch.Tensor]) -> bytearray:
     buf, pos = bytearray(nbytes(state)), 0
     for t in state.values():
         mv = u8(t)
-        buf[pos: pos + len(mv)] = mv
+        buf[pos : pos + len(mv)] = mv
         pos += len(mv)
     return buf
 
@@ -65,7 +71,7 @@ def unpack(ref: dict[str, torch.Tensor], data: Any) -> dict[str, torch.Tensor]:
     for k, v in ref.items():
         t = torch.empty_like(v)
         mv = u8(t)
-        mv[:] = data[pos: pos + len(mv)]
+        mv[:] = data[pos : pos + len(mv)]
         pos += len(mv)
         out[k] = t
     return out

@@ -54,8 +54,16 @@ class StreamFormat(Format):
 
     text: ClassVar[bool] = False  # True: dump_file/load_file get text (str) streams
 
-    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
-             **kwargs: Any) -> None:
+    def dump(
+        self,
+        obj: Any,
+        backend: Backend,
+        uri: str,
+        *,
+        mode: WriteMode = "overwrite",
+        durable: bool = True,
+        **kwargs: Any,
+    ) -> None:
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
             if self.text:
                 import io
