@@ -246,7 +246,7 @@ def wait_until(pred, timeout: float = 5.0) -> bool:
     return pred()
 
 
-# ---- fixtures (import them into a test module: ``from faultproxy import faults  # noqa: F401``) ----
+# ---- fixtures (every test module has them: conftest.py lists this module in pytest_plugins) ----
 
 import pytest  # noqa: E402
 

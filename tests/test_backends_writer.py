@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptio
-from faultproxy import Fault, MiB, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import Fault, MiB
 from servers import s3_client
 
 

@@ -23,7 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 from ckptio import fastpickle as fp
 from ckptio.errors import FormatError, IntegrityError
-from fpk_crafting import loader, seal, split  # noqa: F401
+from fpk_crafting import seal, split
 from test_fastpickle import assert_same, roundtrip
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptio import fastpickle as fp
-from fpk_crafting import KINDS, craft, fix_kinds, loader, nested_tree, nested_value, tensor_ref  # noqa: F401
+from fpk_crafting import KINDS, craft, fix_kinds, nested_tree, nested_value, tensor_ref
 
 DEPTH = fp.MAX_DEPTH
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

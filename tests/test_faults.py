@@ -18,7 +18,7 @@ import torch
 import ckptio
 from ckptio.errors import AccessDeniedError, CredentialsError, NotFoundError, TransferError
 from ckptio.retry import RetryPolicy
-from faultproxy import FAST, Fault, MiB, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault, MiB
 from servers import s3_client
 
 TRANSIENT = {

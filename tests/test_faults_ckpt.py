@@ -17,7 +17,7 @@ import ckptio
 from ckptio import dcp
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import TransferError
-from faultproxy import FAST, Fault, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

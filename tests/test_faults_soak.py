@@ -19,7 +19,7 @@ import torch
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
-from faultproxy import FAST, Fault, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault
 
 pytestmark = [
     pytest.mark.slow,

@@ -27,7 +27,7 @@ import ckptio
 from ckptio import fastpickle
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import CkptioError
-from faultproxy import Fault, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import Fault
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
