@@ -31,9 +31,9 @@ import uuid
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-import torch  # noqa: E402
+import torch
 
-import ckptio  # noqa: E402
+import ckptio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}

@@ -34,7 +34,6 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import ckptio  # noqa: E402
 import ckptio.dcp as cd  # noqa: E402
 
 GB = 1e9
@@ -150,7 +149,7 @@ def bench_local(mib: int, repeats: int, threads: int) -> None:
             {
                 "torch FileSystemReader": load_torch,
                 f"ckptio StorageReader thread_count={threads}": load_ours,
-                f"ckptio StorageReader verify=False": load_ours_noverify,
+                "ckptio StorageReader verify=False": load_ours_noverify,
             },
             repeats,
         )
@@ -184,9 +183,10 @@ def bench_local(mib: int, repeats: int, threads: int) -> None:
 
 def bench_s3(mib: int, repeats: int, threads: int) -> None:
     try:
-        import ckptio.backends.s3  # noqa: F401
-        from servers import MotoServer, make_s3_bucket, s3_client
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        import ckptio.backends.s3
+        from servers import MotoServer, make_s3_bucket, s3_client
     except ImportError as e:
         print(f"\nS3: skipped ({e})")
         return

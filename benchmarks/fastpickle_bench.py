@@ -29,15 +29,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from ckptio.bench.heap import trim_heap  # noqa: E402
 from ckptio import fastpickle as fp  # noqa: E402
+from ckptio.bench.heap import trim_heap  # noqa: E402
 
 MiB = 1 << 20
 
@@ -45,7 +46,7 @@ MiB = 1 << 20
 # ---- workloads ----------------------------------------------------------------------------------
 
 
-def transformer(nbytes: int, layers: int = 16) -> "collections.OrderedDict[str, torch.Tensor]":
+def transformer(nbytes: int, layers: int = 16) -> collections.OrderedDict[str, torch.Tensor]:
     """fp32 tensors shaped like a transformer's: 8 per layer (q, k, v, o, up, down, 2 norms)."""
     d = max(32, int(math.sqrt(nbytes / 4 / (12 * layers)) // 32 * 32))
     sd: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
@@ -395,10 +396,11 @@ def bench_save_memory(b: Bench, nbytes: int) -> None:
 
 def bench_s3(b: Bench, nbytes: int) -> None:
     try:
-        import ckptio.backends.s3  # noqa: F401
         import boto3
         import s3fs
         from boto3.s3.transfer import TransferConfig
+
+        import ckptio.backends.s3
     except ImportError as e:
         print(f"\nS3: skipped, the S3 backend or a baseline client is not available ({e})")
         return

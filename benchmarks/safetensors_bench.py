@@ -37,7 +37,8 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -138,6 +139,7 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
 def s3_bucket() -> Iterator[tuple[str, Any]]:
     import boto3
     import s3fs
+
     from ckptio.bench.servers import MotoServer
 
     with MotoServer() as server:

@@ -25,13 +25,13 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import ckptio  # noqa: E402
-from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket  # noqa: E402
+import ckptio
+from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket
 
 MiB = 1024 * 1024
 TUNING: dict = {}  # backend options from --part-size-mib / --concurrency

@@ -37,7 +37,8 @@ import sys
 import time
 import traceback
 import zipfile
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from . import __version__
 from . import config as _config

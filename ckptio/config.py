@@ -33,9 +33,10 @@ import difflib
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from . import registry as _registry
 from . import uri as _uri
@@ -381,7 +382,7 @@ class Settings:
             uri = _uri.join_path(alias.target, rest) if rest else alias.target
             extra = {**alias.options, **extra}
 
-    def merged(self, other: "Settings") -> "Settings":
+    def merged(self, other: Settings) -> Settings:
         """``other`` layered on top of ``self``."""
         backends = {k: dict(v) for k, v in self.backends.items()}
         for k, v in other.backends.items():

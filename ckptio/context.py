@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import config as _config
 from . import registry as _registry

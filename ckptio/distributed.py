@@ -25,8 +25,9 @@ import datetime
 import os
 import pickle
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

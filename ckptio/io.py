@@ -11,17 +11,17 @@ import contextlib
 import io
 import os
 import shutil
-from typing import IO, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
 
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend, WriteMode, copy_between
-from .backends.local import ensure_inside, local_path
 from .backends.cached import CachedBackend
+from .backends.local import ensure_inside, local_path
 from .context import default_context
 from .errors import AlreadyExistsError, NotFoundError, SettingsError, UnknownSchemeError
 from .formats.base import Format
-
 
 # ---------------------------------------------------------------------------------------------
 # backend selection (Cosmos/mmengine compatible arguments)

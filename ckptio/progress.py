@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol, TextIO
+from collections.abc import Callable
+from typing import Any, Protocol, TextIO
 
 
 class ProgressCallback(Protocol):
@@ -189,7 +190,7 @@ class Bar:
                 self._line_len = 0
             self.enabled = False
 
-    def __enter__(self) -> "Bar":
+    def __enter__(self) -> Bar:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -12,9 +12,10 @@ import importlib
 import inspect
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from . import uri as _uri
 from .errors import MissingDependencyError, UnknownFormatError, UnknownSchemeError

@@ -31,8 +31,9 @@ import logging
 import random
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from .errors import CkptioError, SettingsError, TransferError
 
@@ -159,7 +160,7 @@ class RetryPolicy:
         timeout: float | None = None,
         stall_timeout: float | None = None,
         **defaults: Any,
-    ) -> "RetryPolicy":
+    ) -> RetryPolicy:
         """Build from backend options; ``max_attempts`` wins over ``retries`` (= attempts - 1)."""
         if retries is not None and int(retries) < 0:
             raise ValueError(f"retries must be >= 0, got {retries!r}")
@@ -188,7 +189,7 @@ class RetryPolicy:
         what: str,
         classify: Callable[[BaseException], str],
         describe: Callable[[BaseException], str],
-        refresh: "CredentialRefresher | None" = None,
+        refresh: CredentialRefresher | None = None,
         on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
     ) -> Any:
         """Await ``fn()`` until it succeeds, a permanent error occurs, or attempts/deadline run out.

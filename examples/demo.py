@@ -17,9 +17,9 @@ import time
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import torch  # noqa: E402
+import torch
 
-import ckptio  # noqa: E402
+import ckptio
 
 
 def make_state(hidden: int, layers: int) -> dict:

@@ -77,9 +77,8 @@ def _save_and_resume(rank: int, root: str) -> None:
 
 
 def test_two_ranks_dcp_save_resume_local_and_s3(tmp_path, s3_uri, s3_endpoint):
-    from conftest import S3_TEST_OPTIONS
-
     from ckptio.checkpointer import Checkpointer
+    from conftest import S3_TEST_OPTIONS
 
     root = str(tmp_path / "run")
     backends = {"s3": {"endpoint_url": s3_endpoint, **S3_TEST_OPTIONS}}

@@ -18,7 +18,6 @@ import torch
 import ckptio
 from ckptio import cli
 from ckptio.progress import Bar, Tracker
-
 from conftest import S3_TEST_OPTIONS
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio.dcp as cd
-from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
 import dcp_workers as W
+from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
 from test_dcp import assert_same, blank, sample
 from test_dcp_dist import save_2_load_1_and_3
 

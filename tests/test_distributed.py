@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
+import cache_workers as W
 import ckptio
 import ckptio.dcp as cd
-import cache_workers as W
 from conftest import S3_TEST_OPTIONS
 from multiproc import run_ranks
 
@@ -31,8 +31,8 @@ def gets(proxy, key: str) -> int:
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory, s3_endpoint):
     """Run the scenarios once; yield (per-rank results, GET counts per key, objects' sizes)."""
-    from servers import CountingProxy
     from conftest import _s3_bucket
+    from servers import CountingProxy
 
     ckptio.reset()
     tmp = str(tmp_path_factory.mktemp("dist"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import os
 import struct
 
@@ -15,7 +14,6 @@ import torch
 import ckptio
 from ckptio import fastpickle as fp
 from ckptio.errors import AlreadyExistsError, FormatError, IntegrityError
-
 
 # ---- comparing values exactly ------------------------------------------------------------------
 

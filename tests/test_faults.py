@@ -265,8 +265,8 @@ def test_expired_token_is_refreshed_and_retried(faults, caplog):
 
 
 def test_provider_named_in_settings(s3_faults, monkeypatch):
-    import types
     import sys
+    import types
 
     mod = types.ModuleType("ckptio_test_provider")
     mod.provider = Provider("s3")  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import torch
 
 import ckptio
 from ckptio import cli
-from ckptio.errors import FormatError, IntegrityError, NotFoundError
+from ckptio.errors import FormatError, NotFoundError
 
 st = pytest.importorskip("safetensors.torch")
 

@@ -17,8 +17,9 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, ClassVar, Iterable, Iterator, Literal, Union
+from typing import BinaryIO, ClassVar, Literal, Union
 
 from .. import uri as _uri
 from ..errors import NotFoundError
@@ -94,7 +95,7 @@ class Writer(abc.ABC):
     def flush(self) -> None:
         pass
 
-    def __enter__(self) -> "Writer":
+    def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -165,7 +166,7 @@ class RangeReader(_SeekableReader):
     the backend (which may split them into parallel ranged requests).
     """
 
-    def __init__(self, backend: "Backend", uri: str, size: int) -> None:
+    def __init__(self, backend: Backend, uri: str, size: int) -> None:
         super().__init__()
         self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
 

@@ -75,7 +75,7 @@ class Entry:
     fill_id: str
 
     @classmethod
-    def load(cls, data: str, meta: str, uri: str, size: int, memo: dict | None = None) -> "Entry | bool | None":
+    def load(cls, data: str, meta: str, uri: str, size: int, memo: dict | None = None) -> Entry | bool | None:
         """The entry; None if there is none; False if it is unusable (discard it). ``memo`` keeps
         parsed metadata while its file is unchanged (a big entry's is ~300 kB; ranged reads are many)."""
         try:

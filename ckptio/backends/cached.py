@@ -54,9 +54,10 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, CkptioError, IntegrityError, SettingsError
@@ -127,7 +128,7 @@ class _Lock:
             self.release()
 
     @classmethod
-    def try_exclusive(cls, path: str) -> "_Lock | None":
+    def try_exclusive(cls, path: str) -> _Lock | None:
         """The exclusive lock if it is free right now, else None (for eviction)."""
         try:
             fd = os.open(path, os.O_RDWR)
@@ -162,7 +163,7 @@ class _Lock:
             os.close(self.fd)  # closing the only descriptor releases the flock
             self.fd = None
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> _Lock:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -12,7 +12,8 @@ import contextlib
 import errno
 import os
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 

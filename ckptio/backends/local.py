@@ -15,7 +15,8 @@ import os
 import shutil
 import stat as _stat
 import uuid
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import AlreadyExistsError, NotFoundError
 from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, Awaitable, Callable, ClassVar, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 from .. import retry as _retry
 from .. import uri as _uri

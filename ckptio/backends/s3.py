@@ -43,7 +43,8 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from .. import retry as _retry
 from .. import uri as _uri
@@ -65,12 +66,11 @@ MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's
 check_versions("s3", MIN_VERSIONS)
 
 try:
-    import s3fs
     import aiohttp
+    import s3fs
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
-        ConnectionError as BotoConnectionError,
         FlexibleChecksumError,
         HTTPClientError,
         IncompleteReadError,
@@ -78,6 +78,7 @@ try:
         PartialCredentialsError,
         ResponseStreamingError,
     )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.parsers import ResponseParserError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(

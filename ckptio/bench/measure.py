@@ -11,8 +11,9 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ckptio
 from ckptio import uri as _uri
@@ -45,7 +46,7 @@ class RSSPeak:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self._rss())
 
-    def __enter__(self) -> "RSSPeak":
+    def __enter__(self) -> RSSPeak:
         self.start = self.peak = self._rss()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import MissingDependencyError
 
-_running: list["Server"] = []
+_running: list[Server] = []
 
 
 def free_port() -> int:
@@ -53,7 +53,7 @@ class Server:
     def env(self) -> dict[str, str]:
         return dict(os.environ)
 
-    def start(self, timeout: float = 30.0) -> "Server":
+    def start(self, timeout: float = 30.0) -> Server:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if missing:
             raise MissingDependencyError(
@@ -95,7 +95,7 @@ class Server:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

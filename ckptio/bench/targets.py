@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import os
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import ckptio
 from ckptio import uri as _uri

@@ -23,12 +23,12 @@ import time
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-from ckptio.config import parse_size  # noqa: E402
-from ckptio.progress import Bar, human_bytes  # noqa: E402
+from ckptio.config import parse_size
+from ckptio.progress import Bar, human_bytes
 
-from .measure import run_matrix  # noqa: E402
-from .report import chart, machine, ratios, table  # noqa: E402
-from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets  # noqa: E402
+from .measure import run_matrix
+from .report import chart, machine, ratios, table
+from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets
 
 QUICK_SIZES = ["32MiB"]
 FULL_SIZES = ["256MiB", "1GiB"]

@@ -173,13 +173,13 @@ class _Checks:
         return bytearray(*_data_args("bytearray", args))
 
     # ---- numpy -----------------------------------------------------------------------------------
-    def _dtype(self, code: Any, align: Any = False, copy: Any = True) -> "DtypeStandIn":
+    def _dtype(self, code: Any, align: Any = False, copy: Any = True) -> DtypeStandIn:
         if not isinstance(code, str) or not _DTYPE_CODE.match(code) or type(align) is not bool:
             raise FormatError(f"refusing numpy.dtype({code!r}, {align!r}): not a pickled dtype's type code")
         self.made_stand_ins = True
         return DtypeStandIn(code, align)
 
-    def _reconstruct(self, subtype: Any, shape: Any = (0,), typecode: Any = b"b") -> "ArrayStandIn":
+    def _reconstruct(self, subtype: Any, shape: Any = (0,), typecode: Any = b"b") -> ArrayStandIn:
         if subtype is not NDARRAY:
             raise FormatError(
                 f"refusing numpy _reconstruct of {_what(subtype)}: only numpy.ndarray is admitted "

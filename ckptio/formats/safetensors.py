@@ -42,8 +42,9 @@ import json
 import math
 import struct
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable, Mapping
+from typing import IO, Any
 
 import torch
 
@@ -53,18 +54,18 @@ from ..errors import FormatError, IntegrityError
 
 # fastpickle's sources, ranged/mapped payload readers and writer sink: one implementation of parallel
 # reads into tensor memory, private mappings and gathered writes for both formats
-from ..fastpickle import (  # noqa: I001
+from ..fastpickle import (
     GATHER,
     MAX_IOV,
     WRITE_CHUNK,
     TensorInfo,
-    _Meta,
-    _Sink,
-    _Source,
     _map_payloads,
+    _Meta,
     _open_source,
     _read_payloads,
+    _Sink,
     _sink_for,
+    _Source,
     _source_for,
     _tensor_factory,
     _with_source,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import contextlib
+from collections.abc import Iterator
 
 from ckptio.backends.base import ObjectInfo
 from ckptio.backends.memory import MemoryBackend
