@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -101,7 +102,7 @@ def rank_main(rank: int, world: int, port: int, endpoint: str, uri: str, base: s
     for i in range(reps):
         cache = os.path.join(base, f"cache{i}")
         run("one_rank_plain", lambda: ckptio.load(uri), only_rank0=True)
-        run("ranks_filesystem", lambda: D.load(uri, cache=cache, timeout=600))
+        run("ranks_filesystem", functools.partial(D.load, uri, cache=cache, timeout=600))
         run("ranks_plain", lambda: ckptio.load(uri))
         dist.barrier()
         if rank == 0:

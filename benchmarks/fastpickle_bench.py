@@ -9,8 +9,9 @@ W3 = model + Adam state + nested Python values. Every case writes a fresh file u
 cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
 written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
 are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
-interleaved run by run in a shuffled (seeded) order, each case starting after gc and malloc_trim. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
-saves (local and S3) by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
+interleaved run by run in a shuffled (seeded) order, each case starting after gc and malloc_trim.
+Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during saves (local and S3)
+by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
 fastpickle is compared with the raw clients (s3fs pipe/cat, boto3's TransferManager) and with
 ckptio's own put/readinto, all on the same server in the same run.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
 import math
 import os
@@ -258,9 +260,11 @@ def bench_mmap_lazy(b: Bench, nbytes: int) -> None:
             n,
             {
                 "fastpickle load mmap=True (lazy)": load_case(
-                    b, ".fpk", lambda p: fp.save(sd, p, durable=False), lambda p: fp.load(p, mmap=True), lazy=True
+                    b, ".fpk", functools.partial(fp.save, sd, durable=False), lambda p: fp.load(p, mmap=True), lazy=True
                 ),
-                "safetensors load_file (lazy)": load_case(b, ".st", lambda p: save_file(sd, p), load_file, lazy=True),
+                "safetensors load_file (lazy)": load_case(
+                    b, ".st", functools.partial(save_file, sd), load_file, lazy=True
+                ),
             },
         )
         del sd, med
@@ -309,7 +313,7 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -390,7 +394,7 @@ def bench_save_memory(b: Bench, nbytes: int) -> None:
     print(f"\nextra memory during save ({n / MiB:.0f} MiB payload; peak RSS above the RSS before)")
     for name, durable in (("local save, durable=False", False), ("local save, durable=True", True)):
         p = b.path(".fpk")
-        report_save_memory(name, n, lambda: fp.save(sd, p, durable=durable))
+        report_save_memory(name, n, functools.partial(fp.save, sd, p, durable=durable))
         os.unlink(p)
 
 

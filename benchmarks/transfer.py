@@ -1,15 +1,18 @@
 """Put/get throughput of ckptio backends against the best raw client on the same server, same run.
 
-    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local] [--tls]
+    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local]
+        [--tls]
 
-S3: a moto server on loopback started here (``--tls``: over https, with a self-signed certificate); ckptio's ``write``/``readinto`` against s3fs
-``pipe``/``cat`` and boto3's TransferManager ``upload_fileobj``/``download_fileobj``. Local: ckptio
+S3: a moto server on loopback started here (``--tls``: over https, with a self-signed certificate);
+ckptio's ``write``/``readinto`` against s3fs ``pipe``/``cat`` and boto3's TransferManager
+``upload_fileobj``/``download_fileobj``. Local: ckptio
 against ``open().write()`` and ``readinto`` into the same preallocated buffer, with and without
 fsync (stated per row). Runs are interleaved (A B C A B C ...), each to a fresh key/path; the
 median is reported with the ratio to the best baseline. Streaming uploads (``open_writer``
-in 1 MiB, 16 MiB and whole-object writes) also report their extra peak RSS (VmHWM, fresh process). Loads touch every byte (they fill a
-preallocated buffer that is reused across runs, so page faults are not measured). The server is
-the bottleneck on loopback (see PERF.md), which is why only same-run ratios mean anything.
+in 1 MiB, 16 MiB and whole-object writes) also report their extra peak RSS (VmHWM, fresh process).
+Loads touch every byte (they fill a preallocated buffer that is reused across runs, so page faults
+are not measured). The server is the bottleneck on loopback (see PERF.md), which is why only
+same-run ratios mean anything.
 """
 
 from __future__ import annotations
@@ -98,8 +101,8 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             "boto3 upload_fileobj": lambda r: client.upload_fileobj(io.BytesIO(data), bucket, f"bo-{r}", Config=tc),
         }
         out["s3_put"] = report(
-            f"S3 put {size // MiB} MiB (moto on loopback{' over TLS' if TLS else ''}; upload parts {backend.upload_part_size // MiB} MiB,"
-            f" concurrency={backend.concurrency})",
+            f"S3 put {size // MiB} MiB (moto on loopback{' over TLS' if TLS else ''}; "
+            f"upload parts {backend.upload_part_size // MiB} MiB, concurrency={backend.concurrency})",
             size,
             measure(put, repeats),
             ["ckptio write"],

@@ -109,7 +109,7 @@ def _exchange(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
     _wait(dist.all_gather(outs, mine, group=group, async_op=True), timeout, what)
-    return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+    return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
 
 def node_plan(group: Any = None, *, node: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> NodePlan:

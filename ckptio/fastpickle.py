@@ -962,7 +962,10 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                 raise bad(f"tensor {key}: shape and stride lengths differ")
             if numel > _INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
                 raise bad(f"tensor {key}: shape {shape} has more elements than any tensor can have")
-            if numel and (soff + sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * dt.itemsize > nbytes:
+            if (
+                numel
+                and (soff + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1) * dt.itemsize > nbytes
+            ):
                 raise bad(
                     f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of {nbytes} bytes"
                 )
@@ -1278,7 +1281,7 @@ def _build(code: int, items: list) -> Any:
         return frozenset(items)
     if len(items) % 2:
         raise FormatError("dict with an odd number of items")
-    pairs = zip(items[0::2], items[1::2])
+    pairs = zip(items[0::2], items[1::2], strict=True)
     return collections.OrderedDict(pairs) if code == EXT_ODICT else dict(pairs)
 
 

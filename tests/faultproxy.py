@@ -12,7 +12,8 @@ Faults (``kind``):
   (S3 XML ``SlowDown``/``InternalError``, or ``code`` and ``message`` when given; GCS JSON).
 * ``expired``: the credentials expired (S3: 400 ``ExpiredToken`` XML; GCS: 401), not forwarded.
 * ``reset``: forward, then send the status line, headers and half the body and reset the
-  connection (RST); a response with no body is not sent at all. ``before=True`` resets before forwarding (the server never sees the request).
+  connection (RST); a response with no body is not sent at all. ``before=True`` resets before
+  forwarding (the server never sees the request).
 * ``stall``: forward, send headers and half the body (or nothing, ``before=True``) and then send
   nothing for ``stall`` seconds before closing.
 * ``truncate``: forward, then send a consistent but short response: half the body, with

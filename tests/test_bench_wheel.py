@@ -2,8 +2,9 @@
 
 The wheel is built from a copy of the sources (no build/ or egg-info left in the checkout) and
 installed with ``--no-deps``; the dependencies come from this test's own environment through a
-``.pth`` file, so nothing is downloaded (``pip --python`` installs into a venv made without pip). The assertions make sure the installed copy of ckptio is
-the one that runs, not this checkout or an editable install.
+``.pth`` file, so nothing is downloaded (``pip --python`` installs into a venv made without pip).
+The assertions make sure the installed copy of ckptio is the one that runs, not this checkout or an
+editable install.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ run the installed entry point in a subprocess with a ``CKPTIO_CONFIG`` TOML file
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -295,7 +296,7 @@ def test_copy_progress_callback(local_uri, memory_uri):
     )
     total = 3 * 100_000 + 3
     assert res.bytes_copied == total and seen[-1] == (total, total)
-    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))
 
 
 def test_progress_bar_silent_off_tty_and_drawn_when_enabled(monkeypatch):

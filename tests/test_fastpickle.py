@@ -51,7 +51,7 @@ def assert_same(a, b, path="<root>"):
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}.{i}")
     else:
         assert a == b, path
@@ -435,7 +435,7 @@ def test_full_remote_load_reads_each_byte_once(memory_uri, part_size):
     size = backend.stat(resolved).size
     out = fp.FastpickleFormat().load(backend, resolved)
     assert torch.equal(out["a"], state["a"]) and torch.equal(out["c"], state["c"])
-    assert all(torch.equal(x, y) for x, y in zip(out["b"], state["b"]))
+    assert all(torch.equal(x, y) for x, y in zip(out["b"], state["b"], strict=True))
     # read ahead at both ends, then only the middle: never a byte twice (gaps of alignment padding aside)
     assert size - 3 * 64 <= backend.bytes_read <= size
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -307,7 +308,7 @@ def test_progress_callback_reports_bytes(any_uri, name):
     obj = b"x" * (3 << 20) if name.endswith(".bin") else {"w": torch.randn(256, 1024), "step": 3}
     seen: list[tuple[int, int]] = []
     ckptio.dump(obj, uri, progress=lambda d, t: seen.append((d, t)))
-    assert seen and all(b[0] >= a[0] for a, b in zip(seen, seen[1:]))  # monotonic
+    assert seen and all(b[0] >= a[0] for a, b in itertools.pairwise(seen))  # monotonic
     assert seen[-1][0] >= (1 << 20)
     size = ckptio.stat(uri).size
     seen.clear()

@@ -63,7 +63,7 @@ def test_build_metadata_has_the_version_and_an_spdx_license_without_warnings(tmp
     shutil.copytree(os.path.join(ROOT, "ckptio"), src / "ckptio", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    code = "from setuptools import build_meta as b; print(b.prepare_metadata_for_build_wheel(%r))" % str(tmp_path)
+    code = f"from setuptools import build_meta as b; print(b.prepare_metadata_for_build_wheel({str(tmp_path)!r}))"
     r = _run([sys.executable, "-W", "always", "-c", code], cwd=src)
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and "deprecat" not in r.stderr.lower(), r.stderr

@@ -455,7 +455,7 @@ def test_crafted_files_raise_format_errors_in_a_subprocess(tmp_path):
     assert out.pop("__good__") == [["ok", ""]] * 3
     for name, (_, want) in CRAFTED.items():
         for (kind, msg), where in zip(
-            out[name], ("memory://c/x.safetensors", "crafted.safetensors", "crafted.safetensors")
+            out[name], ("memory://c/x.safetensors", "crafted.safetensors", "crafted.safetensors"), strict=True
         ):
             assert kind in ("FormatError", "IntegrityError"), (name, kind, msg)
             assert where in msg and want in msg, (name, msg)

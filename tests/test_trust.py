@@ -72,15 +72,16 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "__builtin__.eval (protocol 2 name)": b"\x80\x02c__builtin__\neval\n(S\"__import__('os').system('"
         + cmd
         + b"')\"\ntR.",
-        "builtins.getattr(__import__('os'), 'system')": b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(S'os'\ntRS'system'\ntR(S'"
-        + cmd
-        + b"'\ntR.",
+        "builtins.getattr(__import__('os'), 'system')": b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n"
+        b"(S'os'\ntRS'system'\ntR(S'" + cmd + b"'\ntR.",
         "copyreg._reconstructor": b"ccopy_reg\n_reconstructor\n(ccollections\nOrderedDict\ncbuiltins\ndict\nNtR.",
         "INST os.system": b"(S'" + cmd + b"'\nios\nsystem\n.",
         "OBJ os.system": b"(cos\nsystem\nS'" + cmd + b"'\no.",
         "NEWOBJ numpy.ndarray": b"\x80\x02cnumpy\nndarray\n)\x81.",
-        "BUILD sets __init__ on an admitted class": b"ccollections\nOrderedDict\n(N(dS'__init__'\ncbuiltins\nset\nsttb.",
-        "BUILD sets __reduce_ex__ on an admitted class": b"ccollections\nOrderedDict\n(N(dS'__reduce_ex__'\ncbuiltins\nset\nsttb.",
+        "BUILD sets __init__ on an admitted class": b"ccollections\nOrderedDict\n"
+        b"(N(dS'__init__'\ncbuiltins\nset\nsttb.",
+        "BUILD sets __reduce_ex__ on an admitted class": b"ccollections\nOrderedDict\n"
+        b"(N(dS'__reduce_ex__'\ncbuiltins\nset\nsttb.",
         "BUILD sets a checked function's defaults": b"c_codecs\nencode\n(N(dS'__defaults__'\n(S'zlib'\ntsttb.",
         "REDUCE bytes(size) on an admitted type": b"cbuiltins\nbytes\n(I1000000000000\ntR.",
         "REDUCE _codecs.encode with a non-latin codec": b"c_codecs\nencode\n(S'x'\nS'zlib_codec'\ntR.",
@@ -265,7 +266,7 @@ def _equal(x, y) -> bool:
             and x.shape == y.shape
             and x.flags.f_contiguous == y.flags.f_contiguous
             and (
-                all(_equal(p, q) for p, q in zip(x.ravel(), y.ravel()))
+                all(_equal(p, q) for p, q in zip(x.ravel(), y.ravel(), strict=True))
                 if y.dtype.hasobject
                 else x.tobytes() == y.tobytes()
             )
@@ -273,7 +274,7 @@ def _equal(x, y) -> bool:
     if isinstance(y, dict):
         return type(x) is type(y) and list(x) == list(y) and all(_equal(x[k], y[k]) for k in y)
     if isinstance(y, (list, tuple, collections.deque)):
-        return type(x) is type(y) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y))
+        return type(x) is type(y) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y, strict=True))
     if isinstance(y, np.dtype):
         return type(x) is type(y) and x == y and x.str == y.str and x.byteorder == y.byteorder and hash(x) == hash(y)
     return type(x) is type(y) and (x == y or x is y)

@@ -90,7 +90,7 @@ async def parallel_readinto(
 
     got = await gather_or_cancel([one(s, e) for s, e in bounds])
     total = 0
-    for (s, e), g in zip(bounds, got):
+    for (s, e), g in zip(bounds, got, strict=True):
         total += g
         if g < e - s:
             break

@@ -19,13 +19,13 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, ClassVar, Literal, Union
+from typing import BinaryIO, ClassVar, Literal
 
 from .. import uri as _uri
 from ..errors import NotFoundError
 
 WriteMode = Literal["overwrite", "create"]
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
@@ -92,7 +92,7 @@ class Writer(abc.ABC):
     def writable(self) -> bool:
         return True
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a file-like no-op unless a writer buffers
         pass
 
     def __enter__(self) -> Writer:
@@ -305,7 +305,7 @@ class Backend(abc.ABC):
         week). A write in progress in another process is listed too: callers decide by ``since``."""
         return iter(())
 
-    def abort_pending_write(self, write: PendingWrite) -> None:
+    def abort_pending_write(self, write: PendingWrite) -> None:  # noqa: B027 - optional: nothing to abort by default
         """Discard what a pending write left (one listed by :meth:`list_pending_writes`); already
         gone: no error."""
 
@@ -321,7 +321,7 @@ class Backend(abc.ABC):
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing to release by default
         """Release clients and pools. The backend may be used again afterwards (it reconnects)."""
 
 

@@ -116,7 +116,7 @@ class _Lock:
                                 errno.ETIMEDOUT,
                                 f"timed out after {timeout:.0f}s waiting for the "
                                 f"cache lock of {what} (another process is filling it: {path})",
-                            )
+                            ) from None
                         time.sleep(delay)
                         delay = min(delay * 2, 0.05)
             except BaseException:
@@ -544,7 +544,7 @@ class CachedBackend(Backend):
         """:meth:`fill` for many objects in parallel (``threads`` defaults to the inner concurrency)."""
         uris = list(uris)
         with ThreadPoolExecutor(max(1, min(threads or self.inner.concurrency, len(uris) or 1))) as pool:
-            return dict(zip(uris, pool.map(self.fill, uris)))
+            return dict(zip(uris, pool.map(self.fill, uris), strict=True))
 
     # ---- Backend: reads served from the cache ------------------------------------------------
     def _read(self, uri: str, serve: Callable[[Entry], Any], through: Callable[[], Any]) -> Any:

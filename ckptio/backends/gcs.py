@@ -5,8 +5,8 @@ gcsfs provides credentials (``token``: a path to a service-account JSON, ``"goog
 small objects are one media upload, large ones a resumable upload in ``part_size`` chunks
 (a multiple of 256 KiB) while the caller fills the next chunk; reads are parallel ranged GETs
 streamed into the caller's buffer (``part_size``, 64 MiB, each; uploads use ``upload_part_size``,
-by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies). ``mode="create"`` sends ``ifGenerationMatch=0``; the version
-token is the object's generation.
+by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies).
+``mode="create"`` sends ``ifGenerationMatch=0``; the version token is the object's generation.
 
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
 decorator is not on this path). A resumable-upload chunk that fails is retried alone: the

@@ -633,8 +633,8 @@ class _S3Writer(_parallel.MultipartWriter):
     async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
         """Hashes of a body, computed once per part and reused by every attempt of it: the SHA-256
         when SigV4 signs the payload (plain http, or https without a CRC32), and the CRC32 S3 checks
-        the part against (given as request arguments, so botocore does not hash again). Large bodies are hashed on a worker
-        thread (both hashes release the GIL) so the event loop keeps sending other parts."""
+        the part against (given as request arguments, so botocore does not hash again). Large bodies are
+        hashed on a worker thread (both hashes release the GIL) so the event loop keeps sending other parts."""
         ep = self._b.endpoint_url
         https = not ep or ep.lower().startswith("https:")  # no endpoint: AWS, over https
         crc = self._b.checksum == "crc32"

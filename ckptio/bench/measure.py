@@ -5,6 +5,7 @@ and size, interleaved. The method is in benchmarks/README.md of the source repos
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import statistics
@@ -200,7 +201,7 @@ def run_matrix(
                     bar.set_description(f"{target.name} {impl.name} r{r + 1}/{repeats}")
                     t_cell = time.perf_counter()
                     try:
-                        dt, extra, _ = measure(lambda: impl.save(state, uri))
+                        dt, extra, _ = measure(functools.partial(impl.save, state, uri))
                         rec = records.setdefault(
                             (*key, "save"), Record(target.name, impl.name, impl.baseline, size_b, "save")
                         )
@@ -212,7 +213,7 @@ def run_matrix(
                         if target.local_dir:
                             loads = ["load_cold", "load"] if evict_local(uri) else ["load"]
                         for op in loads:
-                            dt, extra, out = measure(lambda: impl.load(state, uri))
+                            dt, extra, out = measure(functools.partial(impl.load, state, uri))
                             if r == 0 and op == loads[0] and not same(state, out):
                                 raise AssertionError(f"{impl.name} on {target.name} did not return the saved tensors")
                             del out

@@ -127,7 +127,7 @@ def table(doc: dict[str, Any]) -> str:
             if not mine:
                 continue
             cw = [max(len(x), 16) + 2 for x in bases]
-            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw)))
+            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw, strict=True)))
             for impl in mine:
                 cells = []
                 for base in bases:
@@ -143,7 +143,7 @@ def table(doc: dict[str, Any]) -> str:
                         for op, _ in OP_COLUMNS
                     ]
                     cells.append("/".join(v for v in vals if v is not None) or "-")
-                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw)))
+                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw, strict=True)))
     if doc["skipped"]:
         lines.append("\nnot measured:")
         for s in doc["skipped"]:
@@ -167,7 +167,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
     size = max(r["size_bytes"] for r in recs if r["size_bytes"] in {x["size_bytes"] for x in recs if x["op"] == "save"})
     backends = list(dict.fromkeys(r["backend"] for r in recs if r["size_bytes"] == size))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.6 * len(backends) + 4), 5.2), squeeze=False)
-    for ax, op in zip(axes[0], ("save", "load")):
+    for ax, op in zip(axes[0], ("save", "load"), strict=True):
         x = 0.0
         ticks, labels = [], []
         for b in backends:

@@ -10,7 +10,8 @@ import torch
 
 
 def make_state(size: int) -> dict[str, torch.Tensor]:
-    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) of ~``size`` bytes."""
+    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) of
+    ~``size`` bytes."""
     layers = 8 if size >= 8 * 2**20 else 2
     h = max(8, round((size / (4 * 12 * layers)) ** 0.5 / 8) * 8)
     g = torch.Generator().manual_seed(0)

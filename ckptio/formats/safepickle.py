@@ -437,7 +437,7 @@ def _swap_stand_ins(obj: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     elif t is tuple or t is frozenset or t is slice:
         old = (obj.start, obj.stop, obj.step) if t is slice else obj
         items = [_swap_stand_ins(v, memo) for v in old]
-        if any(a is not b for a, b in zip(items, old)):
+        if any(a is not b for a, b in zip(items, old, strict=True)):
             new = slice(*items) if t is slice else t(items)
             memo[id(obj)] = (obj, new)
             return new
