@@ -361,7 +361,8 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
             tree = _TorchInspector(io.BytesIO(z.read(pkl))).load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
-    tensors, storages = [], {}
+    tensors: list[dict[str, Any]] = []
+    storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it
     for key, v in _flatten(tree):
         if isinstance(v, TensorInfo):
             tensors.append({"key": key, "dtype": v.dtype, "shape": v.shape, "nbytes": v.nbytes})
@@ -387,7 +388,12 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
 def _format(name: str) -> Any:
     from . import registry
 
-    return registry.formats.by_name(name).instance()
+    entry = registry.formats.by_name(name)
+    if entry is None:
+        raise UnknownFormatError(
+            f"no format named {name!r} is registered (registered: {', '.join(registry.formats.names())})"
+        )
+    return entry.instance()
 
 
 def inspect_safetensors(backend: Backend, uri: str) -> dict[str, Any]:
@@ -471,8 +477,8 @@ def verify_dcp(uri: str) -> dict[str, Any]:
                 f"{obj}: truncated: item {idx.fqn!r} ends at byte {sinfo.offset + sinfo.length}, "
                 f"the object has {sizes[obj]}"
             )
-        info = getattr(sinfo, "ckptio", None)
-        hashes = (info or {}).get("xxh3")
+        info = getattr(sinfo, "ckptio", None) or {}
+        hashes = info.get("xxh3")
         if not hashes:  # written by torch's own writers: each item is a torch.save zip with CRC32s
             if getattr(sinfo, "transform_descriptors", None):
                 unchecked += 1
@@ -699,7 +705,7 @@ def cmd_ls(args: argparse.Namespace, out: Out) -> int:
         entries = [backend.stat(uri)]
     else:
         entries = sorted(backend.list(uri, recursive=args.recursive), key=lambda i: i.uri)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "uri": _as_given(args.uri, uri, i.uri),
             "size": i.size,

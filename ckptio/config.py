@@ -255,7 +255,9 @@ def accepted_options(entry: _registry.Entry) -> set[str] | None:
 def check_options(options: Mapping[str, Any], entry: _registry.Entry, where: str) -> None:
     """Refuse an option ``entry``'s backend does not take (naming it, never its value)."""
     accepted = accepted_options(entry)
-    for k in options if accepted is not None else ():
+    if accepted is None:  # any (or its package is missing): its constructor checks them when it is built
+        return
+    for k in options:
         if k not in accepted:
             raise SettingsError(
                 f"{where}.{k}: the {entry.name!r} backend has no option {k!r}"

@@ -231,7 +231,7 @@ def _load_network(
         raise RankFailedError(f"rank {src} failed to read {uri}: {head.error_type}: {head.value}")
     size, resolved = head.value
     buf = torch.empty(size, dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
+    mv = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     flag = torch.zeros(1, dtype=torch.int64)
     for off in range(0, size, int(chunk_size)):
         n = min(int(chunk_size), size - off)

@@ -316,8 +316,8 @@ class _Encoder:
             return _tensor_ref(idx)
         dev = x.device
         if x.layout is not torch.strided or x.is_nested or dev.type == "meta":
-            kind = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
-            return self._fallback(x, path, f"{kind} tensors")
+            what = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
+            return self._fallback(x, path, f"{what} tensors")
         flags = (TF_REQUIRES_GRAD if x.requires_grad else 0) | (TF_PARAMETER if type(x) is torch.nn.Parameter else 0)
         t = x  # storage, shape and stride need no detach(); only a conj/neg view is materialized
         if t.is_conj() or t.is_neg():
@@ -399,7 +399,7 @@ def _get_staging() -> torch.Tensor:
 def _cpu_view(data: Any) -> memoryview:
     """The bytes of a CPU storage or numpy array, without a copy (the caller keeps ``data`` alive)."""
     if isinstance(data, np.ndarray):
-        return memoryview(data).cast("B")
+        return memoryview(data).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     return memoryview((ctypes.c_ubyte * data.nbytes()).from_address(data.data_ptr())).cast("B")
 
 
@@ -574,7 +574,7 @@ def _write_device(u8: torch.Tensor, write: Callable[[Any], Any]) -> int:
     h = xxhash.xxh3_64()
     with _staging_lock:
         staging = _get_staging()
-        smv = memoryview(staging.numpy())
+        smv = memoryview(staging.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         n = u8.numel()
         for i in range(0, n, len(smv)):
             m = min(len(smv), n - i)
@@ -680,13 +680,20 @@ class _FdSource(_Source):
         self.fd, self.name, self._owned = fd, name, owned
         self.size = os.fstat(fd).st_size
 
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"{self.name}: read after the source was closed")
+        return self.fd
+
     def readinto(self, mv: memoryview, offset: int) -> int:
-        return _fill(lambda m, o: os.preadv(self.fd, [m[: 1 << 30]], o), mv, offset)
+        fd = self._fd()
+        return _fill(lambda m, o: os.preadv(fd, [m[: 1 << 30]], o), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
+        fd = self._fd()
         total, mvs = 0, [m for m in mvs if len(m)]
         while mvs:
-            n = os.preadv(self.fd, mvs, offset + total)
+            n = os.preadv(fd, mvs, offset + total)
             if n <= 0:
                 break
             total += n
@@ -760,7 +767,7 @@ class _BackendSource(_Source):
 
 
 class _FileSource(_Source):
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase) -> None:
         self.f, self.name = f, getattr(f, "name", "<file object>")
         self.size = f.seek(0, io.SEEK_END)
         self._lock = threading.Lock()
@@ -824,9 +831,10 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header = b""
-    deferred = full and isinstance(src, _BackendSource)
-    if deferred:  # the header is checked once its request is in, while the payloads are being read
-        src.read_ahead()
+    ahead = src if full and isinstance(src, _BackendSource) else None
+    deferred = ahead is not None
+    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
+        ahead.read_ahead()
         tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch:
         with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
@@ -1057,7 +1065,8 @@ def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, 
 def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
     """Read the given storages into fresh uint8 tensors, in parallel, verifying each as soon as it is read."""
     bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
-    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
     # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
     # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
@@ -1082,7 +1091,7 @@ def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> 
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
     _run_jobs(jobs, src.concurrency)
     if verify and split:
-        _run_jobs([lambda i=i: _verify(meta, [i], mvs) for i in split], 2)
+        _run_jobs([functools.partial(_verify, meta, [i], mvs) for i in split], 2)
     return bufs
 
 
@@ -1190,7 +1199,8 @@ def _map_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> d
         else:
             out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
     if verify:
-        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})
+        # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})  # type: ignore[arg-type]
     return out
 
 
@@ -1216,14 +1226,15 @@ _CONTAINER_EXTS = frozenset((EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZE
 class _Pending:
     """A container extension whose items hold containers, built later by :func:`_decode_tree`'s loop.
 
-    ``data`` is its msgpack, still to unpack, or ``items`` the unpacked list. Nested extensions are
-    never unpacked from inside msgpack's ext hook more than one level down: each nested ``unpackb``
-    takes tens of KB of C stack, so a few hundred nested tuples used to overflow it (a segfault).
+    ``data`` is its msgpack, still to unpack (``items`` stays empty until then), or None once ``items``
+    holds the unpacked list. Nested extensions are never unpacked from inside msgpack's ext hook more
+    than one level down: each nested ``unpackb`` takes tens of KB of C stack, so a few hundred nested
+    tuples used to overflow it (a segfault).
     """
 
     __slots__ = ("code", "data", "items", "depth", "parent", "slot")
 
-    def __init__(self, code: int, data: bytes | None, items: list | None) -> None:
+    def __init__(self, code: int, data: bytes | None, items: list) -> None:
         self.code, self.data, self.items = code, data, items
         self.parent: Any = None  # the list or dict holding it, at ``slot``, ``depth`` containers deep
         self.slot: Any = None
@@ -1341,10 +1352,10 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
             if type(v) is not list or len(v) != 2:
                 raise FormatError("numpy scalar is not a [dtype, bytes] pair")
             dts, raw = v
-            dt = _np_dtype(dts, "numpy scalar")
-            if type(raw) is not bytes or len(raw) != dt.itemsize or not dt.itemsize:
+            npdt = _np_dtype(dts, "numpy scalar")
+            if type(raw) is not bytes or len(raw) != npdt.itemsize or not npdt.itemsize:
                 raise FormatError(f"numpy scalar of {dts} with {len(raw) if type(raw) is bytes else 'no'} bytes")
-            return np.frombuffer(raw, dtype=dt)[0]
+            return np.frombuffer(raw, dtype=npdt)[0]
         if code == EXT_PICKLE:
             if describe:
                 return PickledObject(len(data))
@@ -1357,7 +1368,7 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         nonlocal created
         if code in _CONTAINER_EXTS:
             created += 1
-            return _Pending(code, data, None)
+            return _Pending(code, data, [])
         return leaf(code, data)
 
     def hook(code: int, data: bytes) -> Any:
@@ -1383,10 +1394,11 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         while i < len(placed):  # placed grows as placeholders' items are placed in turn
             p = placed[i]
             i += 1
-            if p.items is None:
-                p.items, p.data = unpack(p.data), None
-                if type(p.items) is not list:
+            if p.data is not None:
+                items = unpack(p.data)
+                if type(items) is not list:
                     raise FormatError(f"extension {p.code} does not hold a list")
+                p.items, p.data = items, None
             _place(p.items, p.depth, placed)
         if created != len(placed):
             raise FormatError("a tuple, set or dict extension used as a map key")

@@ -103,8 +103,8 @@ class Bar:
             try:
                 from tqdm import tqdm
             except ImportError:
-                tqdm = None
-            if tqdm is not None:
+                pass  # plain text lines
+            else:
                 try:
                     cols = os.get_terminal_size(self.file.fileno()).columns
                 except (OSError, AttributeError, ValueError, io.UnsupportedOperation):

@@ -170,7 +170,7 @@ class RangeReader(_SeekableReader):
         super().__init__()
         self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         mv = memoryview(b).cast("B")
         n = min(len(mv), max(0, self.size - self._pos))
         if n == 0:
@@ -191,7 +191,7 @@ class BytesReader(_SeekableReader):
         self._mv = memoryview(data).cast("B")
         self.uri, self.size, self._pos = uri, len(self._mv), 0
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         out = memoryview(b).cast("B")
         n = max(0, min(len(out), self.size - self._pos))
         out[:n] = self._mv[self._pos : self._pos + n]
@@ -206,7 +206,7 @@ class Backend(abc.ABC):
     Options come from settings or arguments; unknown options raise ``TypeError``.
     """
 
-    name: ClassVar[str] = "base"
+    name: str = "base"  # a class default; a wrapper or a registry entry sets its own on the instance
     prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY) -> None:
@@ -258,7 +258,7 @@ class Backend(abc.ABC):
         """A seekable binary file over the object, buffered with ``part_size``-free small-read buffering."""
         if size is None:
             size = self.stat(uri).size
-        return io.BufferedReader(RangeReader(self, uri, size), buffer_size=1024 * 1024)  # type: ignore[return-value]
+        return io.BufferedReader(RangeReader(self, uri, size), buffer_size=1024 * 1024)
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         """Copy within this backend. Default streams through this process in ``part_size`` pieces."""

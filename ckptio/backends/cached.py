@@ -475,7 +475,7 @@ class CachedBackend(Backend):
                 h.update(mv)
                 done = 0
                 while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
-                    done += f.write(mv[done:])  # type: ignore[operator]
+                    done += f.write(mv[done:])
                 pos, i = pos + n, i + 1
             if pos != info.size:
                 raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
@@ -691,13 +691,14 @@ def cache_options(cache: Any, backend_options: dict[str, Any]) -> dict[str, Any]
     if isinstance(cache, (str, os.PathLike)):
         opts["cache_dir"] = os.fspath(cache)
     elif isinstance(cache, Mapping):
-        bad = set(cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
+        given_cache: Mapping[str, Any] = cache
+        bad = set(given_cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
         if bad:
             raise SettingsError(
                 f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, fsync, lock_timeout"
             )
         names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
-        given = coerce_options({names.get(k, k): v for k, v in cache.items()}, "cache=")
+        given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
         opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
     elif cache not in (None, True):
         raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")

@@ -94,7 +94,7 @@ class LocalWriter(Writer):
             if mode == "create" and os.path.lexists(path):
                 raise AlreadyExistsError(uri)
             self._tmp = os.path.join(directory, f".{os.path.basename(path)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
-            self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)  # type: ignore[assignment]
+            self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)
 
     def write(self, data: Buffer) -> int:
         if self._f is None:
@@ -254,7 +254,7 @@ class LocalBackend(Backend):
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         with translate_os_errors(src), open(local_path(src), "rb") as fsrc:
             with self.open_writer(dst, mode=mode) as w:
-                shutil.copyfileobj(fsrc, w, length=self.part_size)  # type: ignore[misc]
+                shutil.copyfileobj(fsrc, w, length=self.part_size)
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:

@@ -173,7 +173,10 @@ class ObjectStoreBackend(Backend):
         if end is None:
             end = self.stat(uri).size
         buf = bytearray(max(0, end - start))
-        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
+        if not buf:
+            self.stat(uri)  # an empty range of a missing object is still an error
+            return b""
+        n = self.readinto(uri, buf, start)
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:

@@ -121,17 +121,17 @@ _TRANSIENT_CLIENT = (
 )
 
 
-def _code(e: BaseException) -> tuple[str, int | None]:
-    return (
-        str(e.response.get("Error", {}).get("Code", "")),  # type: ignore[attr-defined]
-        e.response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-    )  # type: ignore[attr-defined]
+def _code(e: ClientError) -> tuple[str, int | None]:
+    """The S3 error code and the HTTP status of a botocore ClientError."""
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    return code, e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def classify(e: BaseException) -> str:
     """TRANSIENT / EXPIRED / PERMANENT for any error the S3 client raises (see :mod:`ckptio.retry`)."""
     if isinstance(e, ClientError):
-        return _retry.classify_status(*reversed(_code(e)))
+        code, status = _code(e)
+        return _retry.classify_status(status, code)
     if isinstance(e, _TRANSIENT_CLIENT):
         return _retry.TRANSIENT
     common = _retry.classify_common(e)
@@ -288,7 +288,7 @@ class S3Backend(ObjectStoreBackend):
         """Make aiobotocore's aiohttp sessions leave retries to our policy (see ``no_hidden_retries``)."""
         hs = getattr(getattr(client, "_endpoint", None), "http_session", None)
         get = getattr(hs, "_get_session", None)
-        if get is not None and not getattr(hs, "_ckptio_owned", False):
+        if hs is not None and get is not None and not getattr(hs, "_ckptio_owned", False):
 
             async def get_session(*a: Any, **kw: Any) -> Any:
                 return _parallel.no_hidden_retries(await get(*a, **kw))

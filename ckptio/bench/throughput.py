@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
         budget = args.cell_budget if args.cell_budget is not None else (10.0 if quick else None)
         records, skipped = run_matrix(targets, sizes, args.repeats, bar, log, remote_max, budget)
     results = [r.as_dict() for r in records]
-    doc = {
+    doc: dict[str, Any] = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),

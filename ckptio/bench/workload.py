@@ -53,7 +53,8 @@ def same(a: dict[str, torch.Tensor], b: Any) -> bool:
 
 
 def u8(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def pack(state: dict[str, torch.Tensor]) -> bytearray:

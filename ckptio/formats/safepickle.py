@@ -116,9 +116,7 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
 class _Checks:
     """The checks, for pickle's C unpickler (:class:`_Unpickler`) and its Python one (:class:`_PyUnpickler`)."""
 
-    def __init__(self, f: IO[bytes], **kwargs: Any) -> None:
-        super().__init__(f, **kwargs)
-        self.made_stand_ins = False
+    made_stand_ins = False  # set on the instance when a load made one
 
     def find_class(self, module: str, name: str) -> Any:
         import _compat_pickle
@@ -214,7 +212,7 @@ class _Unpickler(_Checks, pickle.Unpickler):
     pass
 
 
-class _PyUnpickler(_Checks, pickle._Unpickler):  # type: ignore[name-defined]
+class _PyUnpickler(_Checks, pickle._Unpickler):
     def get_extension(self, code: int) -> None:
         raise FormatError(
             f"refusing to unpickle copyreg extension code {code}: plain pickles of data have none; {_HINT}"

@@ -38,6 +38,7 @@ directory ending in ``.safetensors`` (no ``..``, no absolute path, no URI).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import struct
@@ -326,7 +327,7 @@ def _read_data(src: _Source, entries: list[TensorEntry], head: bytes) -> dict[in
     gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
     start = min((e.offset for e in entries), default=src.size)
     buf = torch.empty(src.size - start, dtype=torch.uint8)
-    mv = memoryview(buf.numpy())
+    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     have = max(0, min(len(head) - start, len(mv)))
     mv[:have] = head[start : start + have]  # what the header's read brought along
     got = have + (src.backend.readinto(src.name, mv[have:], start + have) if have < len(mv) else 0)  # type: ignore[attr-defined]
@@ -408,7 +409,7 @@ def _load_index(backend: Backend, uri: str, keys: Iterable[str] | None, **kw: An
         out.update(
             _with_source(
                 _source_for(backend, shard),
-                lambda src, ks=ks: _load_source(src, keys=ks, index=uri, whole=keys is None, **kw),
+                functools.partial(_load_source, keys=ks, index=uri, whole=keys is None, **kw),
             )
         )
     return out if keys is None else {k: out[k] for k in wanted}
@@ -484,7 +485,7 @@ def _write(header: bytes, tensors: list[torch.Tensor], out: _Sink) -> None:
         if t.device.type != "cpu":  # through fastpickle's reused (pinned) staging buffer
             _write_device(
                 torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                    t.untyped_storage(), t.storage_offset() * t.element_size(), (n,)
+                    t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,)
                 ),
                 out.write,
             )
@@ -519,7 +520,7 @@ class SafetensorsFormat(Format):
     extensions = (".safetensors", INDEX_SUFFIX)
     reads_through_cache = True  # shards are found next to the index, not next to a cache entry
 
-    def dump(
+    def dump(  # type: ignore[override]  # its own keywords only: an unknown one is a TypeError, not ignored
         self,
         obj: Any,
         backend: Backend,
@@ -537,7 +538,7 @@ class SafetensorsFormat(Format):
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
             _write(header, tensors, _sink_for(w, durable and getattr(backend, "durable", True)))
 
-    def load(
+    def load(  # type: ignore[override]  # its own keywords only, as dump
         self,
         backend: Backend,
         uri: str,
@@ -557,7 +558,7 @@ class SafetensorsFormat(Format):
         header, tensors = _prepare(obj, metadata)
         _write(header, tensors, _Sink(_writer_for(f.write)))
 
-    def load_file(
+    def load_file(  # type: ignore[override]  # its own keywords only, as dump
         self,
         f: IO,
         *,
