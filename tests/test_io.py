@@ -273,6 +273,28 @@ def test_register_format_decorator_and_conflicts(tmp_path):
         ckptio.registry.formats.unregister("other")
 
 
+def test_text_stream_format_gets_str_streams(root):
+    """``StreamFormat.text = True``: dump_file writes str and load_file reads str, on every backend."""
+
+    @ckptio.register_format("texty", extensions=[".texty"])
+    class Texty(ckptio.StreamFormat):
+        text = True
+
+        def dump_file(self, obj, f, **kw):
+            f.write(obj)
+
+        def load_file(self, f, **kw):
+            return f.read()
+
+    try:
+        uri = ckptio.join_path(root, "t.texty")
+        ckptio.dump("h\u00e9llo\n", uri)
+        assert ckptio.load(uri) == "h\u00e9llo\n"
+        assert ckptio.get(uri) == "h\u00e9llo\n".encode()
+    finally:
+        ckptio.registry.formats.unregister("texty")
+
+
 def test_register_backend_conflict_requires_force():
     with pytest.raises(ValueError, match="already registered"):
 
