@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -31,9 +32,9 @@ import uuid
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-import torch  # noqa: E402
+import torch
 
-import ckptio  # noqa: E402
+import ckptio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
@@ -63,8 +64,15 @@ def warm(uri: str, local: str, cache_dir: str, size: int, reps: int) -> dict:
         cached.append(_timed(lambda: ckptio.load(uri, cache=cache_dir)))
     backend, _ = ckptio.resolve(uri, cache=cache_dir)
     p, c = statistics.median(plain), statistics.median(cached)
-    return {"bytes": size, "plain_local_s": plain, "warm_cache_s": cached, "plain_local_gbps": size / p / 1e9,
-            "warm_cache_gbps": size / c / 1e9, "ratio_warm_vs_local": p / c, "cache_stats": backend.stats()}
+    return {
+        "bytes": size,
+        "plain_local_s": plain,
+        "warm_cache_s": cached,
+        "plain_local_gbps": size / p / 1e9,
+        "warm_cache_gbps": size / c / 1e9,
+        "ratio_warm_vs_local": p / c,
+        "cache_stats": backend.stats(),
+    }
 
 
 def rank_main(rank: int, world: int, port: int, endpoint: str, uri: str, base: str, reps: int, out: str) -> None:
@@ -72,8 +80,13 @@ def rank_main(rank: int, world: int, port: int, endpoint: str, uri: str, base: s
 
     import ckptio.distributed as D
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     ckptio.configure(backends={"s3": {"endpoint_url": endpoint, **S3_CREDS}})
     times: dict[str, list[float]] = {"one_rank_plain": [], "ranks_filesystem": [], "ranks_plain": []}
 
@@ -89,7 +102,7 @@ def rank_main(rank: int, world: int, port: int, endpoint: str, uri: str, base: s
     for i in range(reps):
         cache = os.path.join(base, f"cache{i}")
         run("one_rank_plain", lambda: ckptio.load(uri), only_rank0=True)
-        run("ranks_filesystem", lambda: D.load(uri, cache=cache, timeout=600))
+        run("ranks_filesystem", functools.partial(D.load, uri, cache=cache, timeout=600))
         run("ranks_plain", lambda: ckptio.load(uri))
         dist.barrier()
         if rank == 0:
@@ -107,13 +120,23 @@ def distributed(endpoint: str, uri: str, size: int, ranks: int, reps: int, base:
     from ckptio.bench.servers import free_port
 
     out = os.path.join(base, "times.json")
-    mp.start_processes(rank_main, args=(ranks, free_port(), endpoint, uri, base, reps, out), nprocs=ranks,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        rank_main,
+        args=(ranks, free_port(), endpoint, uri, base, reps, out),
+        nprocs=ranks,
+        join=True,
+        start_method="spawn",
+    )
     times = json.load(open(out))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"bytes": size, "ranks": ranks, "seconds": times, "median_s": med,
-            "ratio_filesystem_vs_one_rank": med["ranks_filesystem"] / med["one_rank_plain"],
-            "ratio_plain_vs_one_rank": med["ranks_plain"] / med["one_rank_plain"]}
+    return {
+        "bytes": size,
+        "ranks": ranks,
+        "seconds": times,
+        "median_s": med,
+        "ratio_filesystem_vs_one_rank": med["ranks_filesystem"] / med["one_rank_plain"],
+        "ratio_plain_vs_one_rank": med["ranks_plain"] / med["one_rank_plain"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -145,9 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
             os.unlink(local)
             ckptio.remove(uri)
             w = doc["warm"]
-            print(f"warm cache, {w['bytes'] / 2**30:.2f} GiB .fpk: plain local {w['plain_local_gbps']:.2f} GB/s, "
-                  f"warm cache {w['warm_cache_gbps']:.2f} GB/s, ratio {w['ratio_warm_vs_local']:.2f}x "
-                  f"(target >= 0.8x)", flush=True)
+            print(
+                f"warm cache, {w['bytes'] / 2**30:.2f} GiB .fpk: plain local {w['plain_local_gbps']:.2f} GB/s, "
+                f"warm cache {w['warm_cache_gbps']:.2f} GB/s, ratio {w['ratio_warm_vs_local']:.2f}x "
+                f"(target >= 0.8x)",
+                flush=True,
+            )
 
             dsize = args.dist_size_mib << 20
             duri = f"s3://{bucket}/dist.fpk"
@@ -155,10 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
             dsize = ckptio.stat(duri).size
             d = doc["distributed"] = distributed(srv.url, duri, dsize, args.ranks, args.reps, base)
             m = d["median_s"]
-            print(f"{args.ranks} ranks, cold, {dsize / 2**20:.0f} MiB .fpk from S3 (moto): one rank alone "
-                  f"{m['one_rank_plain']:.2f} s; {args.ranks} ranks via node cache {m['ranks_filesystem']:.2f} s "
-                  f"= {d['ratio_filesystem_vs_one_rank']:.2f}x (target <= 1.3x); {args.ranks} ranks each "
-                  f"downloading {m['ranks_plain']:.2f} s = {d['ratio_plain_vs_one_rank']:.2f}x", flush=True)
+            print(
+                f"{args.ranks} ranks, cold, {dsize / 2**20:.0f} MiB .fpk from S3 (moto): one rank alone "
+                f"{m['one_rank_plain']:.2f} s; {args.ranks} ranks via node cache {m['ranks_filesystem']:.2f} s "
+                f"= {d['ratio_filesystem_vs_one_rank']:.2f}x (target <= 1.3x); {args.ranks} ranks each "
+                f"downloading {m['ranks_plain']:.2f} s = {d['ratio_plain_vs_one_rank']:.2f}x",
+                flush=True,
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     doc["peak_rss_bytes_parent"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -119,24 +119,42 @@ def main() -> None:
 
     med = statistics.median
     res = {
-        "format": args.format, "bytes": size, "repeats": args.repeats, "fsync": True,
-        "first_save_block_s": first, "first_save_total_s": first_persist,
-        "block_s": med(blocks), "block_s_per_gib": med(blocks) / gib, "memcpy_s_per_gib": med(copies) / gib,
-        "block_over_memcpy": med(blocks) / med(copies), "persist_s": med(persists),
-        "persist_gb_s": size / med(persists) / 1e9, "staging_rss_mib": staging_rss / (1 << 20),
-        "train_threads": args.train_threads, "background_nice": args.nice, "train_iters": iters, "train_alone_s": med(alone),
-        "train_overlapped_s": med(overlapped), "train_slowdown": med(overlapped) / med(alone) - 1,
+        "format": args.format,
+        "bytes": size,
+        "repeats": args.repeats,
+        "fsync": True,
+        "first_save_block_s": first,
+        "first_save_total_s": first_persist,
+        "block_s": med(blocks),
+        "block_s_per_gib": med(blocks) / gib,
+        "memcpy_s_per_gib": med(copies) / gib,
+        "block_over_memcpy": med(blocks) / med(copies),
+        "persist_s": med(persists),
+        "persist_gb_s": size / med(persists) / 1e9,
+        "staging_rss_mib": staging_rss / (1 << 20),
+        "train_threads": args.train_threads,
+        "background_nice": args.nice,
+        "train_iters": iters,
+        "train_alone_s": med(alone),
+        "train_overlapped_s": med(overlapped),
+        "train_slowdown": med(overlapped) / med(alone) - 1,
         "runs": {"block": blocks, "memcpy": copies, "persist": persists, "alone": alone, "overlapped": overlapped},
     }
     print(f"state {size / GIB:.2f} GiB, format {args.format}, median of {args.repeats}, fsync on")
-    print(f"save blocks      {res['block_s_per_gib']:.3f} s/GiB   (target <= 0.25)   "
-          f"memcpy {res['memcpy_s_per_gib']:.3f} s/GiB   ratio {res['block_over_memcpy']:.2f}x")
+    print(
+        f"save blocks      {res['block_s_per_gib']:.3f} s/GiB   (target <= 0.25)   "
+        f"memcpy {res['memcpy_s_per_gib']:.3f} s/GiB   ratio {res['block_over_memcpy']:.2f}x"
+    )
     print(f"first save       {first:.3f} s blocking (allocates staging), {first_persist:.2f} s to durable")
-    print(f"background       {res['persist_s']:.2f} s per save incl. block ({res['persist_gb_s']:.2f} GB/s)   "
-          f"staging RSS +{res['staging_rss_mib']:.0f} MiB")
-    print(f"training loop    alone {res['train_alone_s']:.2f} s, with persist {res['train_overlapped_s']:.2f} s: "
-          f"slowdown {100 * res['train_slowdown']:.1f}% (target <= 25%, {args.train_threads} intra-op thread(s), "
-          f"persist at nice +{args.nice})")
+    print(
+        f"background       {res['persist_s']:.2f} s per save incl. block ({res['persist_gb_s']:.2f} GB/s)   "
+        f"staging RSS +{res['staging_rss_mib']:.0f} MiB"
+    )
+    print(
+        f"training loop    alone {res['train_alone_s']:.2f} s, with persist {res['train_overlapped_s']:.2f} s: "
+        f"slowdown {100 * res['train_slowdown']:.1f}% (target <= 25%, {args.train_threads} intra-op thread(s), "
+        f"persist at nice +{args.nice})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -34,7 +34,6 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import ckptio  # noqa: E402
 import ckptio.dcp as cd  # noqa: E402
 
 GB = 1e9
@@ -103,6 +102,7 @@ def report(title: str, size: int, times: dict[str, list[float]], ours: str) -> d
 
 # ---- local -------------------------------------------------------------------------------------
 
+
 def bench_local(mib: int, repeats: int, threads: int) -> None:
     sd = make_state(mib)
     size = nbytes(sd)
@@ -114,8 +114,9 @@ def bench_local(mib: int, repeats: int, threads: int) -> None:
 
         def save_torch():
             p = os.path.join(base, uuid.uuid4().hex)
-            t = timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=threads,
-                                                                               sync_files=True)))
+            t = timed(
+                lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(p, thread_count=threads, sync_files=True))
+            )
             shutil.rmtree(p)
             return t
 
@@ -136,22 +137,38 @@ def bench_local(mib: int, repeats: int, threads: int) -> None:
         def load_ours_noverify():
             return timed(lambda: cd.load(dest, ref_ours, thread_count=threads, verify=False))
 
-        saves = interleave({f"torch FileSystemWriter thread_count={threads}": save_torch,
-                            f"ckptio StorageWriter thread_count={threads}": save_ours}, repeats)
+        saves = interleave(
+            {
+                f"torch FileSystemWriter thread_count={threads}": save_torch,
+                f"ckptio StorageWriter thread_count={threads}": save_ours,
+            },
+            repeats,
+        )
         report("local save, fsync included", size, saves, f"ckptio StorageWriter thread_count={threads}")
-        loads = interleave({"torch FileSystemReader": load_torch,
-                            f"ckptio StorageReader thread_count={threads}": load_ours,
-                            f"ckptio StorageReader verify=False": load_ours_noverify}, repeats)
-        report("local load, page cache hot, into touched tensors", size, loads,
-               f"ckptio StorageReader thread_count={threads}")
+        loads = interleave(
+            {
+                "torch FileSystemReader": load_torch,
+                f"ckptio StorageReader thread_count={threads}": load_ours,
+                "ckptio StorageReader verify=False": load_ours_noverify,
+            },
+            repeats,
+        )
+        report(
+            "local load, page cache hot, into touched tensors",
+            size,
+            loads,
+            f"ckptio StorageReader thread_count={threads}",
+        )
         assert all(torch.equal(dest[k], sd[k]) for k in sd)
 
         p = os.path.join(base, "mem")
         with PeakRSS() as m:
             cd.save(sd, p, thread_count=threads)
         limit = max(64 << 20, size // 10)
-        print(f"\n  peak RSS above the state dict during ckptio save: {m.peak / (1 << 20):.1f} MiB "
-              f"(limit max(64 MiB, 10% of payload) = {limit / (1 << 20):.0f} MiB)")
+        print(
+            f"\n  peak RSS above the state dict during ckptio save: {m.peak / (1 << 20):.1f} MiB "
+            f"(limit max(64 MiB, 10% of payload) = {limit / (1 << 20):.0f} MiB)"
+        )
         shutil.rmtree(p)
         p = os.path.join(base, "mem-torch")
         with PeakRSS() as m:
@@ -163,11 +180,13 @@ def bench_local(mib: int, repeats: int, threads: int) -> None:
 
 # ---- S3 ----------------------------------------------------------------------------------------
 
+
 def bench_s3(mib: int, repeats: int, threads: int) -> None:
     try:
-        import ckptio.backends.s3  # noqa: F401
-        from servers import MotoServer, make_s3_bucket, s3_client
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        import ckptio.backends.s3
+        from servers import MotoServer, make_s3_bucket, s3_client
     except ImportError as e:
         print(f"\nS3: skipped ({e})")
         return
@@ -179,10 +198,14 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
     our_part = None  # the backend defaults: its writers bound their own buffers (max_buffer_bytes)
     with MotoServer() as server:
         ep = server.url
-        ckptio.configure(backends={"s3": {"endpoint_url": ep, "access_key_id": "testing",
-                                          "secret_access_key": "testing"}})
-        fs_opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": ep,
-                                                                            "region_name": "us-east-1"}}
+        ckptio.configure(
+            backends={"s3": {"endpoint_url": ep, "access_key_id": "testing", "secret_access_key": "testing"}}
+        )
+        fs_opts = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": ep, "region_name": "us-east-1"},
+        }
         bucket = "bench"
         make_s3_bucket(ep, bucket)
         ref_torch, ref_ours = f"s3://{bucket}/ref-torch", f"s3://{bucket}/ref-ours"
@@ -208,8 +231,11 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
             scratch.clear()
 
         def fs_save(tc_: int):
-            return lambda: timed(lambda: dcp.save(sd, storage_writer=FsspecWriter(
-                f"s3://{bucket}/{fresh()}", thread_count=tc_, **fs_opts)))
+            return lambda: timed(
+                lambda: dcp.save(
+                    sd, storage_writer=FsspecWriter(f"s3://{bucket}/{fresh()}", thread_count=tc_, **fs_opts)
+                )
+            )
 
         def our_save():
             return timed(lambda: cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=our_part))
@@ -235,27 +261,41 @@ def bench_s3(mib: int, repeats: int, threads: int) -> None:
                 t = fn()
                 cleanup()
                 return t
+
             return run
 
-        saves = interleave({
-            "torch FsspecWriter default (thread_count=1)": with_cleanup(fs_save(1)),
-            f"torch FsspecWriter thread_count={threads}": with_cleanup(fs_save(threads)),
-            f"raw boto3 upload_fileobj, {threads * 4} threads": with_cleanup(raw_put),
-            f"ckptio StorageWriter thread_count={threads}": with_cleanup(our_save),
-        }, repeats)
-        report(f"S3 (moto) save, part {part >> 20} MiB (ckptio: backend defaults)", size, saves, f"ckptio StorageWriter thread_count={threads}")
-        loads = interleave({
-            "torch FsspecReader (default)": fs_load,
-            f"raw boto3 download_fileobj, {threads * 4} threads": raw_get,
-            "ckptio StorageReader (default, 8 in flight)": our_load,
-        }, repeats)
+        saves = interleave(
+            {
+                "torch FsspecWriter default (thread_count=1)": with_cleanup(fs_save(1)),
+                f"torch FsspecWriter thread_count={threads}": with_cleanup(fs_save(threads)),
+                f"raw boto3 upload_fileobj, {threads * 4} threads": with_cleanup(raw_put),
+                f"ckptio StorageWriter thread_count={threads}": with_cleanup(our_save),
+            },
+            repeats,
+        )
+        report(
+            f"S3 (moto) save, part {part >> 20} MiB (ckptio: backend defaults)",
+            size,
+            saves,
+            f"ckptio StorageWriter thread_count={threads}",
+        )
+        loads = interleave(
+            {
+                "torch FsspecReader (default)": fs_load,
+                f"raw boto3 download_fileobj, {threads * 4} threads": raw_get,
+                "ckptio StorageReader (default, 8 in flight)": our_load,
+            },
+            repeats,
+        )
         report("S3 (moto) load", size, loads, "ckptio StorageReader (default, 8 in flight)")
         assert all(torch.equal(dest[k], sd[k]) for k in sd)
         print("  (FsspecReader has no thread option: its default is its only setting)")
         with PeakRSS() as m:
             cd.save(sd, f"s3://{bucket}/{fresh()}", thread_count=threads, part_size=our_part)
-        print(f"\n  peak RSS above the state dict during ckptio S3 save: {m.peak / (1 << 20):.1f} MiB "
-              f"(limit max(64 MiB, 10% of payload) = {max(64 << 20, size // 10) / (1 << 20):.0f} MiB)")
+        print(
+            f"\n  peak RSS above the state dict during ckptio S3 save: {m.peak / (1 << 20):.1f} MiB "
+            f"(limit max(64 MiB, 10% of payload) = {max(64 << 20, size // 10) / (1 << 20):.0f} MiB)"
+        )
         cleanup()
 
 

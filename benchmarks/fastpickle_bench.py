@@ -9,8 +9,9 @@ W3 = model + Adam state + nested Python values. Every case writes a fresh file u
 cache, no fsync unless the name says so) and deletes it afterwards; loads read a file that was just
 written (page cache hot) and touch every byte (sum of every tensor) unless marked lazy. Checksums
 are on in every fastpickle figure. Each number is the median of --runs runs, the cases of a table
-interleaved run by run in a shuffled (seeded) order, each case starting after gc and malloc_trim. Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during
-saves (local and S3) by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
+interleaved run by run in a shuffled (seeded) order, each case starting after gc and malloc_trim.
+Peak RSS of a W3 load is measured in a fresh subprocess; extra memory during saves (local and S3)
+by sampling RSS. S3 runs against moto on loopback, so the server is the limit:
 fastpickle is compared with the raw clients (s3fs pipe/cat, boto3's TransferManager) and with
 ckptio's own put/readinto, all on the same server in the same run.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
 import math
 import os
@@ -29,22 +31,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from ckptio.bench.heap import trim_heap  # noqa: E402
 from ckptio import fastpickle as fp  # noqa: E402
+from ckptio.bench.heap import trim_heap  # noqa: E402
 
 MiB = 1 << 20
 
 
 # ---- workloads ----------------------------------------------------------------------------------
 
-def transformer(nbytes: int, layers: int = 16) -> "collections.OrderedDict[str, torch.Tensor]":
+
+def transformer(nbytes: int, layers: int = 16) -> collections.OrderedDict[str, torch.Tensor]:
     """fp32 tensors shaped like a transformer's: 8 per layer (q, k, v, o, up, down, 2 norms)."""
     d = max(32, int(math.sqrt(nbytes / 4 / (12 * layers)) // 32 * 32))
     sd: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
@@ -66,14 +70,24 @@ def small_tensors(nbytes: int) -> dict[str, torch.Tensor]:
 
 def train_state(nbytes: int) -> dict[str, Any]:
     model = transformer(nbytes // 3)
-    state = {i: {"step": torch.tensor(1000.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
-             for i, t in enumerate(model.values())}
-    return {"model": model,
-            "optimizer": {"state": state, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
-                                                            "weight_decay": 0.1, "params": list(range(len(model)))}]},
-            "scheduler": {"last_epoch": 1000, "base_lrs": [3e-4], "_step_count": 1001},
-            "step": 1000, "rng": torch.get_rng_state(), "config": {"name": "w3", "dims": (1, 2, 3), "tags": {"a", "b"}},
-            "history": [float(i) / 7 for i in range(1000)]}
+    state = {
+        i: {"step": torch.tensor(1000.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+        for i, t in enumerate(model.values())
+    }
+    return {
+        "model": model,
+        "optimizer": {
+            "state": state,
+            "param_groups": [
+                {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(range(len(model)))}
+            ],
+        },
+        "scheduler": {"last_epoch": 1000, "base_lrs": [3e-4], "_step_count": 1001},
+        "step": 1000,
+        "rng": torch.get_rng_state(),
+        "config": {"name": "w3", "dims": (1, 2, 3), "tags": {"a", "b"}},
+        "history": [float(i) / 7 for i in range(1000)],
+    }
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -91,7 +105,9 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
 
 
 def payload_bytes(obj: Any) -> int:
-    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors_of(obj)}.values())
+    return sum(
+        t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors_of(obj)}.values()
+    )
 
 
 def touch(obj: Any) -> None:
@@ -103,6 +119,7 @@ def touch(obj: Any) -> None:
 
 
 # ---- timing -------------------------------------------------------------------------------------
+
 
 class Bench:
     def __init__(self, root: str, runs: int, verbose: bool = False) -> None:
@@ -146,7 +163,7 @@ def raw_write(tensors: list[torch.Tensor], path: str, fsync: bool) -> None:
         for t in tensors:
             mv = memoryview(t.numpy()).cast("B")
             for i in range(0, len(mv), 64 * MiB):
-                f.write(mv[i: i + 64 * MiB])
+                f.write(mv[i : i + 64 * MiB])
         if fsync:
             os.fsync(f.fileno())
 
@@ -158,55 +175,74 @@ def save_case(b: Bench, ext: str, save: Callable[[str], Any]) -> Callable[[], fl
             return timed(lambda: save(p))
         finally:
             os.unlink(p)
+
     return run
 
 
-def load_case(b: Bench, ext: str, save: Callable[[str], Any], load: Callable[[str], Any], lazy: bool = False
-              ) -> Callable[[], float]:
+def load_case(
+    b: Bench, ext: str, save: Callable[[str], Any], load: Callable[[str], Any], lazy: bool = False
+) -> Callable[[], float]:
     def run() -> float:
         p = b.path(ext)
         save(p)
         try:
+
             def go() -> None:
                 out = load(p)
                 if not lazy:
                     touch(out)
+
             return timed(go)
         finally:
             os.unlink(p)
+
     return run
 
 
 # ---- the workloads' tables ----------------------------------------------------------------------
+
 
 def bench_flat(b: Bench, name: str, sd: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
     from safetensors.torch import load_file, save_file
 
     n = payload_bytes(sd)
     ts = list(sd.values())
-    med = b.table(f"{name} save", n, {
-        "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(sd, p, durable=False)),
-        "torch.save": save_case(b, ".pt", lambda p: torch.save(sd, p)),
-        "safetensors save_file": save_case(b, ".st", lambda p: save_file(sd, p)),
-        "raw sequential write": save_case(b, ".raw", lambda p: raw_write(ts, p, False)),
-    })
+    med = b.table(
+        f"{name} save",
+        n,
+        {
+            "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(sd, p, durable=False)),
+            "torch.save": save_case(b, ".pt", lambda p: torch.save(sd, p)),
+            "safetensors save_file": save_case(b, ".st", lambda p: save_file(sd, p)),
+            "raw sequential write": save_case(b, ".raw", lambda p: raw_write(ts, p, False)),
+        },
+    )
     ratio(med, "fastpickle save (durable=False)", "torch.save", targets.get("save_torch"))
     ratio(med, "fastpickle save (durable=False)", "safetensors save_file", targets.get("save_st"))
     ratio(med, "fastpickle save (durable=False)", "raw sequential write", targets.get("save_raw"))
     if "save_raw_fsync" in targets:
-        med = b.table(f"{name} save + fsync", n, {
-            "fastpickle save (durable=True)": save_case(b, ".fpk", lambda p: fp.save(sd, p)),
-            "raw sequential write + fsync": save_case(b, ".raw", lambda p: raw_write(ts, p, True)),
-        })
+        med = b.table(
+            f"{name} save + fsync",
+            n,
+            {
+                "fastpickle save (durable=True)": save_case(b, ".fpk", lambda p: fp.save(sd, p)),
+                "raw sequential write + fsync": save_case(b, ".raw", lambda p: raw_write(ts, p, True)),
+            },
+        )
         ratio(med, "fastpickle save (durable=True)", "raw sequential write + fsync", targets["save_raw_fsync"])
     fsave = lambda p: fp.save(sd, p, durable=False)  # noqa: E731
-    med = b.table(f"{name} load, every byte touched (page cache hot)", n, {
-        "fastpickle load": load_case(b, ".fpk", fsave, fp.load),
-        "fastpickle load mmap=True (+touch)": load_case(b, ".fpk", fsave, lambda p: fp.load(p, mmap=True)),
-        "torch.load(weights_only=True)": load_case(b, ".pt", lambda p: torch.save(sd, p),
-                                                   lambda p: torch.load(p, weights_only=True)),
-        "safetensors load_file": load_case(b, ".st", lambda p: save_file(sd, p), load_file),
-    })
+    med = b.table(
+        f"{name} load, every byte touched (page cache hot)",
+        n,
+        {
+            "fastpickle load": load_case(b, ".fpk", fsave, fp.load),
+            "fastpickle load mmap=True (+touch)": load_case(b, ".fpk", fsave, lambda p: fp.load(p, mmap=True)),
+            "torch.load(weights_only=True)": load_case(
+                b, ".pt", lambda p: torch.save(sd, p), lambda p: torch.load(p, weights_only=True)
+            ),
+            "safetensors load_file": load_case(b, ".st", lambda p: save_file(sd, p), load_file),
+        },
+    )
     ratio(med, "fastpickle load", "torch.load(weights_only=True)", targets.get("load_torch"))
     ratio(med, "fastpickle load", "safetensors load_file", targets.get("load_st"))
     ratio(med, "fastpickle load mmap=True (+touch)", "safetensors load_file", targets.get("load_st"))
@@ -219,27 +255,43 @@ def bench_mmap_lazy(b: Bench, nbytes: int) -> None:
     for size in (nbytes, nbytes // 16):
         sd = transformer(size)
         n = payload_bytes(sd)
-        med = b.table(f"  lazy loads of {n / MiB:.0f} MiB", n, {
-            "fastpickle load mmap=True (lazy)": load_case(b, ".fpk", lambda p: fp.save(sd, p, durable=False),
-                                                          lambda p: fp.load(p, mmap=True), lazy=True),
-            "safetensors load_file (lazy)": load_case(b, ".st", lambda p: save_file(sd, p), load_file, lazy=True),
-        })
+        med = b.table(
+            f"  lazy loads of {n / MiB:.0f} MiB",
+            n,
+            {
+                "fastpickle load mmap=True (lazy)": load_case(
+                    b, ".fpk", functools.partial(fp.save, sd, durable=False), lambda p: fp.load(p, mmap=True), lazy=True
+                ),
+                "safetensors load_file (lazy)": load_case(
+                    b, ".st", functools.partial(save_file, sd), load_file, lazy=True
+                ),
+            },
+        )
         del sd, med
 
 
 def bench_w3(b: Bench, nbytes: int) -> None:
     state = train_state(nbytes)
     n = payload_bytes(state)
-    med = b.table("W3 (model + Adam + nested values) save", n, {
-        "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(state, p, durable=False)),
-        "torch.save": save_case(b, ".pt", lambda p: torch.save(state, p)),
-    })
+    med = b.table(
+        "W3 (model + Adam + nested values) save",
+        n,
+        {
+            "fastpickle save (durable=False)": save_case(b, ".fpk", lambda p: fp.save(state, p, durable=False)),
+            "torch.save": save_case(b, ".pt", lambda p: torch.save(state, p)),
+        },
+    )
     ratio(med, "fastpickle save (durable=False)", "torch.save")
-    med = b.table("W3 load, every byte touched", n, {
-        "fastpickle load": load_case(b, ".fpk", lambda p: fp.save(state, p, durable=False), fp.load),
-        "torch.load(weights_only=True)": load_case(b, ".pt", lambda p: torch.save(state, p),
-                                                   lambda p: torch.load(p, weights_only=True)),
-    })
+    med = b.table(
+        "W3 load, every byte touched",
+        n,
+        {
+            "fastpickle load": load_case(b, ".fpk", lambda p: fp.save(state, p, durable=False), fp.load),
+            "torch.load(weights_only=True)": load_case(
+                b, ".pt", lambda p: torch.save(state, p), lambda p: torch.load(p, weights_only=True)
+            ),
+        },
+    )
     ratio(med, "fastpickle load", "torch.load(weights_only=True)")
 
 
@@ -261,7 +313,7 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -291,20 +343,28 @@ def bench_rss(b: Bench, nbytes: int) -> None:
     n = payload_bytes(state)
     print(f"\nW3 round-trips exactly: {check_w3_roundtrip(b, state)}")
     print(f"peak RSS of a W3 load in a fresh process (payload {n / MiB:.0f} MiB; 'extra' = peak - RSS after imports)")
-    for kind, ext, save in (("fastpickle", ".fpk", lambda p: fp.save(state, p, durable=False)),
-                            ("torch.load", ".pt", lambda p: torch.save(state, p))):
+    for kind, ext, save in (
+        ("fastpickle", ".fpk", lambda p: fp.save(state, p, durable=False)),
+        ("torch.load", ".pt", lambda p: torch.save(state, p)),
+    ):
         p = b.path(ext)
         save(p)
         try:
-            out = subprocess.run([sys.executable, "-c", RSS_CHILD, kind, p, os.path.dirname(HERE)],
-                                 capture_output=True, text=True, check=True).stdout.split()
+            out = subprocess.run(
+                [sys.executable, "-c", RSS_CHILD, kind, p, os.path.dirname(HERE)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
         finally:
             os.unlink(p)
         before, peak, elapsed = int(out[0]), int(out[1]), float(out[2])
         extra = peak - before
-        print(f"  {kind:12s} peak {peak / MiB:7.0f} MiB, extra {extra / MiB:7.0f} MiB = {extra / n:.3f}x payload"
-              f"{'  (target <= 1.15x)' if kind == 'fastpickle' else '            '}  load {elapsed * 1000:6.0f} ms "
-              f"into fresh memory (no touch)")
+        print(
+            f"  {kind:12s} peak {peak / MiB:7.0f} MiB, extra {extra / MiB:7.0f} MiB = {extra / n:.3f}x payload"
+            f"{'  (target <= 1.15x)' if kind == 'fastpickle' else '            '}  load {elapsed * 1000:6.0f} ms "
+            f"into fresh memory (no touch)"
+        )
 
 
 def _status_kib(field: str) -> int:
@@ -322,8 +382,10 @@ def report_save_memory(what: str, n: int, save: Callable[[], Any]) -> None:
     save()
     extra = (_status_kib("VmHWM") - base) * 1024
     limit = max(64 * MiB, n // 20)
-    print(f"  extra memory during {what}: {extra / MiB:.1f} MiB (limit max(64 MiB, 5% of payload) = "
-          f"{limit / MiB:.0f} MiB){'  ok' if extra <= limit else '  ABOVE limit'}")
+    print(
+        f"  extra memory during {what}: {extra / MiB:.1f} MiB (limit max(64 MiB, 5% of payload) = "
+        f"{limit / MiB:.0f} MiB){'  ok' if extra <= limit else '  ABOVE limit'}"
+    )
 
 
 def bench_save_memory(b: Bench, nbytes: int) -> None:
@@ -332,16 +394,17 @@ def bench_save_memory(b: Bench, nbytes: int) -> None:
     print(f"\nextra memory during save ({n / MiB:.0f} MiB payload; peak RSS above the RSS before)")
     for name, durable in (("local save, durable=False", False), ("local save, durable=True", True)):
         p = b.path(".fpk")
-        report_save_memory(name, n, lambda: fp.save(sd, p, durable=durable))
+        report_save_memory(name, n, functools.partial(fp.save, sd, p, durable=durable))
         os.unlink(p)
 
 
 def bench_s3(b: Bench, nbytes: int) -> None:
     try:
-        import ckptio.backends.s3  # noqa: F401
         import boto3
         import s3fs
         from boto3.s3.transfer import TransferConfig
+
+        import ckptio.backends.s3
     except ImportError as e:
         print(f"\nS3: skipped, the S3 backend or a baseline client is not available ({e})")
         return
@@ -353,19 +416,33 @@ def bench_s3(b: Bench, nbytes: int) -> None:
         os.environ.setdefault(k, v)
     with MotoServer() as server:
         make_s3_bucket(server.url, "bench")
-        ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
-                                          "secret_access_key": "testing", "region": "us-east-1"}})
+        ckptio.configure(
+            backends={
+                "s3": {
+                    "endpoint_url": server.url,
+                    "access_key_id": "testing",
+                    "secret_access_key": "testing",
+                    "region": "us-east-1",
+                }
+            }
+        )
         sd = transformer(nbytes)
         n = payload_bytes(sd)
         blob = bytearray(os.urandom(1024)) * (n // 1024)
         blob_bytes = bytes(blob)  # s3fs wants bytes
         backend, _ = ckptio.resolve("s3://bench/x")
-        fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": server.url,
-                                                                               "region_name": "us-east-1"})
-        boto = boto3.client("s3", endpoint_url=server.url, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        fs = s3fs.S3FileSystem(
+            key="testing", secret="testing", client_kwargs={"endpoint_url": server.url, "region_name": "us-east-1"}
+        )
+        boto = boto3.client(
+            "s3",
+            endpoint_url=server.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         tconf = TransferConfig()  # boto3's defaults: 8 MiB parts, 10 threads
-        counter = iter(range(10 ** 6))
+        counter = iter(range(10**6))
 
         def key() -> str:
             return f"o{next(counter)}.fpk"
@@ -376,6 +453,7 @@ def bench_s3(b: Bench, nbytes: int) -> None:
                 t = timed(lambda: save(k))
                 boto.delete_object(Bucket="bench", Key=k)
                 return t
+
             return run
 
         def get_case(save: Callable[[str], Any], load: Callable[[str], Any]) -> Callable[[], float]:
@@ -385,6 +463,7 @@ def bench_s3(b: Bench, nbytes: int) -> None:
                 t = timed(lambda: load(k))
                 boto.delete_object(Bucket="bench", Key=k)
                 return t
+
             return run
 
         def ckptio_readinto(k: str) -> None:
@@ -398,22 +477,35 @@ def bench_s3(b: Bench, nbytes: int) -> None:
             boto.upload_fileobj(io.BytesIO(blob), "bench", k, Config=tconf)
 
         ours = "fastpickle ckptio.dump .fpk"
-        med = b.table("S3 (moto on loopback) dump; baselines write the same number of bytes", n, {
-            ours: put_case(lambda k: ckptio.dump(sd, f"s3://bench/{k}")),
-            "s3fs pipe": put_case(lambda k: fs.pipe(f"bench/{k}", blob_bytes)),
-            "boto3 upload_fileobj (TransferManager)": put_case(boto_upload),
-            "ckptio.put (same backend)": put_case(lambda k: ckptio.put(blob, f"s3://bench/{k}")),
-        })
+        med = b.table(
+            "S3 (moto on loopback) dump; baselines write the same number of bytes",
+            n,
+            {
+                ours: put_case(lambda k: ckptio.dump(sd, f"s3://bench/{k}")),
+                "s3fs pipe": put_case(lambda k: fs.pipe(f"bench/{k}", blob_bytes)),
+                "boto3 upload_fileobj (TransferManager)": put_case(boto_upload),
+                "ckptio.put (same backend)": put_case(lambda k: ckptio.put(blob, f"s3://bench/{k}")),
+            },
+        )
         for base in ("s3fs pipe", "boto3 upload_fileobj (TransferManager)", "ckptio.put (same backend)"):
             ratio(med, ours, base, 0.9)
         ours = "fastpickle ckptio.load .fpk (+touch)"
-        med = b.table("S3 (moto on loopback) load; fastpickle touches every byte", n, {
-            ours: get_case(lambda k: ckptio.dump(sd, f"s3://bench/{k}"), lambda k: touch(ckptio.load(f"s3://bench/{k}"))),
-            "s3fs cat": get_case(lambda k: backend.write(f"s3://bench/{k}", blob), lambda k: fs.cat(f"bench/{k}")),
-            "boto3 download_fileobj (TransferManager)": get_case(lambda k: backend.write(f"s3://bench/{k}", blob),
-                                                                 boto_download),
-            "ckptio.readinto (same backend)": get_case(lambda k: backend.write(f"s3://bench/{k}", blob), ckptio_readinto),
-        })
+        med = b.table(
+            "S3 (moto on loopback) load; fastpickle touches every byte",
+            n,
+            {
+                ours: get_case(
+                    lambda k: ckptio.dump(sd, f"s3://bench/{k}"), lambda k: touch(ckptio.load(f"s3://bench/{k}"))
+                ),
+                "s3fs cat": get_case(lambda k: backend.write(f"s3://bench/{k}", blob), lambda k: fs.cat(f"bench/{k}")),
+                "boto3 download_fileobj (TransferManager)": get_case(
+                    lambda k: backend.write(f"s3://bench/{k}", blob), boto_download
+                ),
+                "ckptio.readinto (same backend)": get_case(
+                    lambda k: backend.write(f"s3://bench/{k}", blob), ckptio_readinto
+                ),
+            },
+        )
         for base in ("s3fs cat", "boto3 download_fileobj (TransferManager)", "ckptio.readinto (same backend)"):
             ratio(med, ours, base, 0.9)
         views = [memoryview(t.numpy()).cast("B") for t in sd.values()]
@@ -426,7 +518,9 @@ def bench_s3(b: Bench, nbytes: int) -> None:
         # after the tables, so client start-up is not counted; the same bytes through the same streaming writer,
         # without fastpickle, show what the writer itself holds
         report_save_memory("S3 dump", n, lambda: ckptio.dump(sd, f"s3://bench/{key()}"))
-        report_save_memory("S3 streaming writer alone, same tensors (reference)", n, lambda: stream(f"s3://bench/{key()}"))
+        report_save_memory(
+            "S3 streaming writer alone, same tensors (reference)", n, lambda: stream(f"s3://bench/{key()}")
+        )
         ckptio.reset()
 
 
@@ -449,9 +543,19 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, files in {root}")
     try:
         if "w1" in only:
-            bench_flat(b, "W1 (fp32 transformer tensors)", transformer(nbytes),
-                       {"save_torch": 1.8, "save_st": 1.0, "save_raw": 0.8, "save_raw_fsync": 0.9,
-                        "load_torch": 4.0, "load_st": 0.8})
+            bench_flat(
+                b,
+                "W1 (fp32 transformer tensors)",
+                transformer(nbytes),
+                {
+                    "save_torch": 1.8,
+                    "save_st": 1.0,
+                    "save_raw": 0.8,
+                    "save_raw_fsync": 0.9,
+                    "load_torch": 4.0,
+                    "load_st": 0.8,
+                },
+            )
         if "mmap" in only:
             bench_mmap_lazy(b, nbytes)
         if "mem" in only:

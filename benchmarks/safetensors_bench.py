@@ -37,7 +37,8 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -73,12 +74,13 @@ def measure(cases: dict[str, Callable[[int], Any]], runs: int, check: dict[str, 
 
 
 def report(title: str, size: int, times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> dict:
-    print(f"\n{title}  ({size / MiB:.0f} MiB of tensors, median of {len(next(iter(times.values())))} "
-          f"[min-max])")
+    print(f"\n{title}  ({size / MiB:.0f} MiB of tensors, median of {len(next(iter(times.values())))} [min-max])")
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
-        print(f"  {k:52s} {med[k] * 1000:8.1f} ms [{min(v) * 1000:.0f}-{max(v) * 1000:.0f}]  "
-              f"{size / med[k] / 1e9:6.2f} GB/s")
+        print(
+            f"  {k:52s} {med[k] * 1000:8.1f} ms [{min(v) * 1000:.0f}-{max(v) * 1000:.0f}]  "
+            f"{size / med[k] / 1e9:6.2f} GB/s"
+        )
     ratios = []
     for ours, base in pairs:
         r = med[base] / med[ours]
@@ -99,9 +101,14 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
         "ckptio.load(mmap=False)": lambda r: ckptio.load(src, mmap=False),
         "safetensors load_file": lambda r: st.load_file(src),
     }
-    out = [report("local load, page cache hot, every page touched", size, measure(loads, runs, sd),
-                  [("ckptio.load (mapped)", "safetensors load_file"),
-                   ("ckptio.load(mmap=False)", "safetensors load_file")])]
+    out = [
+        report(
+            "local load, page cache hot, every page touched",
+            size,
+            measure(loads, runs, sd),
+            [("ckptio.load (mapped)", "safetensors load_file"), ("ckptio.load(mmap=False)", "safetensors load_file")],
+        )
+    ]
 
     def fresh(tag: str, r: int) -> str:
         return os.path.join(root, f"{tag}-{r}.safetensors")
@@ -117,9 +124,14 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
         "ckptio.dump(durable=False)": lambda r: ckptio.dump(sd, fresh("ck0", r), durable=False),
         "save_file": lambda r: save_file(r, False),
     }
-    out.append(report("local save", size, measure(saves, runs, None),
-                      [("ckptio.dump (atomic + fsync)", "save_file + fsync"),
-                       ("ckptio.dump(durable=False)", "save_file")]))
+    out.append(
+        report(
+            "local save",
+            size,
+            measure(saves, runs, None),
+            [("ckptio.dump (atomic + fsync)", "save_file + fsync"), ("ckptio.dump(durable=False)", "save_file")],
+        )
+    )
     return out
 
 
@@ -127,16 +139,35 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
 def s3_bucket() -> Iterator[tuple[str, Any]]:
     import boto3
     import s3fs
+
     from ckptio.bench.servers import MotoServer
 
     with MotoServer() as server:
         bucket = "bench-" + uuid.uuid4().hex[:8]
-        boto3.client("s3", endpoint_url=server.url, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
-        ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
-                                          "secret_access_key": "testing", "region": "us-east-1"}})
-        fs = s3fs.S3FileSystem(endpoint_url=server.url, key="testing", secret="testing", skip_instance_cache=True,
-                               client_kwargs={"region_name": "us-east-1"})
+        boto3.client(
+            "s3",
+            endpoint_url=server.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=bucket)
+        ckptio.configure(
+            backends={
+                "s3": {
+                    "endpoint_url": server.url,
+                    "access_key_id": "testing",
+                    "secret_access_key": "testing",
+                    "region": "us-east-1",
+                }
+            }
+        )
+        fs = s3fs.S3FileSystem(
+            endpoint_url=server.url,
+            key="testing",
+            secret="testing",
+            skip_instance_cache=True,
+            client_kwargs={"region_name": "us-east-1"},
+        )
         try:
             yield bucket, fs
         finally:
@@ -155,15 +186,29 @@ def bench_s3(sd: dict[str, torch.Tensor], runs: int) -> list[dict]:
             "s3fs cat_file + safetensors.torch.load": lambda r: st.load(fs.cat_file(f"{bucket}/model.safetensors")),
             "ckptio.get + safetensors.torch.load": lambda r: st.load(ckptio.get(uri)),
         }
-        out = [report("S3 load (moto on loopback), every page touched", size, measure(loads, runs, sd),
-                      [("ckptio.load s3://", "s3fs cat_file + safetensors.torch.load"),
-                       ("ckptio.load s3://", "ckptio.get + safetensors.torch.load")])]
+        out = [
+            report(
+                "S3 load (moto on loopback), every page touched",
+                size,
+                measure(loads, runs, sd),
+                [
+                    ("ckptio.load s3://", "s3fs cat_file + safetensors.torch.load"),
+                    ("ckptio.load s3://", "ckptio.get + safetensors.torch.load"),
+                ],
+            )
+        ]
         saves = {
             "ckptio.dump s3://": lambda r: ckptio.dump(sd, f"s3://{bucket}/ck-{r}.safetensors"),
             "safetensors.torch.save + s3fs pipe": lambda r: fs.pipe(f"{bucket}/st-{r}.safetensors", st.save(sd)),
         }
-        out.append(report("S3 save (moto on loopback)", size, measure(saves, runs, None),
-                          [("ckptio.dump s3://", "safetensors.torch.save + s3fs pipe")]))
+        out.append(
+            report(
+                "S3 save (moto on loopback)",
+                size,
+                measure(saves, runs, None),
+                [("ckptio.dump s3://", "safetensors.torch.save + s3fs pipe")],
+            )
+        )
     return out
 
 
@@ -179,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     import safetensors
 
     sd = make_state(args.size_mib * MiB)
-    print(f"{len(sd)} fp32 tensors, {nbytes(sd) / MiB:.0f} MiB; torch {torch.__version__}, safetensors "
-          f"{safetensors.__version__}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{len(sd)} fp32 tensors, {nbytes(sd) / MiB:.0f} MiB; torch {torch.__version__}, safetensors "
+        f"{safetensors.__version__}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}"
+    )
     results: list[dict] = []
     root = tempfile.mkdtemp(prefix="ckptio-stbench-", dir=args.dir)
     try:
@@ -192,9 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"safetensors-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    doc = {"settings": vars(args), "tensors": len(sd), "machine": {"platform": platform.platform(),
-           "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
-           "safetensors": safetensors.__version__}, "results": results}
+    doc = {
+        "settings": vars(args),
+        "tensors": len(sd),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "torch": torch.__version__,
+            "safetensors": safetensors.__version__,
+        },
+        "results": results,
+    }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nwrote {path}")

@@ -1,15 +1,18 @@
 """Put/get throughput of ckptio backends against the best raw client on the same server, same run.
 
-    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local] [--tls]
+    .venv/bin/python benchmarks/transfer.py [--size-mib 256] [--repeats 3] [--gcs] [--no-s3] [--no-local]
+        [--tls]
 
-S3: a moto server on loopback started here (``--tls``: over https, with a self-signed certificate); ckptio's ``write``/``readinto`` against s3fs
-``pipe``/``cat`` and boto3's TransferManager ``upload_fileobj``/``download_fileobj``. Local: ckptio
+S3: a moto server on loopback started here (``--tls``: over https, with a self-signed certificate);
+ckptio's ``write``/``readinto`` against s3fs ``pipe``/``cat`` and boto3's TransferManager
+``upload_fileobj``/``download_fileobj``. Local: ckptio
 against ``open().write()`` and ``readinto`` into the same preallocated buffer, with and without
 fsync (stated per row). Runs are interleaved (A B C A B C ...), each to a fresh key/path; the
 median is reported with the ratio to the best baseline. Streaming uploads (``open_writer``
-in 1 MiB, 16 MiB and whole-object writes) also report their extra peak RSS (VmHWM, fresh process). Loads touch every byte (they fill a
-preallocated buffer that is reused across runs, so page faults are not measured). The server is
-the bottleneck on loopback (see PERF.md), which is why only same-run ratios mean anything.
+in 1 MiB, 16 MiB and whole-object writes) also report their extra peak RSS (VmHWM, fresh process).
+Loads touch every byte (they fill a preallocated buffer that is reused across runs, so page faults
+are not measured). The server is the bottleneck on loopback (see PERF.md), which is why only
+same-run ratios mean anything.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import ckptio  # noqa: E402
-from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket  # noqa: E402
+import ckptio
+from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket
 
 MiB = 1024 * 1024
 TUNING: dict = {}  # backend options from --part-size-mib / --concurrency
@@ -77,11 +80,19 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
         bucket = "bench-" + uuid.uuid4().hex[:8]
         creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
         boto3.client("s3", endpoint_url=server.url, **creds).create_bucket(Bucket=bucket)
-        ckptio.configure(backends={"s3": {"endpoint_url": server.url, "access_key_id": "testing",
-                                          "secret_access_key": "testing", **TUNING}})
+        ckptio.configure(
+            backends={
+                "s3": {"endpoint_url": server.url, "access_key_id": "testing", "secret_access_key": "testing", **TUNING}
+            }
+        )
         backend, _ = ckptio.resolve(f"s3://{bucket}/x")
-        fs = s3fs.S3FileSystem(endpoint_url=server.url, key="testing", secret="testing", skip_instance_cache=True,
-                               client_kwargs={"region_name": "us-east-1"})
+        fs = s3fs.S3FileSystem(
+            endpoint_url=server.url,
+            key="testing",
+            secret="testing",
+            skip_instance_cache=True,
+            client_kwargs={"region_name": "us-east-1"},
+        )
         client = boto3.client("s3", endpoint_url=server.url, **creds)
         tc = TransferConfig()
         put = {
@@ -89,9 +100,14 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             "s3fs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data),
             "boto3 upload_fileobj": lambda r: client.upload_fileobj(io.BytesIO(data), bucket, f"bo-{r}", Config=tc),
         }
-        out["s3_put"] = report(f"S3 put {size // MiB} MiB (moto on loopback{' over TLS' if TLS else ''}; upload parts {backend.upload_part_size // MiB} MiB,"
-                               f" concurrency={backend.concurrency})", size, measure(put, repeats),
-                               ["ckptio write"], ["s3fs pipe", "boto3 upload_fileobj"])
+        out["s3_put"] = report(
+            f"S3 put {size // MiB} MiB (moto on loopback{' over TLS' if TLS else ''}; "
+            f"upload parts {backend.upload_part_size // MiB} MiB, concurrency={backend.concurrency})",
+            size,
+            measure(put, repeats),
+            ["ckptio write"],
+            ["s3fs pipe", "boto3 upload_fileobj"],
+        )
 
         def boto_get(r: int) -> None:
             f = io.BytesIO(buf)  # a preallocated destination, as for the others
@@ -103,8 +119,13 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             "s3fs cat": lambda r: fs.cat(f"{bucket}/fs-0"),
             "boto3 download_fileobj": boto_get,
         }
-        out["s3_get"] = report(f"S3 get {size // MiB} MiB", size, measure(get, repeats),
-                               ["ckptio readinto"], ["s3fs cat", "boto3 download_fileobj"])
+        out["s3_get"] = report(
+            f"S3 get {size // MiB} MiB",
+            size,
+            measure(get, repeats),
+            ["ckptio readinto"],
+            ["s3fs cat", "boto3 download_fileobj"],
+        )
         if RSS:
             out["s3_stream_rss"] = bench_stream_rss("s3", server.url, bucket, size)
         ckptio.reset()
@@ -121,14 +142,24 @@ def bench_gcs(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
         ckptio.configure(backends={"gcs": {"endpoint_url": server.url, "anon": True, **TUNING}})
         backend, _ = ckptio.resolve(f"gs://{bucket}/x")
         fs = gcsfs.GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True)
-        put = {"ckptio write": lambda r: backend.write(f"gs://{bucket}/ck-{r}", data),
-               "gcsfs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data)}
-        out["gcs_put"] = report(f"GCS put {size // MiB} MiB (gcp-storage-emulator)", size, measure(put, repeats),
-                                ["ckptio write"], ["gcsfs pipe"])
-        get = {"ckptio readinto": lambda r: backend.readinto(f"gs://{bucket}/ck-0", buf),
-               "gcsfs cat": lambda r: fs.cat(f"{bucket}/fs-0")}
-        out["gcs_get"] = report(f"GCS get {size // MiB} MiB", size, measure(get, repeats),
-                                ["ckptio readinto"], ["gcsfs cat"])
+        put = {
+            "ckptio write": lambda r: backend.write(f"gs://{bucket}/ck-{r}", data),
+            "gcsfs pipe": lambda r: fs.pipe(f"{bucket}/fs-{r}", data),
+        }
+        out["gcs_put"] = report(
+            f"GCS put {size // MiB} MiB (gcp-storage-emulator)",
+            size,
+            measure(put, repeats),
+            ["ckptio write"],
+            ["gcsfs pipe"],
+        )
+        get = {
+            "ckptio readinto": lambda r: backend.readinto(f"gs://{bucket}/ck-0", buf),
+            "gcsfs cat": lambda r: fs.cat(f"{bucket}/fs-0"),
+        }
+        out["gcs_get"] = report(
+            f"GCS get {size // MiB} MiB", size, measure(get, repeats), ["ckptio readinto"], ["gcsfs cat"]
+        )
         if RSS:
             out["gcs_stream_rss"] = bench_stream_rss("gcs", server.url, bucket, size)
         ckptio.reset()
@@ -170,13 +201,28 @@ def bench_stream_rss(scheme: str, url: str, bucket: str, size: int) -> dict:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     out = {}
     for chunk in (MiB, 16 * MiB, size):
-        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, root, scheme, url,
-                            f"{'s3' if scheme == 's3' else 'gs'}://{bucket}/rss-{chunk}", str(size), str(chunk)],
-                           check=True, capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _RSS_CHILD,
+                root,
+                scheme,
+                url,
+                f"{'s3' if scheme == 's3' else 'gs'}://{bucket}/rss-{chunk}",
+                str(size),
+                str(chunk),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         extra, secs = map(float, r.stdout.split())
         out[f"chunks_{chunk // MiB}MiB"] = {"extra_rss_mib": extra, "gbps": size / secs / 1e9}
-        print(f"  streaming {scheme} upload of {size // MiB} MiB in {chunk // MiB} MiB writes: extra peak RSS "
-              f"{extra:.0f} MiB ({extra * MiB / size:.1%} of the payload), {size / secs / 1e9:.3f} GB/s")
+        print(
+            f"  streaming {scheme} upload of {size // MiB} MiB in {chunk // MiB} MiB writes: extra peak RSS "
+            f"{extra:.0f} MiB ({extra * MiB / size:.1%} of the payload), {size / secs / 1e9:.3f} GB/s"
+        )
     return out
 
 
@@ -196,21 +242,33 @@ def bench_local(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             tag = "with fsync" if fsync else "no fsync"
             put = {
                 f"ckptio write ({tag})": lambda r, s=fsync: backend.write(
-                    os.path.join(d, f"ck-{s}-{r}"), data, durable=s),
+                    os.path.join(d, f"ck-{s}-{r}"), data, durable=s
+                ),
                 f"open().write() ({tag})": lambda r, s=fsync: plain_write(os.path.join(d, f"pl-{s}-{r}"), s),
             }
             out[f"local_put_{'fsync' if fsync else 'nofsync'}"] = report(
-                f"local put {size // MiB} MiB ({tag}; ckptio also renames atomically)", size,
-                measure(put, repeats), [f"ckptio write ({tag})"], [f"open().write() ({tag})"])
+                f"local put {size // MiB} MiB ({tag}; ckptio also renames atomically)",
+                size,
+                measure(put, repeats),
+                [f"ckptio write ({tag})"],
+                [f"open().write() ({tag})"],
+            )
 
         def plain_readinto(path: str) -> None:
             with open(path, "rb", buffering=0) as f:
                 f.readinto(buf)
 
-        get = {"ckptio readinto": lambda r: backend.readinto(os.path.join(d, "ck-False-0"), buf),
-               "open().readinto()": lambda r: plain_readinto(os.path.join(d, "pl-False-0"))}
-        out["local_get"] = report(f"local get {size // MiB} MiB (page cache warm, preallocated buffer)", size,
-                                  measure(get, repeats), ["ckptio readinto"], ["open().readinto()"])
+        get = {
+            "ckptio readinto": lambda r: backend.readinto(os.path.join(d, "ck-False-0"), buf),
+            "open().readinto()": lambda r: plain_readinto(os.path.join(d, "pl-False-0")),
+        }
+        out["local_get"] = report(
+            f"local get {size // MiB} MiB (page cache warm, preallocated buffer)",
+            size,
+            measure(get, repeats),
+            ["ckptio readinto"],
+            ["open().readinto()"],
+        )
     return out
 
 
@@ -246,8 +304,10 @@ def main() -> None:
     if args.gcs:
         results.update(bench_gcs(size, args.repeats, data, buf))
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\npeak RSS: {results['peak_rss_mib']:.0f} MiB (includes the {size // MiB} MiB source and "
-          f"{size // MiB} MiB destination buffers)")
+    print(
+        f"\npeak RSS: {results['peak_rss_mib']:.0f} MiB (includes the {size // MiB} MiB source and "
+        f"{size // MiB} MiB destination buffers)"
+    )
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)

@@ -37,7 +37,8 @@ import sys
 import time
 import traceback
 import zipfile
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from . import __version__
 from . import config as _config
@@ -58,7 +59,15 @@ from .errors import (
 )
 from .progress import Bar, CountingWriter, Tracker, human_bytes
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_DENIED, EXIT_MISSING_DEP, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_DENIED, EXIT_MISSING_DEP, EXIT_INTERRUPTED = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    130,
+)
 
 TORCH_EXTS = (".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt")
 DCP_METADATA = ".metadata"
@@ -83,7 +92,7 @@ def _kind(backend: Backend, uri: str) -> str:
 
 
 def _rel(root: str, child: str) -> str:
-    rel = child[len(root.rstrip("/")):].lstrip("/")
+    rel = child[len(root.rstrip("/")) :].lstrip("/")
     if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
         raise SettingsError(f"refusing to copy {child!r}: its key escapes {root!r}")
     return rel
@@ -159,8 +168,15 @@ def _copy_one(sb: Backend, src: ObjectInfo, db: Backend, dst: str, add: Callable
             pos += n
 
 
-def copy(src: str, dst: str, *, recursive: bool = False, jobs: int = 4, skip_existing: bool = False,
-         progress: Callable[[int, int], None] | None = None) -> CopyResult:
+def copy(
+    src: str,
+    dst: str,
+    *,
+    recursive: bool = False,
+    jobs: int = 4,
+    skip_existing: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> CopyResult:
     """Copy an object, or (``recursive=True``) every object under a prefix, from any backend to any backend.
 
     A ``dst`` ending in ``/`` or naming an existing directory receives the source's basename.
@@ -274,7 +290,16 @@ class _TorchInspector(pickle.Unpickler):
 
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
-        if module == "builtins" and name in ("set", "frozenset", "complex", "slice", "bytearray", "tuple", "list", "dict"):
+        if module == "builtins" and name in (
+            "set",
+            "frozenset",
+            "complex",
+            "slice",
+            "bytearray",
+            "tuple",
+            "list",
+            "dict",
+        ):
             return getattr(__import__("builtins"), name)
         if module == "_codecs" and name == "encode":
             return _latin1_encode  # how torch pickles bytes; no other codec
@@ -336,7 +361,8 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
             tree = _TorchInspector(io.BytesIO(z.read(pkl))).load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
-    tensors, storages = [], {}
+    tensors: list[dict[str, Any]] = []
+    storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it
     for key, v in _flatten(tree):
         if isinstance(v, TensorInfo):
             tensors.append({"key": key, "dtype": v.dtype, "shape": v.shape, "nbytes": v.nbytes})
@@ -362,15 +388,27 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
 def _format(name: str) -> Any:
     from . import registry
 
-    return registry.formats.by_name(name).instance()
+    entry = registry.formats.by_name(name)
+    if entry is None:
+        raise UnknownFormatError(
+            f"no format named {name!r} is registered (registered: {', '.join(registry.formats.names())})"
+        )
+    return entry.instance()
 
 
 def inspect_safetensors(backend: Backend, uri: str) -> dict[str, Any]:
     insp = _format("safetensors").inspect(backend, uri)
-    tensors = [{"key": t.key, "dtype": t.torch_dtype or t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
-               for t in insp.tensors]
-    out = {"format": "safetensors", "tensors": tensors, "tensor_bytes": sum(t["nbytes"] for t in tensors),
-           "values": insp.metadata, "size": insp.size}
+    tensors = [
+        {"key": t.key, "dtype": t.torch_dtype or t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+        for t in insp.tensors
+    ]
+    out = {
+        "format": "safetensors",
+        "tensors": tensors,
+        "tensor_bytes": sum(t["nbytes"] for t in tensors),
+        "values": insp.metadata,
+        "size": insp.size,
+    }
     if insp.files != [uri]:
         out["shards"] = len(insp.files)
     return out
@@ -394,15 +432,28 @@ def inspect_dcp(uri: str) -> dict[str, Any]:
         if props is not None and hasattr(md, "size"):
             dtype = str(props.dtype).removeprefix("torch.")
             shape = list(md.size)
-            tensors.append({"key": fqn, "dtype": dtype, "shape": shape,
-                            "nbytes": math.prod(shape) * _dtype_size(dtype), "chunks": len(getattr(md, "chunks", []))})
+            tensors.append(
+                {
+                    "key": fqn,
+                    "dtype": dtype,
+                    "shape": shape,
+                    "nbytes": math.prod(shape) * _dtype_size(dtype),
+                    "chunks": len(getattr(md, "chunks", [])),
+                }
+            )
         else:
             values[fqn] = type(md).__name__
     files: dict[str, int] = {}
     for sinfo in (meta.storage_data or {}).values():
         files[sinfo.relative_path] = max(files.get(sinfo.relative_path, 0), sinfo.offset + sinfo.length)
-    return {"format": "dcp", "tensors": tensors, "tensor_bytes": sum(t["nbytes"] for t in tensors), "values": values,
-            "data_files": files, "version": getattr(meta, "version", None)}
+    return {
+        "format": "dcp",
+        "tensors": tensors,
+        "tensor_bytes": sum(t["nbytes"] for t in tensors),
+        "values": values,
+        "data_files": files,
+        "version": getattr(meta, "version", None),
+    }
 
 
 def verify_dcp(uri: str) -> dict[str, Any]:
@@ -422,10 +473,12 @@ def verify_dcp(uri: str) -> dict[str, Any]:
         if obj not in sizes:
             sizes[obj] = backend.stat(obj).size
         if sinfo.offset + sinfo.length > sizes[obj]:
-            raise IntegrityError(f"{obj}: truncated: item {idx.fqn!r} ends at byte {sinfo.offset + sinfo.length}, "
-                                 f"the object has {sizes[obj]}")
-        info = getattr(sinfo, "ckptio", None)
-        hashes = (info or {}).get("xxh3")
+            raise IntegrityError(
+                f"{obj}: truncated: item {idx.fqn!r} ends at byte {sinfo.offset + sinfo.length}, "
+                f"the object has {sizes[obj]}"
+            )
+        info = getattr(sinfo, "ckptio", None) or {}
+        hashes = info.get("xxh3")
         if not hashes:  # written by torch's own writers: each item is a torch.save zip with CRC32s
             if getattr(sinfo, "transform_descriptors", None):
                 unchecked += 1
@@ -434,8 +487,9 @@ def verify_dcp(uri: str) -> dict[str, Any]:
             try:
                 bad = zipfile.ZipFile(io.BytesIO(item)).testzip()
             except zipfile.BadZipFile:
-                raise IntegrityError(f"{obj}: item {idx.fqn!r} is not a readable archive: the checkpoint is "
-                                     f"corrupt") from None
+                raise IntegrityError(
+                    f"{obj}: item {idx.fqn!r} is not a readable archive: the checkpoint is corrupt"
+                ) from None
             if bad is not None:
                 raise IntegrityError(f"{obj}: CRC mismatch in item {idx.fqn!r} ({bad}): the checkpoint is corrupt")
             checked += 1
@@ -450,11 +504,16 @@ def verify_dcp(uri: str) -> dict[str, Any]:
             if k > 0 and backend.readinto(obj, mv, start + a) != k:
                 raise IntegrityError(f"{obj}: short read in item {idx.fqn!r} at byte {start + a}")
             if xxhash.xxh3_64_intdigest(mv) != want:
-                raise IntegrityError(f"checksum mismatch in {obj}, item {idx.fqn!r}, bytes [{a}, {a + k}) of its "
-                                     f"data: the checkpoint is corrupt")
+                raise IntegrityError(
+                    f"checksum mismatch in {obj}, item {idx.fqn!r}, bytes [{a}, {a + k}) of its "
+                    f"data: the checkpoint is corrupt"
+                )
         checked += 1
-    return {"checked": checked, "unchecked": unchecked,
-            "what": "xxh3-64 per block (ckptio items), zip CRC32 (items written by torch)"}
+    return {
+        "checked": checked,
+        "unchecked": unchecked,
+        "what": "xxh3-64 per block (ckptio items), zip CRC32 (items written by torch)",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +528,10 @@ def _detect(backend: Backend, uri: str) -> tuple[str, str]:
         if backend.isfile(_uri.join_path(uri, DCP_METADATA)):
             return "dcp", uri
         if any(i.uri.endswith(".distcp") for i in backend.list(uri)):
-            raise IncompleteCheckpointError(f"checkpoint {uri!r} is incomplete: it has no {DCP_METADATA} (the save "
-                                            f"was interrupted or is still running)")
+            raise IncompleteCheckpointError(
+                f"checkpoint {uri!r} is incomplete: it has no {DCP_METADATA} (the save "
+                f"was interrupted or is still running)"
+            )
         raise FormatError(f"{uri} is a directory but not a DCP checkpoint (no {DCP_METADATA})")
     name = _uri.basename(uri).lower()
     if name.endswith(".fpk"):
@@ -504,10 +565,17 @@ def inspect_fastpickle(uri: str) -> dict[str, Any]:
         tensors.append({"key": t.path, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": n})
         storages[t.storage] = t.nbytes
     tensor_type = type(insp.tensors[0]) if getattr(insp, "tensors", None) else ()
-    values = {k: _jsonable(v) for k, v in _flatten(_jsonable_tree(insp.tree, tensor_type))
-              if not isinstance(v, TensorInfo)}
-    return {"format": "fastpickle", "tensors": tensors, "tensor_bytes": sum(storages.values()), "values": values,
-            "version": getattr(insp, "version", None), "has_pickle": getattr(insp, "has_pickle", None)}
+    values = {
+        k: _jsonable(v) for k, v in _flatten(_jsonable_tree(insp.tree, tensor_type)) if not isinstance(v, TensorInfo)
+    }
+    return {
+        "format": "fastpickle",
+        "tensors": tensors,
+        "tensor_bytes": sum(storages.values()),
+        "values": values,
+        "version": getattr(insp, "version", None),
+        "has_pickle": getattr(insp, "has_pickle", None),
+    }
 
 
 def _jsonable_tree(obj: Any, tensor_type: Any) -> Any:
@@ -568,8 +636,10 @@ def verify(uri: str) -> dict[str, Any]:
     elif kind == "safetensors":
         out = _format("safetensors").verify(backend, resolved)
     else:
-        raise FormatError(f"{uri}: no checksums to verify for this format (supported: .fpk, DCP directories, "
-                          f"{', '.join(TORCH_EXTS)}, .safetensors)")
+        raise FormatError(
+            f"{uri}: no checksums to verify for this format (supported: .fpk, DCP directories, "
+            f"{', '.join(TORCH_EXTS)}, .safetensors)"
+        )
     return {"uri": uri, "format": kind, "ok": True, **out}
 
 
@@ -607,8 +677,10 @@ def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> st
     lines = [f"  {'key':<{w}}  {'dtype':<10} {'shape':<20} {'size':>10}"]
     for t in shown:
         shape = "x".join(str(s) for s in t.get("shape") or []) or "()"
-        lines.append(f"  {str(t.get('key', '')):<{w}}  {str(t.get('dtype', '')):<10} {shape:<20} "
-                     f"{human_bytes(int(t.get('nbytes', 0) or 0)):>10}")
+        lines.append(
+            f"  {str(t.get('key', '')):<{w}}  {str(t.get('dtype', '')):<10} {shape:<20} "
+            f"{human_bytes(int(t.get('nbytes', 0) or 0)):>10}"
+        )
     if limit is not None and len(tensors) > limit:
         lines.append(f"  ... {len(tensors) - limit} more (use --all or --json)")
     return "\n".join(lines)
@@ -624,7 +696,7 @@ def _as_given(given: str, resolved: str, child: str) -> str:
         return child
     if child.rstrip("/") == resolved.rstrip("/"):
         return given
-    return _uri.join_path(given, child[len(resolved.rstrip("/")):].lstrip("/"))
+    return _uri.join_path(given, child[len(resolved.rstrip("/")) :].lstrip("/"))
 
 
 def cmd_ls(args: argparse.Namespace, out: Out) -> int:
@@ -633,8 +705,16 @@ def cmd_ls(args: argparse.Namespace, out: Out) -> int:
         entries = [backend.stat(uri)]
     else:
         entries = sorted(backend.list(uri, recursive=args.recursive), key=lambda i: i.uri)
-    rows = [{"uri": _as_given(args.uri, uri, i.uri), "size": i.size, "mtime": i.mtime, "version": i.version,
-             "is_dir": i.is_dir} for i in entries]
+    rows: list[dict[str, Any]] = [
+        {
+            "uri": _as_given(args.uri, uri, i.uri),
+            "size": i.size,
+            "mtime": i.mtime,
+            "version": i.version,
+            "is_dir": i.is_dir,
+        }
+        for i in entries
+    ]
 
     def text() -> str:
         if not args.long:
@@ -653,15 +733,28 @@ def cmd_ls(args: argparse.Namespace, out: Out) -> int:
 
 def cmd_cp(args: argparse.Namespace, out: Out) -> int:
     with out.bar(0, "cp") as bar:
-        res = copy(args.src, args.dst, recursive=args.recursive, jobs=args.jobs, skip_existing=args.resume,
-                   progress=bar)
+        res = copy(
+            args.src, args.dst, recursive=args.recursive, jobs=args.jobs, skip_existing=args.resume, progress=bar
+        )
     rate = res.bytes_copied / res.seconds / 1e9 if res.seconds > 0 else 0.0
-    data = {"copied": len(res.copied), "skipped": len(res.skipped), "bytes": res.bytes_copied,
-            "seconds": round(res.seconds, 4), "gb_per_s": round(rate, 4), "files": res.copied,
-            "skipped_files": res.skipped}
-    out.emit(data, None if out.quiet else (
-        f"copied {len(res.copied)} file(s), {human_bytes(res.bytes_copied)} in {res.seconds:.2f}s "
-        f"({rate:.3f} GB/s); skipped {len(res.skipped)} already up to date"))
+    data = {
+        "copied": len(res.copied),
+        "skipped": len(res.skipped),
+        "bytes": res.bytes_copied,
+        "seconds": round(res.seconds, 4),
+        "gb_per_s": round(rate, 4),
+        "files": res.copied,
+        "skipped_files": res.skipped,
+    }
+    out.emit(
+        data,
+        None
+        if out.quiet
+        else (
+            f"copied {len(res.copied)} file(s), {human_bytes(res.bytes_copied)} in {res.seconds:.2f}s "
+            f"({rate:.3f} GB/s); skipped {len(res.skipped)} already up to date"
+        ),
+    )
     return EXIT_OK
 
 
@@ -690,8 +783,9 @@ def cmd_rm(args: argparse.Namespace, out: Out) -> int:
         if whole and not args.force:
             named = args.uri if args.uri == uri else f"{args.uri} ({uri})"
             if not _confirmed(f"ckptio rm: {named} is a whole {whole}; remove everything in it?"):
-                raise UsageError(f"refusing to remove everything in {named}: it is a whole {whole}; pass --force "
-                                 "to remove it all")
+                raise UsageError(
+                    f"refusing to remove everything in {named}: it is a whole {whole}; pass --force to remove it all"
+                )
         victims = [i.uri for i in backend.list(uri, recursive=True) if not i.is_dir]
         backend.rmtree(uri)
         if _uri.scheme_of(uri) in ("", "file"):  # local directories stay behind empty; object stores have none
@@ -721,8 +815,11 @@ def cmd_info(args: argparse.Namespace, out: Out) -> int:
                 lines.append(f"  {k} = {v if isinstance(v, str) else json.dumps(v)}"[:160])
         if data.get("data_files"):
             lines.append("data files: " + ", ".join(f"{k} ({human_bytes(v)})" for k, v in data["data_files"].items()))
-        extra = {k: v for k, v in data.items() if k not in ("uri", "format", "size", "tensors", "tensor_bytes",
-                                                              "values", "data_files")}
+        extra = {
+            k: v
+            for k, v in data.items()
+            if k not in ("uri", "format", "size", "tensors", "tensor_bytes", "values", "data_files")
+        }
         for k, v in extra.items():
             lines.append(f"{k}: {v if isinstance(v, str) else json.dumps(v)}"[:200])
         return "\n".join(lines)
@@ -747,15 +844,23 @@ def cmd_cache(args: argparse.Namespace, out: Out) -> int:
     if args.action == "stats":
         data = {"cache_dir": cache_dir, "exists": exists, **before}
         partial = f" ({human_bytes(before['partial_bytes'])} of it partial fills)" if before["partial_bytes"] else ""
-        out.emit(data, f"cache {cache_dir}: {data['entries']} entries, {human_bytes(before['bytes'])}{partial}"
-                 + ("" if exists else " (does not exist yet)"))
+        out.emit(
+            data,
+            f"cache {cache_dir}: {data['entries']} entries, {human_bytes(before['bytes'])}{partial}"
+            + ("" if exists else " (does not exist yet)"),
+        )
         return EXIT_OK
     if exists:
         cached.CachedBackend(MemoryBackend(), cache_dir).clear()  # the inner backend is never used
     after = cached.cache_usage(cache_dir)["bytes"]
     data = {"cache_dir": cache_dir, "freed_bytes": before["bytes"] - after, "bytes_left": after}
-    out.emit(data, None if out.quiet else f"cache {cache_dir}: freed {human_bytes(before['bytes'] - after)}"
-             + (f", {human_bytes(after)} left in use by running readers" if after else ""))
+    out.emit(
+        data,
+        None
+        if out.quiet
+        else f"cache {cache_dir}: freed {human_bytes(before['bytes'] - after)}"
+        + (f", {human_bytes(after)} left in use by running readers" if after else ""),
+    )
     return EXIT_OK
 
 
@@ -765,14 +870,18 @@ def cmd_config(args: argparse.Namespace, out: Out) -> int:
     data = {**s, "settings_file": would}
 
     def text() -> str:
-        lines = [f"settings file: {would or '(none found: defaults and environment only)'}",
-                 f"sources (lowest first): {', '.join(s['sources']) or '(defaults)'}"]
+        lines = [
+            f"settings file: {would or '(none found: defaults and environment only)'}",
+            f"sources (lowest first): {', '.join(s['sources']) or '(defaults)'}",
+        ]
         for name, opts in s["backends"].items():
             lines.append(f"[backends.{name}]")
             lines.extend(f"{k} = {json.dumps(_jsonable(v))}" for k, v in opts.items())
         for name, a in s["aliases"].items():
-            lines.append(f"[aliases.{name}]  target = {json.dumps(a['target'])}"
-                         + (f"  options = {json.dumps(_jsonable(a['options']))}" if a["options"] else ""))
+            lines.append(
+                f"[aliases.{name}]  target = {json.dumps(a['target'])}"
+                + (f"  options = {json.dumps(_jsonable(a['options']))}" if a["options"] else "")
+            )
         if s["path_mapping"]:
             lines.append("[path_mapping]")
             lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in s["path_mapping"].items())
@@ -802,13 +911,19 @@ def cmd_bench(args: argparse.Namespace, out: Out) -> int:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
-    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                        help="no progress bar or summary lines")
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="show a traceback on errors")
-    p = argparse.ArgumentParser(prog="ckptio", parents=[common], description="Checkpoint I/O on any storage.",
-                                epilog="exit status: 0 ok, 1 failure or corruption, 2 usage or settings, 3 not found, "
-                                       "4 access denied, 5 missing optional package, 130 interrupted")
+    common.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bar or summary lines"
+    )
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show a traceback on errors"
+    )
+    p = argparse.ArgumentParser(
+        prog="ckptio",
+        parents=[common],
+        description="Checkpoint I/O on any storage.",
+        epilog="exit status: 0 ok, 1 failure or corruption, 2 usage or settings, 3 not found, "
+        "4 access denied, 5 missing optional package, 130 interrupted",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -824,16 +939,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("dst")
     a.add_argument("-r", "--recursive", action="store_true")
     a.add_argument("-j", "--jobs", type=int, default=4, help="files copied in parallel (default 4)")
-    a.add_argument("--resume", action="store_true",
-                   help="continue an interrupted copy: skip destination files with the same size and an equal "
-                        "version or a newer mtime (a same-size, newer destination is assumed complete)")
+    a.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted copy: skip destination files with the same size and an equal "
+        "version or a newer mtime (a same-size, newer destination is assumed complete)",
+    )
     a.set_defaults(func=cmd_cp)
 
     a = sub.add_parser("rm", parents=[common], help="remove an object (-r: a directory/prefix)")
     a.add_argument("uri")
     a.add_argument("-r", "--recursive", action="store_true")
-    a.add_argument("-f", "--force", action="store_true",
-                   help="with -r on a whole bucket (s3://B, gs://B, memory://B) or /: do not ask, remove it all")
+    a.add_argument(
+        "-f",
+        "--force",
+        action="store_true",
+        help="with -r on a whole bucket (s3://B, gs://B, memory://B) or /: do not ask, remove it all",
+    )
     a.set_defaults(func=cmd_rm)
 
     a = sub.add_parser("info", parents=[common], help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors")
@@ -853,8 +975,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("config", parents=[common], help="effective settings (secrets redacted) and their files")
     a.set_defaults(func=cmd_config)
 
-    a = sub.add_parser("bench", help="throughput benchmark (see `ckptio bench --help`)", add_help=False,
-                       prefix_chars="+")  # everything after `bench` goes to the benchmark
+    a = sub.add_parser(
+        "bench", help="throughput benchmark (see `ckptio bench --help`)", add_help=False, prefix_chars="+"
+    )  # everything after `bench` goes to the benchmark
     a.add_argument("bench_args", nargs=argparse.REMAINDER)
     a.set_defaults(func=cmd_bench)
     return p

@@ -33,9 +33,10 @@ import difflib
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from . import registry as _registry
 from . import uri as _uri
@@ -50,13 +51,32 @@ ENV_CONFIG = "CKPTIO_CONFIG"
 REDACTED = "***"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
-    r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$", re.I)
+    r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$",
+    re.I,
+)
 _URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/?#\s]+@", re.I)  # user:pass@host; to the last @
 _URL_QUERY_RE = re.compile(r"^([a-z][a-z0-9+.\-]*://[^?#]*\?)[^#]*", re.I)
 _SCHEME_NAME_RE = re.compile(r"[a-z][a-z0-9+.\-]*")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "ki": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "mi": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "gi": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def is_secret(key: str) -> bool:
@@ -235,10 +255,14 @@ def accepted_options(entry: _registry.Entry) -> set[str] | None:
 def check_options(options: Mapping[str, Any], entry: _registry.Entry, where: str) -> None:
     """Refuse an option ``entry``'s backend does not take (naming it, never its value)."""
     accepted = accepted_options(entry)
-    for k in options if accepted is not None else ():
+    if accepted is None:  # any (or its package is missing): its constructor checks them when it is built
+        return
+    for k in options:
         if k not in accepted:
-            raise SettingsError(f"{where}.{k}: the {entry.name!r} backend has no option {k!r}"
-                                f"{_did_you_mean(k, accepted)} (it takes: {', '.join(sorted(accepted))})")
+            raise SettingsError(
+                f"{where}.{k}: the {entry.name!r} backend has no option {k!r}"
+                f"{_did_you_mean(k, accepted)} (it takes: {', '.join(sorted(accepted))})"
+            )
 
 
 def _section_backend(name: str, where: str) -> _registry.Entry:
@@ -251,11 +275,14 @@ def _section_backend(name: str, where: str) -> _registry.Entry:
             entry = _registry.backends.find(f"{name}://")
     if entry is None:
         names = _registry.backends.names()
-        raise SettingsError(f"{where}: no backend is named {name!r}{_did_you_mean(name, names)} (registered: "
-                            f"{', '.join(names)}; or an fsspec protocol whose package is installed)")
+        raise SettingsError(
+            f"{where}: no backend is named {name!r}{_did_you_mean(name, names)} (registered: "
+            f"{', '.join(names)}; or an fsspec protocol whose package is installed)"
+        )
     if entry.name.split(":", 1)[-1] != name:
-        raise SettingsError(f"{where}: {name}:// URIs use the {entry.name!r} backend: put these options under "
-                            f"[backends.{entry.name}]")
+        raise SettingsError(
+            f"{where}: {name}:// URIs use the {entry.name!r} backend: put these options under [backends.{entry.name}]"
+        )
     return entry
 
 
@@ -273,16 +300,17 @@ class Alias:
         return f"{self.source}: aliases.{self.scheme}"
 
     def __repr__(self) -> str:
-        return (f"Alias(scheme={self.scheme!r}, target={redact_url(self.target)!r}, "
-                f"options={redact(self.options)!r})")
+        return f"Alias(scheme={self.scheme!r}, target={redact_url(self.target)!r}, options={redact(self.options)!r})"
 
 
 def _refuse_shadowing(alias: Alias) -> None:
     """An alias named like a registered backend's scheme would silently take its URIs over."""
     prefix = next((k for k in _registry.backends.keys() if k and _uri.scheme_of(k) == alias.scheme), None)
     if prefix is not None:
-        raise SettingsError(f"{alias.where}: {alias.scheme}:// belongs to the {_registry.backends.find(prefix).name!r} "
-                            f"backend; an alias cannot take over a registered scheme: rename the alias")
+        raise SettingsError(
+            f"{alias.where}: {alias.scheme}:// belongs to the {_registry.backends.find(prefix).name!r} "
+            f"backend; an alias cannot take over a registered scheme: rename the alias"
+        )
 
 
 def check_aliases(aliases: Mapping[str, Alias]) -> None:
@@ -293,10 +321,12 @@ def check_aliases(aliases: Mapping[str, Alias]) -> None:
         chain, uri = [alias.scheme], alias.target
         while (nxt := aliases.get(_uri.scheme_of(uri))) is not None:
             if nxt.scheme in chain:
-                loop = [aliases[a] for a in chain[chain.index(nxt.scheme):]] + [nxt]
-                raise SettingsError(f"{nxt.where}.target: aliases form a cycle: "
-                                    + " -> ".join(f"{a.scheme} ({a.source})" for a in loop)
-                                    + "; point one of them at a storage URI")
+                loop = [aliases[a] for a in chain[chain.index(nxt.scheme) :]] + [nxt]
+                raise SettingsError(
+                    f"{nxt.where}.target: aliases form a cycle: "
+                    + " -> ".join(f"{a.scheme} ({a.source})" for a in loop)
+                    + "; point one of them at a storage URI"
+                )
             chain.append(nxt.scheme)
             uri = nxt.target
         if alias.options:
@@ -315,7 +345,9 @@ class Settings:
     sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "backends", MappingProxyType({k: MappingProxyType(dict(v)) for k, v in self.backends.items()}))
+        object.__setattr__(
+            self, "backends", MappingProxyType({k: MappingProxyType(dict(v)) for k, v in self.backends.items()})
+        )
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
         object.__setattr__(self, "path_mapping", MappingProxyType(dict(self.path_mapping)))
         if self.aliases:
@@ -329,15 +361,16 @@ class Settings:
         return {
             "sources": list(self.sources),
             "backends": {k: redact(v) for k, v in self.backends.items()},
-            "aliases": {k: {"target": redact_url(a.target), "options": redact(a.options)}
-                        for k, a in self.aliases.items()},
+            "aliases": {
+                k: {"target": redact_url(a.target), "options": redact(a.options)} for k, a in self.aliases.items()
+            },
             "path_mapping": {redact_url(k): redact_url(v) for k, v in self.path_mapping.items()},
         }
 
     def map_path(self, uri: str) -> str:
         """Apply ``path_mapping``: the longest matching prefix is rewritten."""
         best = max((p for p in self.path_mapping if uri.startswith(p)), key=len, default=None)
-        return uri if best is None else self.path_mapping[best] + uri[len(best):]
+        return uri if best is None else self.path_mapping[best] + uri[len(best) :]
 
     def resolve_alias(self, uri: str) -> tuple[str, Mapping[str, Any]]:
         """Rewrite an alias scheme to its target (aliases may chain; cycles are refused at load)."""
@@ -351,13 +384,17 @@ class Settings:
             uri = _uri.join_path(alias.target, rest) if rest else alias.target
             extra = {**alias.options, **extra}
 
-    def merged(self, other: "Settings") -> "Settings":
+    def merged(self, other: Settings) -> Settings:
         """``other`` layered on top of ``self``."""
         backends = {k: dict(v) for k, v in self.backends.items()}
         for k, v in other.backends.items():
             backends[k] = {**backends.get(k, {}), **v}
-        return Settings(backends, {**self.aliases, **other.aliases}, {**self.path_mapping, **other.path_mapping},
-                        self.sources + other.sources)
+        return Settings(
+            backends,
+            {**self.aliases, **other.aliases},
+            {**self.path_mapping, **other.path_mapping},
+            self.sources + other.sources,
+        )
 
 
 def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settings:
@@ -366,7 +403,9 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         raise SettingsError(f"{source}: settings must be a table/mapping, got {type(data).__name__}")
     unknown = set(data) - {"backends", "aliases", "path_mapping"}
     if unknown:
-        raise SettingsError(f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping")
+        raise SettingsError(
+            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping"
+        )
     backends: dict[str, dict[str, Any]] = {}
     for name, opts in (data.get("backends") or {}).items():
         where = f"{source}: backends.{name}"
@@ -380,7 +419,9 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         if isinstance(spec, str):
             spec = {"target": spec}
         if not isinstance(spec, Mapping):
-            raise SettingsError(f"{where}: expected a table with 'target' (and optional 'options'), got {type(spec).__name__}")
+            raise SettingsError(
+                f"{where}: expected a table with 'target' (and optional 'options'), got {type(spec).__name__}"
+            )
         if not _SCHEME_NAME_RE.fullmatch(str(scheme)):
             raise SettingsError(f"{where}: alias name must be a lowercase URI scheme (letters, digits, + . -)")
         bad = set(spec) - {"target", "options"}
@@ -392,11 +433,17 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         opts = spec.get("options") or {}
         if not isinstance(opts, Mapping):
             raise SettingsError(f"{where}.options: expected a table of backend options")
-        aliases[str(scheme)] = Alias(str(scheme), target.rstrip("/") if "://" in target.rstrip("/") else target,
-                                     coerce_options(opts, f"{where}.options"), source)
+        aliases[str(scheme)] = Alias(
+            str(scheme),
+            target.rstrip("/") if "://" in target.rstrip("/") else target,
+            coerce_options(opts, f"{where}.options"),
+            source,
+        )
     mapping = data.get("path_mapping") or {}
-    if not isinstance(mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
-        raise SettingsError(f"{source}: path_mapping: expected a table of \"prefix\" = \"replacement\" strings")
+    if not isinstance(mapping, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
+    ):
+        raise SettingsError(f'{source}: path_mapping: expected a table of "prefix" = "replacement" strings')
     return Settings(backends, aliases, dict(mapping), (source,))
 
 
@@ -436,10 +483,10 @@ def from_env(env: Mapping[str, str], backend_names: list[str]) -> Settings:
     for key, value in env.items():
         if not key.startswith("CKPTIO_") or key == ENV_CONFIG:
             continue
-        rest = key[len("CKPTIO_"):].lower()
+        rest = key[len("CKPTIO_") :].lower()
         for name in names:
             if rest.startswith(name + "_"):
-                backends.setdefault(name, {})[rest[len(name) + 1:]] = value
+                backends.setdefault(name, {})[rest[len(name) + 1 :]] = value
                 break
     return from_mapping({"backends": backends}, "environment") if backends else Settings(sources=())
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import config as _config
 from . import registry as _registry
@@ -40,8 +41,11 @@ class Context:
     def settings(self) -> Settings:
         with self._lock:
             if self._settings is None:
-                base = self._explicit if self._explicit is not None else _config.load(
-                    self._env, _registry.backends.names())
+                base = (
+                    self._explicit
+                    if self._explicit is not None
+                    else _config.load(self._env, _registry.backends.names())
+                )
                 self._settings = base.merged(self._overrides)
             return self._settings
 
@@ -139,8 +143,13 @@ def reset() -> None:
     memory.clear()
 
 
-def configure(*, settings_file: str | None = None, backends: Mapping[str, Mapping[str, Any]] | None = None,
-              aliases: Mapping[str, Any] | None = None, path_mapping: Mapping[str, str] | None = None) -> None:
+def configure(
+    *,
+    settings_file: str | None = None,
+    backends: Mapping[str, Mapping[str, Any]] | None = None,
+    aliases: Mapping[str, Any] | None = None,
+    path_mapping: Mapping[str, str] | None = None,
+) -> None:
     """Set options programmatically, on top of the file and environment (the highest layer).
 
     ``backends={"s3": {"endpoint_url": ...}}``, ``aliases={"ckpt": {"target": "s3://b/x", "options": {...}}}``,

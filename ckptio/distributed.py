@@ -25,8 +25,9 @@ import datetime
 import os
 import pickle
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,17 @@ from .backends.cached import CachedBackend
 from .context import resolve
 from .errors import CkptioError
 
-__all__ = ["load", "load_dcp", "node_id", "node_plan", "NodePlan", "RankFailedError", "DistributedTimeoutError",
-           "DEFAULT_TIMEOUT", "ENV_NODE_ID"]
+__all__ = [
+    "load",
+    "load_dcp",
+    "node_id",
+    "node_plan",
+    "NodePlan",
+    "RankFailedError",
+    "DistributedTimeoutError",
+    "DEFAULT_TIMEOUT",
+    "ENV_NODE_ID",
+]
 
 ENV_NODE_ID = "CKPTIO_NODE_ID"
 DEFAULT_TIMEOUT = 1800.0
@@ -82,7 +92,8 @@ def _wait(work: Any, timeout: float, what: str) -> None:
     except RuntimeError as e:
         raise DistributedTimeoutError(
             f"ckptio.distributed: {what} did not complete within {timeout:g}s on rank {dist.get_rank()} "
-            f"(another rank stuck or dead?): {e}") from e
+            f"(another rank stuck or dead?): {e}"
+        ) from e
 
 
 def _exchange(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
@@ -90,20 +101,23 @@ def _exchange(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
     world = dist.get_world_size(group)
     data = pickle.dumps(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _wait(dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group, async_op=True),
-          timeout, what)
+    _wait(
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group, async_op=True), timeout, what
+    )
     width = max(int(s.item()) for s in sizes)
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
     _wait(dist.all_gather(outs, mine, group=group, async_op=True), timeout, what)
-    return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+    return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
 
 def node_plan(group: Any = None, *, node: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> NodePlan:
     """Exchange node identities over ``group``; the lowest rank of each node is its leader."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ckptio.distributed needs an initialised process group (torch.distributed.init_process_group)")
+        raise RuntimeError(
+            "ckptio.distributed needs an initialised process group (torch.distributed.init_process_group)"
+        )
     nodes = tuple(_exchange(node_id(node), group, timeout, "exchanging node identities"))
     rank = dist.get_rank(group)
     return NodePlan(rank, len(nodes), nodes, nodes.index(nodes[rank]))
@@ -123,8 +137,9 @@ def _attempt(fn: Callable[[], Any]) -> tuple[_Status, BaseException | None]:
         return _Status(False, str(e) or repr(e), type(e).__name__), e
 
 
-def _settle(plan: NodePlan, mine: _Status | None, error: BaseException | None, group: Any, timeout: float,
-            what: str) -> list[_Status | None]:
+def _settle(
+    plan: NodePlan, mine: _Status | None, error: BaseException | None, group: Any, timeout: float, what: str
+) -> list[_Status | None]:
     """The barrier: every rank learns every leader's status. Raises on every rank if any failed."""
     statuses = _exchange(mine, group, timeout, f"waiting for the node leaders to {what}")
     if error is not None:
@@ -144,9 +159,20 @@ def _cached_backend(uri: str, cache: Any, options: dict[str, Any]) -> tuple[Cach
     return backend, resolved
 
 
-def load(uri: str | os.PathLike, *, mode: str = "filesystem", cache: Any = None, group: Any = None,
-         node: str | None = None, timeout: float = DEFAULT_TIMEOUT, src: int = 0, chunk_size: int = DEFAULT_CHUNK,
-         file_format: str | None = None, backend_options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+def load(
+    uri: str | os.PathLike,
+    *,
+    mode: str = "filesystem",
+    cache: Any = None,
+    group: Any = None,
+    node: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    src: int = 0,
+    chunk_size: int = DEFAULT_CHUNK,
+    file_format: str | None = None,
+    backend_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """``ckptio.load`` on every rank of ``group``, fetching the object once per node (or once).
 
     ``mode="filesystem"``: one rank per node fills the node cache (``cache``: True, a directory or a
@@ -170,10 +196,20 @@ def load(uri: str | os.PathLike, *, mode: str = "filesystem", cache: Any = None,
         return fmt.load(local, path, **kwargs)
 
 
-def _load_network(uri: str, fmt: Any, group: Any, timeout: float, src: int, chunk_size: int,
-                  options: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+def _load_network(
+    uri: str,
+    fmt: Any,
+    group: Any,
+    timeout: float,
+    src: int,
+    chunk_size: int,
+    options: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> Any:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ckptio.distributed needs an initialised process group (torch.distributed.init_process_group)")
+        raise RuntimeError(
+            "ckptio.distributed needs an initialised process group (torch.distributed.init_process_group)"
+        )
     if int(chunk_size) <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size!r}")
     rank = dist.get_rank(group)
@@ -195,35 +231,49 @@ def _load_network(uri: str, fmt: Any, group: Any, timeout: float, src: int, chun
         raise RankFailedError(f"rank {src} failed to read {uri}: {head.error_type}: {head.value}")
     size, resolved = head.value
     buf = torch.empty(size, dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
+    mv = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     flag = torch.zeros(1, dtype=torch.int64)
     for off in range(0, size, int(chunk_size)):
         n = min(int(chunk_size), size - off)
         if rank == src:
             try:
-                got = backend.readinto(resolved, mv[off: off + n], off)  # type: ignore[union-attr]
+                got = backend.readinto(resolved, mv[off : off + n], off)  # type: ignore[union-attr]
                 if got != n:
                     raise EOFError(f"{uri}: object shrank while reading (byte {off + got} of {size})")
                 flag.zero_()
             except Exception as e:
                 error, flag[0] = e, 1
-        _wait(dist.broadcast(flag, src_global, group=group, async_op=True), timeout,
-              f"waiting for rank {src} to read {uri} at byte {off}")
+        _wait(
+            dist.broadcast(flag, src_global, group=group, async_op=True),
+            timeout,
+            f"waiting for rank {src} to read {uri} at byte {off}",
+        )
         if int(flag.item()):
             if error is not None:
                 raise error
             raise RankFailedError(f"rank {src} failed to read {uri} at byte {off} of {size}")
-        _wait(dist.broadcast(buf[off: off + n], src_global, group=group, async_op=True), timeout,
-              f"broadcasting {uri} (bytes {off}-{off + n} of {size}) from rank {src}")
+        _wait(
+            dist.broadcast(buf[off : off + n], src_global, group=group, async_op=True),
+            timeout,
+            f"broadcasting {uri} (bytes {off}-{off + n} of {size}) from rank {src}",
+        )
     try:
         return fmt.load_file(BytesReader(mv, uri), **kwargs)
     except NotImplementedError:
         raise ValueError(f"mode='network' cannot load {uri!r}: format {fmt.name!r} cannot read from memory") from None
 
 
-def load_dcp(state_dict: dict[str, Any], uri: str | os.PathLike, *, cache: Any = None, group: Any = None,
-             node: str | None = None, timeout: float = DEFAULT_TIMEOUT, planner: Any = None,
-             **reader_options: Any) -> None:
+def load_dcp(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike,
+    *,
+    cache: Any = None,
+    group: Any = None,
+    node: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    planner: Any = None,
+    **reader_options: Any,
+) -> None:
     """``torch.distributed.checkpoint.load`` of ``uri`` into ``state_dict``, each node downloading every
     file of the checkpoint once into its cache. ``reader_options`` go to :class:`ckptio.dcp.StorageReader`."""
     import torch.distributed.checkpoint as dcp
@@ -250,4 +300,3 @@ def load_dcp(state_dict: dict[str, Any], uri: str | os.PathLike, *, cache: Any =
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
         except CheckpointException as e:  # the failed rank's own error, as ckptio.dcp.load raises
             raise surface_error(e, "load", uri, reader._metadata_error) from e
-

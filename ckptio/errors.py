@@ -13,12 +13,13 @@ a subclass anywhere (with any signature) is covered.
 from __future__ import annotations
 
 import errno as _errno
+from typing import Any
 
 
 def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
     """Unpickle ``cls`` from its built-in base's ``args``, without calling ``cls.__init__``."""
     obj = cls.__new__(cls, *args)
-    builtin = next(k for k in cls.__mro__ if k.__module__ == "builtins")
+    builtin = next(k for k in cls.__mro__ if k.__module__ == "builtins" and issubclass(k, BaseException))
     builtin.__init__(obj, *args)  # OSError: sets errno, strerror, filename from args
     return obj
 
@@ -26,8 +27,11 @@ def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
 class CkptioError(Exception):
     """Base class of every error ckptio raises on purpose."""
 
-    def __reduce__(self) -> tuple:
-        cls, args, *state = super().__reduce__()  # the built-in's: OSError puts the filename back in args
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        reduced = super().__reduce__()  # the built-in's: OSError puts the filename back in args
+        if isinstance(reduced, str):  # a global's name (never for the built-in exceptions): as it is
+            return reduced
+        cls, args, *state = reduced
         return (_rebuild, (cls, args), *state)  # state: __dict__ (uri, __notes__), ImportError's name/path
 
 

@@ -50,9 +50,10 @@ import stat as _stat
 import struct
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Iterable, Iterator, Sequence
+from typing import IO, Any
 
 import msgpack
 import numpy as np
@@ -80,8 +81,22 @@ KIND_TORCH, KIND_NUMPY, KIND_QUANT = 0, 1, 2
 TF_REQUIRES_GRAD, TF_PARAMETER = 1, 2
 
 # msgpack extension codes of the tree
-(EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZENSET, EXT_BIGINT, EXT_COMPLEX, EXT_TENSOR, EXT_DTYPE,
- EXT_DEVICE, EXT_SIZE, EXT_NPSCALAR, EXT_NPDTYPE, EXT_PICKLE) = range(1, 15)
+(
+    EXT_TUPLE,
+    EXT_ODICT,
+    EXT_GDICT,
+    EXT_SET,
+    EXT_FROZENSET,
+    EXT_BIGINT,
+    EXT_COMPLEX,
+    EXT_TENSOR,
+    EXT_DTYPE,
+    EXT_DEVICE,
+    EXT_SIZE,
+    EXT_NPSCALAR,
+    EXT_NPDTYPE,
+    EXT_PICKLE,
+) = range(1, 15)
 
 CHUNK = 64 << 20  # largest single write/read/hash step
 # Payloads below GATHER are gathered into vectored writes of about this size (and hashed in batches); larger
@@ -246,8 +261,10 @@ class _Encoder:
 
     def _container(self, x: Any, t: type, path: list) -> Any:
         if len(path) >= MAX_DEPTH:
-            raise ValueError(f"fastpickle cannot save containers nested more than {MAX_DEPTH} deep (at "
-                             f"{_short_path(path)!r}); flatten that part of the state")
+            raise ValueError(
+                f"fastpickle cannot save containers nested more than {MAX_DEPTH} deep (at "
+                f"{_short_path(path)!r}); flatten that part of the state"
+            )
         if id(x) in self._active:
             raise ValueError(f"fastpickle cannot save a reference cycle (at {_path_str(path)!r})")
         self._active.add(id(x))
@@ -259,8 +276,9 @@ class _Encoder:
             if t is set or t is frozenset:
                 items = [self._enc(v, path + [i]) for i, v in enumerate(x)]
                 return self._ext(EXT_SET if t is set else EXT_FROZENSET, items)
-            if t is dict and all((type(k) is str or type(k) is bytes or (type(k) is int and _INT64_MIN <= k <= _UINT64_MAX))
-                                 for k in x):
+            if t is dict and all(
+                (type(k) is str or type(k) is bytes or (type(k) is int and _INT64_MIN <= k <= _UINT64_MAX)) for k in x
+            ):
                 return {k: self._enc(v, path + [k]) for k, v in x.items()}
             flat: list[Any] = []
             for k, v in x.items():
@@ -298,8 +316,8 @@ class _Encoder:
             return _tensor_ref(idx)
         dev = x.device
         if x.layout is not torch.strided or x.is_nested or dev.type == "meta":
-            kind = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
-            return self._fallback(x, path, f"{kind} tensors")
+            what = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
+            return self._fallback(x, path, f"{what} tensors")
         flags = (TF_REQUIRES_GRAD if x.requires_grad else 0) | (TF_PARAMETER if type(x) is torch.nn.Parameter else 0)
         t = x  # storage, shape and stride need no detach(); only a conj/neg view is materialized
         if t.is_conj() or t.is_neg():
@@ -313,8 +331,12 @@ class _Encoder:
             if qs == torch.per_tensor_affine:
                 extra = ["per_tensor_affine", float(t.q_scale()), int(t.q_zero_point())]
             else:
-                extra = ["per_channel_affine", t.q_per_channel_scales().tolist(),
-                         t.q_per_channel_zero_points().tolist(), int(t.q_per_channel_axis())]
+                extra = [
+                    "per_channel_affine",
+                    t.q_per_channel_scales().tolist(),
+                    t.q_per_channel_zero_points().tolist(),
+                    int(t.q_per_channel_axis()),
+                ]
             dtype_name = _DTYPE_NAMES[t.dtype]
             t = t.int_repr()
             self._keep.append(t)
@@ -327,8 +349,17 @@ class _Encoder:
         loc = _location(dev)
         key = (loc, st.data_ptr(), nbytes) if nbytes else None
         sidx = self._add_storage(key, st, nbytes, loc)
-        entry = [kind, sidx, dtype_name, list(t.shape), list(t.stride()), t.storage_offset(), flags,
-                 _path_str(path), extra]
+        entry = [
+            kind,
+            sidx,
+            dtype_name,
+            list(t.shape),
+            list(t.stride()),
+            t.storage_offset(),
+            flags,
+            _path_str(path),
+            extra,
+        ]
         return self._add_entry(x, entry)
 
     def _ndarray(self, a: np.ndarray, path: list) -> Any:
@@ -368,7 +399,7 @@ def _get_staging() -> torch.Tensor:
 def _cpu_view(data: Any) -> memoryview:
     """The bytes of a CPU storage or numpy array, without a copy (the caller keeps ``data`` alive)."""
     if isinstance(data, np.ndarray):
-        return memoryview(data).cast("B")
+        return memoryview(data).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     return memoryview((ctypes.c_ubyte * data.nbytes()).from_address(data.data_ptr())).cast("B")
 
 
@@ -383,8 +414,9 @@ class _Sink:
     has little left to do.
     """
 
-    def __init__(self, write: Callable[[Any], Any], fd: int | None = None, name: str = "",
-                 write_behind: bool = False) -> None:
+    def __init__(
+        self, write: Callable[[Any], Any], fd: int | None = None, name: str = "", write_behind: bool = False
+    ) -> None:
         self._write, self.fd, self.name = write, fd, name
         self._behind = write_behind and _sync_file_range() is not None
         self._pos = self._synced = 0
@@ -474,6 +506,7 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
     hashing = 0
     futures: list[Any] = []
     with ThreadPoolExecutor(1, thread_name_prefix="fpk-hash") as hasher:
+
         def flush() -> None:
             nonlocal gathered
             if gather:
@@ -490,15 +523,16 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
                 s.checksum = _EMPTY_HASH
             elif s.location != "cpu":
                 flush()
-                s.checksum = _write_device(torch.empty(0, dtype=torch.uint8, device=s.data.device).set_(s.data),
-                                           out.write)
+                s.checksum = _write_device(
+                    torch.empty(0, dtype=torch.uint8, device=s.data.device).set_(s.data), out.write
+                )
             elif s.nbytes >= GATHER:
                 flush()
                 mv = _cpu_view(s.data)
                 futures.append(hasher.submit(_hash_into, [(s, mv)]))
                 step = WRITE_CHUNK if out.fd is not None else s.nbytes  # a remote writer gets it whole (may send it
-                for i in range(0, s.nbytes, step):                         # straight from tensor memory)
-                    out.write(mv[i: i + step])
+                for i in range(0, s.nbytes, step):  # straight from tensor memory)
+                    out.write(mv[i : i + step])
             else:
                 mv = _cpu_view(s.data)
                 to_hash.append((s, mv))
@@ -514,20 +548,23 @@ def _write_stream(enc: _Encoder, tree: bytes, out: _Sink) -> int:
         _hash_into(to_hash)
         for fut in futures:
             fut.result()
-    meta = _pack({
-        "checksum": "xxh3_64",
-        "storages": [[s.offset, s.nbytes, s.checksum, s.location] for s in enc.storages],
-        "tensors": enc.tensors,
-        "tree": tree,
-    })
+    meta = _pack(
+        {
+            "checksum": "xxh3_64",
+            "storages": [[s.offset, s.nbytes, s.checksum, s.location] for s in enc.storages],
+            "tensors": enc.tensors,
+            "tree": tree,
+        }
+    )
     meta_offset = pos
     size = meta_offset + len(meta) + FOOTER.size
     h = xxhash.xxh3_64()
     h.update(header)
     h.update(meta)
     body = struct.pack("<QQQQHH12x", meta_offset, len(meta), h.intdigest(), size, VERSION, flags)
-    footer = FOOTER.pack(meta_offset, len(meta), h.intdigest(), size, VERSION, flags,
-                         xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC)
+    footer = FOOTER.pack(
+        meta_offset, len(meta), h.intdigest(), size, VERSION, flags, xxhash.xxh3_64_intdigest(body), FOOTER_MAGIC
+    )
     out.writev([memoryview(meta), memoryview(footer)], len(meta) + len(footer))
     return size
 
@@ -537,11 +574,11 @@ def _write_device(u8: torch.Tensor, write: Callable[[Any], Any]) -> int:
     h = xxhash.xxh3_64()
     with _staging_lock:
         staging = _get_staging()
-        smv = memoryview(staging.numpy())
+        smv = memoryview(staging.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         n = u8.numel()
         for i in range(0, n, len(smv)):
             m = min(len(smv), n - i)
-            staging[:m].copy_(u8[i: i + m])  # synchronous: the buffer is reused at once
+            staging[:m].copy_(u8[i : i + m])  # synchronous: the buffer is reused at once
             h.update(smv[:m])
             write(smv[:m])
     return h.intdigest()
@@ -555,11 +592,19 @@ def _writer_for(write: Callable[[Any], Any]) -> Callable[[Any], None]:
             if n is None:  # file objects that do not report a count wrote everything
                 return
             mv = mv[n:]
+
     return write_all
 
 
-def save(obj: Any, uri_or_file: Any, *, allow_pickle: bool = False, durable: bool = True,
-         mode: WriteMode = "overwrite", **backend_options: Any) -> None:
+def save(
+    obj: Any,
+    uri_or_file: Any,
+    *,
+    allow_pickle: bool = False,
+    durable: bool = True,
+    mode: WriteMode = "overwrite",
+    **backend_options: Any,
+) -> None:
     """Save ``obj`` to a URI (any backend, committed atomically) or a writable binary file.
 
     Unsupported value types raise ``TypeError`` naming their key path, unless ``allow_pickle=True``
@@ -603,7 +648,7 @@ class _Source:
         n = self.readinto(memoryview(buf), offset)
         pos = 0
         for m in mvs:
-            m[:] = buf[pos: pos + len(m)]
+            m[:] = buf[pos : pos + len(m)]
             pos += len(m)
         return n
 
@@ -635,13 +680,20 @@ class _FdSource(_Source):
         self.fd, self.name, self._owned = fd, name, owned
         self.size = os.fstat(fd).st_size
 
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"{self.name}: read after the source was closed")
+        return self.fd
+
     def readinto(self, mv: memoryview, offset: int) -> int:
-        return _fill(lambda m, o: os.preadv(self.fd, [m[: 1 << 30]], o), mv, offset)
+        fd = self._fd()
+        return _fill(lambda m, o: os.preadv(fd, [m[: 1 << 30]], o), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
+        fd = self._fd()
         total, mvs = 0, [m for m in mvs if len(m)]
         while mvs:
-            n = os.preadv(self.fd, mvs, offset + total)
+            n = os.preadv(fd, mvs, offset + total)
             if n <= 0:
                 break
             total += n
@@ -696,13 +748,13 @@ class _BackendSource(_Source):
                 raise IntegrityError(f"{self.name}: truncated: bytes [{off}, {end}) returned only {fut.result()}")
             if start_in:
                 k = min(hi, end) - lo
-                mv[lo - offset: lo - offset + k] = data[lo - off: lo - off + k]
+                mv[lo - offset : lo - offset + k] = data[lo - off : lo - off + k]
                 lo += k
             if lo < hi and end_in:
-                mv[off - offset: hi - offset] = data[: hi - off]
+                mv[off - offset : hi - offset] = data[: hi - off]
                 hi = off
         if lo < hi:
-            got = self._fetch(mv[lo - offset: hi - offset], lo)
+            got = self._fetch(mv[lo - offset : hi - offset], lo)
             if got < hi - lo:
                 return lo - offset + got
         return len(mv)
@@ -715,7 +767,7 @@ class _BackendSource(_Source):
 
 
 class _FileSource(_Source):
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase) -> None:
         self.f, self.name = f, getattr(f, "name", "<file object>")
         self.size = f.seek(0, io.SEEK_END)
         self._lock = threading.Lock()
@@ -779,9 +831,10 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header = b""
-    deferred = full and isinstance(src, _BackendSource)
-    if deferred:  # the header is checked once its request is in, while the payloads are being read
-        src.read_ahead()
+    ahead = src if full and isinstance(src, _BackendSource) else None
+    deferred = ahead is not None
+    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
+        ahead.read_ahead()
         tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch:
         with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
@@ -790,15 +843,16 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
             header = head_f.result()
     else:
         header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
-    footer = tail[-FOOTER.size:]
+    footer = tail[-FOOTER.size :]
     meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
     if not deferred and header[:8] != MAGIC:
         raise FormatError(f"{name}: not a fastpickle file (bad magic)")
     if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
         if deferred and src.read(0, HEADER.size)[:8] != MAGIC:
             raise FormatError(f"{name}: not a fastpickle file (bad magic)")
-        raise IntegrityError(f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or "
-                             f"has trailing bytes")
+        raise IntegrityError(
+            f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or has trailing bytes"
+        )
     if version > VERSION:
         raise FormatError(f"{name}: fastpickle version {version} is newer than this reader ({VERSION}); upgrade ckptio")
     if rec_size != size:
@@ -806,7 +860,7 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
     if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
         raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
     if meta_off >= size - tail_len:
-        meta_bytes = tail[meta_off - (size - tail_len): -FOOTER.size]
+        meta_bytes = tail[meta_off - (size - tail_len) : -FOOTER.size]
     else:
         meta_bytes = src.read(meta_off, meta_len)
 
@@ -818,8 +872,9 @@ def _read_meta(src: _Source, full: bool = False) -> _Meta:
         h.update(header)
         h.update(meta_bytes)
         if h.intdigest() != meta_hash:
-            raise IntegrityError(f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, "
-                                 f"{meta_off + meta_len}))")
+            raise IntegrityError(
+                f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, {meta_off + meta_len}))"
+            )
         if (hversion, hflags) != (version, flags) or align != ALIGN:
             raise FormatError(f"{name}: header and footer disagree")
 
@@ -864,8 +919,10 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         if not (_is_int(off) and _is_int(nbytes) and _is_int(checksum) and type(loc) is str and len(loc) <= 64):
             raise bad(f"storage {i} has invalid fields")
         if off % ALIGN or off < prev_end or off + nbytes > data_end:
-            raise bad(f"storage {i} byte range [{off}, {off + nbytes}) is misaligned, overlaps or lies outside "
-                      f"the payload area [{HEADER.size}, {data_end})")
+            raise bad(
+                f"storage {i} byte range [{off}, {off + nbytes}) is misaligned, overlaps or lies outside "
+                f"the payload area [{HEADER.size}, {data_end})"
+            )
         prev_end = off + nbytes
         out_s.append((off, nbytes, checksum, loc))
         all_cpu = all_cpu and loc == "cpu"
@@ -876,10 +933,23 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
         if type(e) is not list or len(e) != 9:
             raise bad(f"tensor {i} is not a 9-item list")
         kind, sidx, dtype, shape, stride, soff, tflags, path, extra = e
-        if not (type(kind) is int and type(sidx) is int and type(soff) is int and type(tflags) is int
-                and 0 <= kind <= 2 and 0 <= sidx < nstor and 0 <= soff <= lim and 0 <= tflags <= 3
-                and type(dtype) is str and type(path) is str and type(shape) is list and type(stride) is list
-                and len(shape) <= MAX_NDIM and _dims_ok(shape) and _dims_ok(stride)):
+        if not (
+            type(kind) is int
+            and type(sidx) is int
+            and type(soff) is int
+            and type(tflags) is int
+            and 0 <= kind <= 2
+            and 0 <= sidx < nstor
+            and 0 <= soff <= lim
+            and 0 <= tflags <= 3
+            and type(dtype) is str
+            and type(path) is str
+            and type(shape) is list
+            and type(stride) is list
+            and len(shape) <= MAX_NDIM
+            and _dims_ok(shape)
+            and _dims_ok(stride)
+        ):
             raise bad(f"tensor {i} has invalid fields")
         nbytes = out_s[sidx][1]
         numel = math.prod(shape)
@@ -900,21 +970,41 @@ def _validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> _Me
                 raise bad(f"tensor {key}: shape and stride lengths differ")
             if numel > _INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
                 raise bad(f"tensor {key}: shape {shape} has more elements than any tensor can have")
-            if numel and (soff + sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * dt.itemsize > nbytes:
-                raise bad(f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
-                          f"{nbytes} bytes")
+            if (
+                numel
+                and (soff + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1) * dt.itemsize > nbytes
+            ):
+                raise bad(
+                    f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of {nbytes} bytes"
+                )
             if tflags & TF_REQUIRES_GRAD and not (dt.is_floating_point or dt.is_complex):
                 raise bad(f"tensor {key}: requires_grad on dtype {dtype}")
             if kind == KIND_QUANT:
                 # torch copies a quantized tensor out of its integers: no more elements than stored bytes
                 if numel * dt.itemsize > nbytes or not _valid_qextra(extra, shape):
-                    raise bad(f"tensor {key}: invalid quantization parameters or shape {shape} larger than its "
-                              f"{nbytes} bytes")
+                    raise bad(
+                        f"tensor {key}: invalid quantization parameters or shape {shape} larger than its {nbytes} bytes"
+                    )
                 qparams[i] = extra
         off, nb, checksum, loc = out_s[sidx]
-        out_t.append(TensorInfo(i, path, kinds[kind], dtype, tuple(shape), tuple(stride), soff,
-                                bool(tflags & TF_REQUIRES_GRAD), bool(tflags & TF_PARAMETER), sidx, off, nb,
-                                checksum, loc))
+        out_t.append(
+            TensorInfo(
+                i,
+                path,
+                kinds[kind],
+                dtype,
+                tuple(shape),
+                tuple(stride),
+                soff,
+                bool(tflags & TF_REQUIRES_GRAD),
+                bool(tflags & TF_PARAMETER),
+                sidx,
+                off,
+                nb,
+                checksum,
+                loc,
+            )
+        )
     return _Meta(name, size, flags, out_s, out_t, qparams, tree, all_cpu=all_cpu)
 
 
@@ -930,9 +1020,14 @@ def _valid_qextra(extra: Any, shape: list) -> bool:
         return len(extra) == 3 and type(extra[1]) is float and _is_int(extra[2], _INT64_MIN, _INT64_MAX)
     if extra[0] == "per_channel_affine" and len(extra) == 4:
         _, scales, zps, axis = extra
-        return (_is_int(axis, 0, len(shape) - 1) and type(scales) is list and type(zps) is list
-                and len(scales) == len(zps) == shape[axis] and all(type(s) is float for s in scales)
-                and all(_is_int(z, _INT64_MIN, _INT64_MAX) for z in zps))
+        return (
+            _is_int(axis, 0, len(shape) - 1)
+            and type(scales) is list
+            and type(zps) is list
+            and len(scales) == len(zps) == shape[axis]
+            and all(type(s) is float for s in scales)
+            and all(_is_int(z, _INT64_MIN, _INT64_MAX) for z in zps)
+        )
     return False
 
 
@@ -970,7 +1065,8 @@ def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, 
 def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
     """Read the given storages into fresh uint8 tensors, in parallel, verifying each as soon as it is read."""
     bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
-    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
     # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
     # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
@@ -982,7 +1078,7 @@ def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> 
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
             split.append(run[0])
             for pos in range(0, first[1], part):
-                jobs.append(_job(src, meta, run, [mvs[run[0]][pos: pos + part]], first[0] + pos))
+                jobs.append(_job(src, meta, run, [mvs[run[0]][pos : pos + part]], first[0] + pos))
             continue
         views: list[memoryview] = []
         pos = first[0]
@@ -995,7 +1091,7 @@ def _read_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> 
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
     _run_jobs(jobs, src.concurrency)
     if verify and split:
-        _run_jobs([lambda i=i: _verify(meta, [i], mvs) for i in split], 2)
+        _run_jobs([functools.partial(_verify, meta, [i], mvs) for i in split], 2)
     return bufs
 
 
@@ -1030,15 +1126,25 @@ def _prefault(mv: memoryview) -> None:
         return
     vec = ctypes.create_string_buffer(1)
     last = end - _PAGE
-    if (_libc.mincore(start, _PAGE, vec) == 0 and vec.raw[0] & 1 and _libc.mincore(last, _PAGE, vec) == 0
-            and vec.raw[0] & 1):
+    if (
+        _libc.mincore(start, _PAGE, vec) == 0
+        and vec.raw[0] & 1
+        and _libc.mincore(last, _PAGE, vec) == 0
+        and vec.raw[0] & 1
+    ):
         return  # resident already
     if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
         _populate_ok = False  # an older kernel
 
 
-def _job(src: _Source, meta: _Meta, run: list[int], views: list[memoryview], offset: int,
-         verify: dict[int, memoryview] | None = None) -> Callable[[], None]:
+def _job(
+    src: _Source,
+    meta: _Meta,
+    run: list[int],
+    views: list[memoryview],
+    offset: int,
+    verify: dict[int, memoryview] | None = None,
+) -> Callable[[], None]:
     def job() -> None:
         want = sum(len(v) for v in views)
         if src.fd is not None:
@@ -1046,10 +1152,13 @@ def _job(src: _Source, meta: _Meta, run: list[int], views: list[memoryview], off
                 _prefault(v)
         got = src.readv(views, offset) if len(views) > 1 else src.readinto(views[0], offset)
         if got != want:
-            raise IntegrityError(f"{meta.source}: truncated while reading {_who(meta, run[0])}: bytes "
-                                 f"[{offset}, {offset + want}) returned only {got}")
+            raise IntegrityError(
+                f"{meta.source}: truncated while reading {_who(meta, run[0])}: bytes "
+                f"[{offset}, {offset + want}) returned only {got}"
+            )
         if verify is not None:  # while the bytes are still in cache
             _verify(meta, run, verify)
+
     return job
 
 
@@ -1090,7 +1199,8 @@ def _map_payloads(src: _Source, meta: _Meta, idxs: list[int], verify: bool) -> d
         else:
             out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
     if verify:
-        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})
+        # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})  # type: ignore[arg-type]
     return out
 
 
@@ -1116,14 +1226,15 @@ _CONTAINER_EXTS = frozenset((EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZE
 class _Pending:
     """A container extension whose items hold containers, built later by :func:`_decode_tree`'s loop.
 
-    ``data`` is its msgpack, still to unpack, or ``items`` the unpacked list. Nested extensions are
-    never unpacked from inside msgpack's ext hook more than one level down: each nested ``unpackb``
-    takes tens of KB of C stack, so a few hundred nested tuples used to overflow it (a segfault).
+    ``data`` is its msgpack, still to unpack (``items`` stays empty until then), or None once ``items``
+    holds the unpacked list. Nested extensions are never unpacked from inside msgpack's ext hook more
+    than one level down: each nested ``unpackb`` takes tens of KB of C stack, so a few hundred nested
+    tuples used to overflow it (a segfault).
     """
 
     __slots__ = ("code", "data", "items", "depth", "parent", "slot")
 
-    def __init__(self, code: int, data: bytes | None, items: list | None) -> None:
+    def __init__(self, code: int, data: bytes | None, items: list) -> None:
         self.code, self.data, self.items = code, data, items
         self.parent: Any = None  # the list or dict holding it, at ``slot``, ``depth`` containers deep
         self.slot: Any = None
@@ -1148,7 +1259,7 @@ def _place(top: list | dict, depth: int, placed: list[_Pending]) -> None:
             continue
         if d > MAX_DEPTH:
             raise _too_deep()
-        for k, v in (c.items() if type(c) is dict else enumerate(c)):
+        for k, v in c.items() if type(c) is dict else enumerate(c):
             t = type(v)
             if t is list or t is dict:
                 if not _flat(v.values() if t is dict else v, d + 1):
@@ -1181,7 +1292,7 @@ def _build(code: int, items: list) -> Any:
         return frozenset(items)
     if len(items) % 2:
         raise FormatError("dict with an odd number of items")
-    pairs = zip(items[0::2], items[1::2])
+    pairs = zip(items[0::2], items[1::2], strict=True)
     return collections.OrderedDict(pairs) if code == EXT_ODICT else dict(pairs)
 
 
@@ -1241,10 +1352,10 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
             if type(v) is not list or len(v) != 2:
                 raise FormatError("numpy scalar is not a [dtype, bytes] pair")
             dts, raw = v
-            dt = _np_dtype(dts, "numpy scalar")
-            if type(raw) is not bytes or len(raw) != dt.itemsize or not dt.itemsize:
+            npdt = _np_dtype(dts, "numpy scalar")
+            if type(raw) is not bytes or len(raw) != npdt.itemsize or not npdt.itemsize:
                 raise FormatError(f"numpy scalar of {dts} with {len(raw) if type(raw) is bytes else 'no'} bytes")
-            return np.frombuffer(raw, dtype=dt)[0]
+            return np.frombuffer(raw, dtype=npdt)[0]
         if code == EXT_PICKLE:
             if describe:
                 return PickledObject(len(data))
@@ -1257,7 +1368,7 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         nonlocal created
         if code in _CONTAINER_EXTS:
             created += 1
-            return _Pending(code, data, None)
+            return _Pending(code, data, [])
         return leaf(code, data)
 
     def hook(code: int, data: bytes) -> Any:
@@ -1283,10 +1394,11 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         while i < len(placed):  # placed grows as placeholders' items are placed in turn
             p = placed[i]
             i += 1
-            if p.items is None:
-                p.items, p.data = unpack(p.data), None
-                if type(p.items) is not list:
+            if p.data is not None:
+                items = unpack(p.data)
+                if type(items) is not list:
                     raise FormatError(f"extension {p.code} does not hold a list")
+                p.items, p.data = items, None
             _place(p.items, p.depth, placed)
         if created != len(placed):
             raise FormatError("a tuple, set or dict extension used as a map key")
@@ -1299,8 +1411,17 @@ def _decode_tree(meta: _Meta, tensor: Callable[[int], Any], allow_pickle: bool, 
         return root[0]
     except FormatError as e:
         raise FormatError(f"{meta.source}: malformed tree: {e}") from e
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, struct.error,
-            UnicodeDecodeError, RuntimeError) as e:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+        struct.error,
+        UnicodeDecodeError,
+        RuntimeError,
+    ) as e:
         raise FormatError(f"{meta.source}: malformed tree: {_reason(e)}") from e
 
 
@@ -1325,8 +1446,10 @@ def _target_storage(storage: torch.UntypedStorage, location: str, map_location: 
     try:
         return storage.to(device=dev)
     except Exception as e:  # no such device, or its module is not available here
-        raise FormatError(f"cannot restore tensors saved on {location!r} to {target!r} ({type(e).__name__}: {e}); "
-                          f"pass map_location='cpu' or another device") from e
+        raise FormatError(
+            f"cannot restore tensors saved on {location!r} to {target!r} ({type(e).__name__}: {e}); "
+            f"pass map_location='cpu' or another device"
+        ) from e
 
 
 def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location: Any) -> Callable[[int], Any]:
@@ -1358,23 +1481,27 @@ def _tensor_factory(meta: _Meta, payloads: dict[int, torch.Tensor], map_location
         if info.kind == "numpy":
             dt = _np_dtype(info.dtype, meta.source)
             u8 = payloads[info.storage]
-            out: Any = (u8.numpy().view(dt).reshape(info.shape) if u8.numel()
-                        else np.empty(info.shape, dtype=dt))
+            out: Any = u8.numpy().view(dt).reshape(info.shape) if u8.numel() else np.empty(info.shape, dtype=dt)
         elif info.kind == "quantized":
             st = storage(info.storage)
             ints = torch.empty(0, dtype=_QUANT_INT[_DTYPES[info.dtype]], device=st.device).set_(
-                st, info.storage_offset, info.shape, info.stride)
+                st, info.storage_offset, info.shape, info.stride
+            )
             q = meta.qparams[idx]
             if q[0] == "per_tensor_affine":
                 out = torch._make_per_tensor_quantized_tensor(ints, q[1], q[2])
             else:
                 out = torch._make_per_channel_quantized_tensor(
-                    ints, torch.tensor(q[1], dtype=torch.float64, device=st.device),
-                    torch.tensor(q[2], dtype=torch.int64, device=st.device), q[3])
+                    ints,
+                    torch.tensor(q[1], dtype=torch.float64, device=st.device),
+                    torch.tensor(q[2], dtype=torch.int64, device=st.device),
+                    q[3],
+                )
         else:
             st = storage(info.storage)
             out = torch.empty(0, dtype=_DTYPES[info.dtype], device=st.device).set_(
-                st, info.storage_offset, info.shape, info.stride)
+                st, info.storage_offset, info.shape, info.stride
+            )
             if info.parameter:
                 out = torch.nn.Parameter(out, requires_grad=info.requires_grad)
             elif info.requires_grad:
@@ -1453,12 +1580,21 @@ def _substitute(x: Any, make: Callable[[int], Any]) -> Any:
 # ------------------------------------------------------------------------------------------
 # load / inspect
 # ------------------------------------------------------------------------------------------
-def _load_source(src: _Source, *, map_location: Any = None, mmap: bool = False, keys: Iterable[Any] | None = None,
-                 verify: bool | None = None, allow_pickle: bool = False) -> Any:
+def _load_source(
+    src: _Source,
+    *,
+    map_location: Any = None,
+    mmap: bool = False,
+    keys: Iterable[Any] | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+) -> Any:
     meta = _read_meta(src, full=keys is None and not mmap)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
-        raise FormatError(f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
-                          f"pass allow_pickle=True only if you trust the file")
+        raise FormatError(
+            f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
+            f"pass allow_pickle=True only if you trust the file"
+        )
     if verify is None:
         verify = not mmap  # a mapping stays lazy unless verification is asked for
     if keys is not None:
@@ -1503,8 +1639,16 @@ def _with_source(src: _Source, fn: Callable[[_Source], Any]) -> Any:
         src.close()
 
 
-def load(uri_or_file: Any, *, map_location: Any = None, mmap: bool = False, keys: Iterable[Any] | None = None,
-         verify: bool | None = None, allow_pickle: bool = False, **backend_options: Any) -> Any:
+def load(
+    uri_or_file: Any,
+    *,
+    map_location: Any = None,
+    mmap: bool = False,
+    keys: Iterable[Any] | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+    **backend_options: Any,
+) -> Any:
     """Load a fastpickle file from a URI or an open binary file. Never runs code unless ``allow_pickle``.
 
     ``map_location`` works like ``torch.load``'s (device, string, dict of locations, or
@@ -1514,16 +1658,22 @@ def load(uri_or_file: Any, *, map_location: Any = None, mmap: bool = False, keys
     unless ``verify=False`` (with ``mmap=True`` only when ``verify=True``, since it reads every page);
     the metadata checksum is always verified.
     """
-    return _with_source(_open_source(uri_or_file, backend_options), lambda src: _load_source(
-        src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle))
+    return _with_source(
+        _open_source(uri_or_file, backend_options),
+        lambda src: _load_source(
+            src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle
+        ),
+    )
 
 
 def inspect(uri_or_file: Any, **backend_options: Any) -> Inspection:
     """The tree (tensors replaced by :class:`TensorInfo`) and the tensor table; reads no tensor bytes."""
+
     def run(src: _Source) -> Inspection:
         meta = _read_meta(src)
         tree = _decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
         return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
+
     return _with_source(_open_source(uri_or_file, backend_options), run)
 
 
@@ -1536,8 +1686,17 @@ class FastpickleFormat(Format):
     name = "fastpickle"
     extensions = (".fpk",)
 
-    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
-             allow_pickle: bool = False, **kwargs: Any) -> None:
+    def dump(
+        self,
+        obj: Any,
+        backend: Backend,
+        uri: str,
+        *,
+        mode: WriteMode = "overwrite",
+        durable: bool = True,
+        allow_pickle: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if kwargs:
             raise TypeError(f"fastpickle dump got unexpected options {sorted(kwargs)}")
         with _gc_paused():

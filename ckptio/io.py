@@ -11,23 +11,31 @@ import contextlib
 import io
 import os
 import shutil
-from typing import IO, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
 
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend, WriteMode, copy_between
-from .backends.local import ensure_inside, local_path
 from .backends.cached import CachedBackend
+from .backends.local import ensure_inside, local_path
 from .context import default_context
 from .errors import AlreadyExistsError, NotFoundError, SettingsError, UnknownSchemeError
 from .formats.base import Format
 
-
 # ---------------------------------------------------------------------------------------------
 # backend selection (Cosmos/mmengine compatible arguments)
 
-_BACKEND_NAMES = {"s3": "s3", "boto3": "s3", "petrel": "s3", "gcs": "gcs", "gs": "gcs", "local": "local",
-                  "disk": "local", "memory": "memory"}
+_BACKEND_NAMES = {
+    "s3": "s3",
+    "boto3": "s3",
+    "petrel": "s3",
+    "gcs": "gcs",
+    "gs": "gcs",
+    "local": "local",
+    "disk": "local",
+    "memory": "memory",
+}
 
 
 def _translate_backend_args(args: Mapping[str, Any]) -> tuple[Mapping[str, str], dict[str, Any]]:
@@ -53,25 +61,33 @@ def set_s3_backend(key: str | None = None, backend_args: Mapping[str, Any] | Non
     default_context().named_backends[key or "default"] = dict(backend_args or {"backend": "s3"})
 
 
-def _resolve(uri: str | os.PathLike, backend_args: Mapping[str, Any] | None = None,
-             backend_key: str | None = None, **options: Any) -> tuple[Backend, str]:
+def _resolve(
+    uri: str | os.PathLike,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    **options: Any,
+) -> tuple[Backend, str]:
     ctx = default_context()
     uri = os.fspath(uri)
     if backend_key is not None:
         if backend_key not in ctx.named_backends:
-            raise SettingsError(f"no backend registered under key {backend_key!r} (for {uri!r}); call "
-                                f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first")
+            raise SettingsError(
+                f"no backend registered under key {backend_key!r} (for {uri!r}); call "
+                f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first"
+            )
         backend_args = {**ctx.named_backends[backend_key], **(backend_args or {})}
     elif backend_args is None and _uri.scheme_of(uri) in ("s3", "s3a") and "default" in ctx.named_backends:
         backend_args = ctx.named_backends["default"]
     if backend_args:
         backend = backend_args.get("backend")
         if backend is not None and backend not in _BACKEND_NAMES:
-            raise SettingsError(f"backend_args['backend']={backend!r} is not known; use one of {sorted(_BACKEND_NAMES)}")
+            raise SettingsError(
+                f"backend_args['backend']={backend!r} is not known; use one of {sorted(_BACKEND_NAMES)}"
+            )
         mapping, extra = _translate_backend_args(backend_args)
         best = max((p for p in mapping if uri.startswith(p)), key=len, default=None)
         if best is not None:
-            uri = mapping[best] + uri[len(best):]
+            uri = mapping[best] + uri[len(best) :]
         if extra and (backend is None or _backend_name(uri) == _BACKEND_NAMES[backend]):
             # only the backend the args are for gets its options: in copyfile_to_local(s3 -> /tmp,
             # backend_args=s3 credentials) the local side must not receive credentials_file
@@ -100,9 +116,19 @@ def _format_for(uri: str, file_format: str | None) -> Format:
 # ---------------------------------------------------------------------------------------------
 # dump / load
 
-def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
-         backend_key: str | None = None, fast_backend: bool = True, mode: WriteMode = "overwrite",
-         progress: Any = None, **kwargs: Any) -> Any:
+
+def dump(
+    obj: Any,
+    file: Any = None,
+    file_format: str | None = None,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    fast_backend: bool = True,
+    mode: WriteMode = "overwrite",
+    progress: Any = None,
+    **kwargs: Any,
+) -> Any:
     """Serialize ``obj`` to a URI (format by extension), an open file, or (``file=None``) return it.
 
     Writes are atomic: the object appears under ``file`` complete or not at all. ``mode="create"``
@@ -133,9 +159,17 @@ def dump(obj: Any, file: Any = None, file_format: str | None = None, *, backend_
     return None
 
 
-def load(file: Any, file_format: str | None = None, *, backend_args: Mapping[str, Any] | None = None,
-         backend_key: str | None = None, fast_backend: bool = True, cache: Any = None, progress: Any = None,
-         **kwargs: Any) -> Any:
+def load(
+    file: Any,
+    file_format: str | None = None,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    fast_backend: bool = True,
+    cache: Any = None,
+    progress: Any = None,
+    **kwargs: Any,
+) -> Any:
     """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
     (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...). ``cache=True`` (or a directory or
     mapping) reads through the node-local cache, see :mod:`ckptio.backends.cached`. ``progress`` as
@@ -179,9 +213,17 @@ def _reporting(progress: Any, backend: Backend, uri: str, total: int) -> Iterato
 # ---------------------------------------------------------------------------------------------
 # bytes and text
 
-def put(obj: bytes | bytearray | memoryview, filepath: Any, *, backend_args: Mapping[str, Any] | None = None,
-        backend_key: str | None = None, mode: WriteMode = "overwrite", durable: bool = True,
-        progress: Any = None) -> None:
+
+def put(
+    obj: bytes | bytearray | memoryview,
+    filepath: Any,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    mode: WriteMode = "overwrite",
+    durable: bool = True,
+    progress: Any = None,
+) -> None:
     """Write bytes atomically (parallel multipart for large objects on object stores)."""
     if not isinstance(obj, (bytes, bytearray, memoryview)):
         raise TypeError(f"put() writes bytes-like objects, got {type(obj).__name__} (use put_text for str)")
@@ -194,8 +236,13 @@ def put(obj: bytes | bytearray | memoryview, filepath: Any, *, backend_args: Map
             w.write_borrowed(obj)
 
 
-def get(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
-        progress: Any = None) -> bytes:
+def get(
+    filepath: Any,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    progress: Any = None,
+) -> bytes:
     """Read a whole object (parallel ranged reads for large objects on object stores)."""
     backend, uri = _resolve(filepath, backend_args, backend_key)
     if progress in (None, False):
@@ -204,28 +251,51 @@ def get(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend
         return counted.read(uri)
 
 
-def readinto(filepath: Any, buf: Any, offset: int = 0, *, backend_args: Mapping[str, Any] | None = None,
-             backend_key: str | None = None) -> int:
+def readinto(
+    filepath: Any,
+    buf: Any,
+    offset: int = 0,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+) -> int:
     """Fill a caller's buffer from ``offset``; returns the byte count (no intermediate copy)."""
     backend, uri = _resolve(filepath, backend_args, backend_key)
     return backend.readinto(uri, buf, offset)
 
 
-def put_text(obj: str, filepath: Any, encoding: str = "utf-8", *, backend_args: Mapping[str, Any] | None = None,
-             backend_key: str | None = None, mode: WriteMode = "overwrite") -> None:
+def put_text(
+    obj: str,
+    filepath: Any,
+    encoding: str = "utf-8",
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    mode: WriteMode = "overwrite",
+) -> None:
     if not isinstance(obj, str):
         raise TypeError(f"put_text() writes str, got {type(obj).__name__}")
     put(obj.encode(encoding), filepath, backend_args=backend_args, backend_key=backend_key, mode=mode)
 
 
-def get_text(filepath: Any, encoding: str = "utf-8", *, backend_args: Mapping[str, Any] | None = None,
-             backend_key: str | None = None) -> str:
+def get_text(
+    filepath: Any,
+    encoding: str = "utf-8",
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+) -> str:
     return get(filepath, backend_args=backend_args, backend_key=backend_key).decode(encoding)
 
 
 @contextlib.contextmanager
-def open(filepath: Any, mode: str = "rb", *, backend_args: Mapping[str, Any] | None = None,  # noqa: A001
-         backend_key: str | None = None) -> Iterator[IO[bytes]]:
+def open(
+    filepath: Any,
+    mode: str = "rb",
+    *,
+    backend_args: Mapping[str, Any] | None = None,  # noqa: A001
+    backend_key: str | None = None,
+) -> Iterator[IO[bytes]]:
     """A binary file on any backend: ``"rb"`` (seekable) or ``"wb"``/``"xb"`` (atomic on close)."""
     backend, uri = _resolve(filepath, backend_args, backend_key)
     if mode == "rb":
@@ -243,6 +313,7 @@ def open(filepath: Any, mode: str = "rb", *, backend_args: Mapping[str, Any] | N
 
 # ---------------------------------------------------------------------------------------------
 # queries and listing
+
 
 def exists(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> bool:
     backend, uri = _resolve(filepath, backend_args, backend_key)
@@ -265,16 +336,28 @@ def stat(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backen
     return backend.stat(uri)
 
 
-def ls(dir_path: Any, *, recursive: bool = False, backend_args: Mapping[str, Any] | None = None,
-       backend_key: str | None = None) -> list[str]:
+def ls(
+    dir_path: Any,
+    *,
+    recursive: bool = False,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+) -> list[str]:
     """Full URIs of the entries under ``dir_path`` (sorted; directories only in one-level listings)."""
     backend, uri = _resolve(dir_path, backend_args, backend_key)
     return sorted(i.uri for i in backend.list(uri, recursive=recursive))
 
 
-def list_dir_or_file(dir_path: Any, list_dir: bool = True, list_file: bool = True, suffix: str | tuple[str, ...] | None = None,
-                     recursive: bool = False, *, backend_args: Mapping[str, Any] | None = None,
-                     backend_key: str | None = None) -> Iterator[str]:
+def list_dir_or_file(
+    dir_path: Any,
+    list_dir: bool = True,
+    list_file: bool = True,
+    suffix: str | tuple[str, ...] | None = None,
+    recursive: bool = False,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+) -> Iterator[str]:
     """Paths relative to ``dir_path``, as mmengine/easy_io yield them. ``suffix`` filters files only.
 
     Arguments are checked at the call (as mmengine does); the listing runs as the result is iterated."""
@@ -286,12 +369,13 @@ def list_dir_or_file(dir_path: Any, list_dir: bool = True, list_file: bool = Tru
     return _list_relative(backend, uri, list_dir, list_file, suffix, recursive)
 
 
-def _list_relative(backend: Backend, uri: str, list_dir: bool, list_file: bool,
-                   suffix: str | tuple[str, ...] | None, recursive: bool) -> Iterator[str]:
+def _list_relative(
+    backend: Backend, uri: str, list_dir: bool, list_file: bool, suffix: str | tuple[str, ...] | None, recursive: bool
+) -> Iterator[str]:
     root = uri.rstrip("/")
     dirs_seen: set[str] = set()
     for info in backend.list(uri, recursive=recursive):
-        rel = info.uri[len(root):].lstrip("/")
+        rel = info.uri[len(root) :].lstrip("/")
         if recursive and list_dir:
             parts = rel.split("/")[:-1]
             for i in range(1, len(parts) + 1):
@@ -315,6 +399,7 @@ def join_path(filepath: Any, *filepaths: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # mutations
 
+
 def remove(filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None) -> None:
     backend, uri = _resolve(filepath, backend_args, backend_key)
     backend.delete(uri)
@@ -325,8 +410,14 @@ def rmtree(dir_path: Any, *, backend_args: Mapping[str, Any] | None = None, back
     backend.rmtree(uri)
 
 
-def copyfile(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
-             mode: WriteMode = "overwrite") -> Any:
+def copyfile(
+    src: Any,
+    dst: Any,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    mode: WriteMode = "overwrite",
+) -> Any:
     """Copy one object, across backends if needed. If ``dst`` is an existing directory, copy into it.
 
     Returns ``dst`` as given (a ``Path`` stays a ``Path``), or the joined ``str`` when copied into a
@@ -362,8 +453,15 @@ def _is_local(resolved: str) -> bool:
     return _registry.backends.find(resolved).name == "local"
 
 
-def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None,
-             mode: WriteMode = "overwrite", dirs_exist_ok: bool = False) -> Any:
+def copytree(
+    src: Any,
+    dst: Any,
+    *,
+    backend_args: Mapping[str, Any] | None = None,
+    backend_key: str | None = None,
+    mode: WriteMode = "overwrite",
+    dirs_exist_ok: bool = False,
+) -> Any:
     """Copy every object under ``src`` to the same relative path under ``dst``; returns ``dst`` as given.
 
     As mmengine (and ``shutil.copytree``), ``dst`` must not exist: ``FileExistsError`` otherwise.
@@ -372,8 +470,9 @@ def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = Non
     sb, s = _resolve(src, backend_args, backend_key)
     db, d = _resolve(dst, backend_args, backend_key)
     if not dirs_exist_ok and db.exists(d):
-        raise AlreadyExistsError(os.fspath(dst), "copytree destination already exists (pass dirs_exist_ok=True "
-                                 "to copy into it)")
+        raise AlreadyExistsError(
+            os.fspath(dst), "copytree destination already exists (pass dirs_exist_ok=True to copy into it)"
+        )
     infos = list(sb.list(s, recursive=True))
     if not infos and not sb.isdir(s):
         raise NotFoundError(os.fspath(src), "no such directory")
@@ -383,7 +482,7 @@ def copytree(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = Non
     for info in infos:
         if info.is_dir:
             continue
-        rel = info.uri[len(root):].lstrip("/")
+        rel = info.uri[len(root) :].lstrip("/")
         if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
             raise SettingsError(f"refusing to copy {info.uri!r}: its key escapes {src!r}")
         target = _uri.join_path(d, *rel.split("/"))
@@ -413,8 +512,9 @@ def copytree_to_local(src: Any, dst: Any, **kw: Any) -> Any:
     return copytree(src, dst, **kw)
 
 
-def copy_if_symlink_fails(src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None,
-                          backend_key: str | None = None) -> bool:
+def copy_if_symlink_fails(
+    src: Any, dst: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None
+) -> bool:
     """Make ``dst`` a symbolic link to ``src`` (True); where that fails, or either side is not on
     the local filesystem, copy the file or tree instead (False). As mmengine, the link holds
     ``src`` exactly as given, so a relative ``src`` is relative to ``dst``'s directory."""
@@ -435,8 +535,9 @@ def copy_if_symlink_fails(src: Any, dst: Any, *, backend_args: Mapping[str, Any]
 
 
 @contextlib.contextmanager
-def get_local_path(filepath: Any, *, backend_args: Mapping[str, Any] | None = None,
-                   backend_key: str | None = None) -> Iterator[str]:
+def get_local_path(
+    filepath: Any, *, backend_args: Mapping[str, Any] | None = None, backend_key: str | None = None
+) -> Iterator[str]:
     """A local path for the object: the file itself when local, else a temporary copy removed on exit."""
     backend, uri = _resolve(filepath, backend_args, backend_key)
     with backend.get_local_path(uri) as p:

@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Protocol, TextIO
+from collections.abc import Callable
+from typing import Any, Protocol, TextIO
 
 
 class ProgressCallback(Protocol):
@@ -78,8 +79,15 @@ def _enabled_by_env() -> bool:
 class Bar:
     """A progress bar usable as a callback. Use as a context manager so the line is finished."""
 
-    def __init__(self, total: int = 0, desc: str = "", *, enabled: bool | None = None,
-                 file: TextIO | None = None, min_interval: float = 0.1) -> None:
+    def __init__(
+        self,
+        total: int = 0,
+        desc: str = "",
+        *,
+        enabled: bool | None = None,
+        file: TextIO | None = None,
+        min_interval: float = 0.1,
+    ) -> None:
         self.file = file if file is not None else sys.stderr
         if enabled is None:
             enabled = _enabled_by_env() and bool(getattr(self.file, "isatty", lambda: False)())
@@ -95,15 +103,23 @@ class Bar:
             try:
                 from tqdm import tqdm
             except ImportError:
-                tqdm = None
-            if tqdm is not None:
+                pass  # plain text lines
+            else:
                 try:
                     cols = os.get_terminal_size(self.file.fileno()).columns
                 except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
                     cols = 0
                 size = {"dynamic_ncols": True} if cols else {"ncols": 100}  # a pty without a size reports 0
-                self._tqdm = tqdm(total=self.total or None, desc=desc or None, unit="B", unit_scale=True,
-                                  unit_divisor=1024, file=self.file, leave=False, **size)
+                self._tqdm = tqdm(
+                    total=self.total or None,
+                    desc=desc or None,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    file=self.file,
+                    leave=False,
+                    **size,
+                )
 
     def __call__(self, bytes_done: int, bytes_total: int) -> None:
         if not self.enabled:
@@ -174,7 +190,7 @@ class Bar:
                 self._line_len = 0
             self.enabled = False
 
-    def __enter__(self) -> "Bar":
+    def __enter__(self) -> Bar:
         return self
 
     def __exit__(self, *exc: Any) -> None:

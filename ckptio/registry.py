@@ -12,9 +12,10 @@ import importlib
 import inspect
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from . import uri as _uri
 from .errors import MissingDependencyError, UnknownFormatError, UnknownSchemeError
@@ -42,7 +43,9 @@ class Entry:
                 except MissingDependencyError:  # the module's own message names the package and version
                     raise
                 except ImportError as e:
-                    hint = f"pip install 'ckptio[{self.extra}]'" if self.extra else "install the package that provides it"
+                    hint = (
+                        f"pip install 'ckptio[{self.extra}]'" if self.extra else "install the package that provides it"
+                    )
                     raise MissingDependencyError(
                         f"{self.name!r} needs a package that is not installed ({e.name or e}); run: {hint}"
                     ) from e
@@ -81,8 +84,15 @@ class _Registry:
         self._lock = threading.RLock()
         self._entry_points_loaded = False
 
-    def register(self, name: str, keys: list[str] | tuple[str, ...], target: Any, *, extra: str | None = None,
-                 force: bool = False) -> Entry:
+    def register(
+        self,
+        name: str,
+        keys: list[str] | tuple[str, ...],
+        target: Any,
+        *,
+        extra: str | None = None,
+        force: bool = False,
+    ) -> Entry:
         keys = tuple(self._norm(k) for k in keys)
         if not keys:
             raise ValueError(f"{self.kind} {name!r} must be registered with at least one prefix/extension")
@@ -90,7 +100,9 @@ class _Registry:
             taken = [k for k in keys if k in self._entries and self._entries[k].name != name]
             if taken and not force:
                 owners = ", ".join(f"{k!r} (by {self._entries[k].name!r})" for k in taken)
-                raise ValueError(f"cannot register {self.kind} {name!r}: already registered: {owners}; pass force=True to replace")
+                raise ValueError(
+                    f"cannot register {self.kind} {name!r}: already registered: {owners}; pass force=True to replace"
+                )
             entry = Entry(name, keys, target, extra)
             for k in keys:
                 self._entries[k] = entry
@@ -133,10 +145,13 @@ class _Registry:
                     obj = ep.load()
                 except Exception as e:  # one broken plugin must not break every other lookup
                     dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
-                    warnings.warn(f"ckptio: skipping the {self.kind} plug-in {ep.name!r} ({ep.value}, from {dist}) "
-                                  f"of entry-point group {self.group!r}: it failed to import: "
-                                  f"{type(e).__name__}: {e}. Reinstall or uninstall that package.",
-                                  RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        f"ckptio: skipping the {self.kind} plug-in {ep.name!r} ({ep.value}, from {dist}) "
+                        f"of entry-point group {self.group!r}: it failed to import: "
+                        f"{type(e).__name__}: {e}. Reinstall or uninstall that package.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                     continue
                 if self.by_name_unloaded(ep.name) is None:
                     keys = getattr(obj, "prefixes", None) or getattr(obj, "extensions", None) or ()
@@ -178,7 +193,7 @@ class BackendRegistry(_Registry):
         with self._lock:
             if not scheme:
                 return self._entries.get("")
-            low = uri[: len(scheme) + 3].lower() + uri[len(scheme) + 3:]
+            low = uri[: len(scheme) + 3].lower() + uri[len(scheme) + 3 :]
             best_key = max((k for k in self._entries if k and low.startswith(k)), key=len, default=None)
             return self._entries[best_key] if best_key is not None else None
 
@@ -278,5 +293,6 @@ formats.register("msgpack", [".msgpack", ".mpk"], "ckptio.formats.simple:Msgpack
 formats.register("npy", [".npy"], "ckptio.formats.simple:NumpyFormat")
 formats.register("torch", [".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt"], "ckptio.formats.torch:TorchFormat")
 formats.register("fastpickle", [".fpk"], "ckptio.fastpickle:FastpickleFormat")
-formats.register("safetensors", [".safetensors", ".safetensors.index.json"],
-                 "ckptio.formats.safetensors:SafetensorsFormat")
+formats.register(
+    "safetensors", [".safetensors", ".safetensors.index.json"], "ckptio.formats.safetensors:SafetensorsFormat"
+)

@@ -31,8 +31,9 @@ import logging
 import random
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from .errors import CkptioError, SettingsError, TransferError
 
@@ -40,10 +41,23 @@ log = logging.getLogger("ckptio.retry")
 
 TRANSIENT, EXPIRED, PERMANENT = "transient", "expired", "permanent"
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                            "TooManyRequestsException", "ProvisionedThroughputExceededException",
-                            "RequestThrottled", "ServiceUnavailable", "InternalError", "RequestTimeout",
-                            "RequestTimeTooSkewed", "BandwidthLimitExceeded", "EC2ThrottledException"})
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestThrottled",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "BandwidthLimitExceeded",
+        "EC2ThrottledException",
+    }
+)
 # the body S3 received does not match the checksum sent with it (CRC32 / SigV4 payload hash): damaged on the
 # way, so the part is sent again from memory that still matches the checksum (computed once, before sending)
 DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"})  # last: MinIO
@@ -62,12 +76,29 @@ def classify_common(exc: BaseException) -> str | None:
     """The classification of errors shared by all HTTP clients, or None if this is not one of them."""
     if isinstance(exc, CkptioError):
         return PERMANENT
-    if isinstance(exc, (TruncatedBodyError, StalledError, asyncio.TimeoutError, TimeoutError, socket.timeout,
-                        ConnectionError, http.client.IncompleteRead)):
+    if isinstance(
+        exc,
+        (
+            TruncatedBodyError,
+            StalledError,
+            asyncio.TimeoutError,
+            TimeoutError,
+            socket.timeout,
+            ConnectionError,
+            http.client.IncompleteRead,
+        ),
+    ):
         return TRANSIENT
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED,
-                                                  errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-                                                  errno.ENETUNREACH, errno.ENETRESET):
+    if isinstance(exc, OSError) and exc.errno in (
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.EPIPE,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETRESET,
+    ):
         return TRANSIENT
     return None
 
@@ -120,9 +151,16 @@ class RetryPolicy:
             raise ValueError(f"timeout must be > 0, got {self.timeout!r}")
 
     @classmethod
-    def from_options(cls, *, retries: int | None = None, max_attempts: int | None = None,
-                     deadline: float | None = None, timeout: float | None = None,
-                     stall_timeout: float | None = None, **defaults: Any) -> "RetryPolicy":
+    def from_options(
+        cls,
+        *,
+        retries: int | None = None,
+        max_attempts: int | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        stall_timeout: float | None = None,
+        **defaults: Any,
+    ) -> RetryPolicy:
         """Build from backend options; ``max_attempts`` wins over ``retries`` (= attempts - 1)."""
         if retries is not None and int(retries) < 0:
             raise ValueError(f"retries must be >= 0, got {retries!r}")
@@ -141,12 +179,19 @@ class RetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         """Full jitter: uniform in [0, min(max_delay, base_delay * 2**attempt)]."""
-        return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** attempt))
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
 
-    async def run(self, fn: Callable[[], Awaitable[Any]], *, uri: str, what: str,
-                  classify: Callable[[BaseException], str], describe: Callable[[BaseException], str],
-                  refresh: "CredentialRefresher | None" = None,
-                  on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+    async def run(
+        self,
+        fn: Callable[[], Awaitable[Any]],
+        *,
+        uri: str,
+        what: str,
+        classify: Callable[[BaseException], str],
+        describe: Callable[[BaseException], str],
+        refresh: CredentialRefresher | None = None,
+        on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+    ) -> Any:
         """Await ``fn()`` until it succeeds, a permanent error occurs, or attempts/deadline run out.
 
         ``refresh`` is awaited on EXPIRED errors; it returns False when no provider is configured
@@ -182,15 +227,25 @@ class RetryPolicy:
                     raise
                 out_of_time = elapsed + 0.001 >= self.deadline
                 if attempt >= self.max_attempts or out_of_time:
-                    why = (f"deadline of {self.deadline:g}s exceeded" if out_of_time
-                           else f"gave up after {attempt} attempt(s) in {elapsed:.1f}s")
+                    why = (
+                        f"deadline of {self.deadline:g}s exceeded"
+                        if out_of_time
+                        else f"gave up after {attempt} attempt(s) in {elapsed:.1f}s"
+                    )
                     code = errno.ETIMEDOUT if isinstance(e, TimeoutError) or out_of_time else errno.EIO
                     err = TransferError(code, f"{what} of {uri} failed: {why}; last error: {describe(e)}", uri)
                     err.attempts = attempt  # type: ignore[attr-defined]
                     raise err from e
                 delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
-                log.warning("retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)", what, uri, describe(e),
-                            attempt, self.max_attempts, delay)
+                log.warning(
+                    "retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)",
+                    what,
+                    uri,
+                    describe(e),
+                    attempt,
+                    self.max_attempts,
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 if on_retry is not None:
                     await on_retry(e)
@@ -239,9 +294,13 @@ def check_ranged_status(status: int | None, start: int, uri: str) -> None:
     """A ranged GET from ``start`` > 0 answered 200 (not 206) carries the object from byte 0: the
     server ignored ``Range``. Raise instead of handing those bytes back as if they were the range."""
     if status == 200 and start > 0:
-        raise TransferError(errno.EIO, f"ranged read of {uri} from byte {start} failed: the server ignored the "
-                            "Range header (HTTP 200 with the object from byte 0); use a server that supports "
-                            "ranged GETs", uri)
+        raise TransferError(
+            errno.EIO,
+            f"ranged read of {uri} from byte {start} failed: the server ignored the "
+            "Range header (HTTP 200 with the object from byte 0); use a server that supports "
+            "ranged GETs",
+            uri,
+        )
 
 
 def check_range(view_len: int, got: int, content_range: str | None, content_length: str | None) -> None:
@@ -253,7 +312,9 @@ def check_range(view_len: int, got: int, content_range: str | None, content_leng
             s, _, e = span.partition("-")
             expected = int(e) - int(s) + 1
             if total not in ("*", "") and int(e) + 1 < int(total) and expected < view_len:
-                raise TruncatedBodyError(f"server returned bytes {span} of {total}, fewer than the {view_len} asked for")
+                raise TruncatedBodyError(
+                    f"server returned bytes {span} of {total}, fewer than the {view_len} asked for"
+                )
         except ValueError:
             expected = None
     if expected is None and content_length and content_length.isdigit():

@@ -25,7 +25,7 @@ def split(uri: str) -> tuple[str, str]:
     m = _SCHEME_RE.match(uri)
     if not m:
         return "", uri
-    return m.group(1).lower(), uri[m.end():]
+    return m.group(1).lower(), uri[m.end() :]
 
 
 def bucket_key(uri: str) -> tuple[str, str]:

@@ -17,9 +17,9 @@ import time
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import torch  # noqa: E402
+import torch
 
-import ckptio  # noqa: E402
+import ckptio
 
 
 def make_state(hidden: int, layers: int) -> dict:
@@ -29,8 +29,13 @@ def make_state(hidden: int, layers: int) -> dict:
     model(torch.randn(4, hidden)).sum().backward()
     optim.step()
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=10)
-    return {"model": model.state_dict(), "optim": optim.state_dict(), "scheduler": sched.state_dict(),
-            "step": 100, "config": {"hidden": hidden, "layers": layers, "lr": 1e-3}}
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": 100,
+        "config": {"hidden": hidden, "layers": layers, "lr": 1e-3},
+    }
 
 
 def nbytes(obj) -> int:
@@ -49,7 +54,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -61,8 +66,10 @@ def roundtrip(state: dict, uri: str, size: int) -> None:
     t2 = time.perf_counter()
     stored = ckptio.stat(uri).size
     ok = "ok" if same(state, back) else "MISMATCH"
-    print(f"  {uri:<58} {stored / 2**20:8.1f} MiB   dump {size / (t1 - t0) / 1e9:6.2f} GB/s"
-          f"   load {size / (t2 - t1) / 1e9:6.2f} GB/s   {ok}")
+    print(
+        f"  {uri:<58} {stored / 2**20:8.1f} MiB   dump {size / (t1 - t0) / 1e9:6.2f} GB/s"
+        f"   load {size / (t2 - t1) / 1e9:6.2f} GB/s   {ok}"
+    )
     if ok != "ok":
         raise SystemExit(f"round trip through {uri} did not restore the state exactly")
 

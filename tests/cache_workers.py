@@ -53,8 +53,13 @@ def readonly_main(cache_dir: str, uri: str) -> None:
             fn()
             return {"ok": True}
         except Exception as e:  # the parent asserts on the kind and the message
-            return {"ok": False, "type": type(e).__name__, "permission": isinstance(e, PermissionError),
-                    "not_found": isinstance(e, FileNotFoundError), "message": str(e)}
+            return {
+                "ok": False,
+                "type": type(e).__name__,
+                "permission": isinstance(e, PermissionError),
+                "not_found": isinstance(e, FileNotFoundError),
+                "message": str(e),
+            }
 
     def run_cli(*argv: str) -> dict:
         out, err = io.StringIO(), io.StringIO()
@@ -62,8 +67,11 @@ def readonly_main(cache_dir: str, uri: str) -> None:
             code = cli.main(["cache", *argv, "--cache-dir", cache_dir])
         return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
 
-    res = {"load": attempt(lambda: ckptio.load(uri, cache=cache_dir)), "stats": run_cli("stats"),
-           "clear": run_cli("clear")}
+    res = {
+        "load": attempt(lambda: ckptio.load(uri, cache=cache_dir)),
+        "stats": run_cli("stats"),
+        "clear": run_cli("clear"),
+    }
     print(json.dumps(res), flush=True)
 
 
@@ -84,16 +92,21 @@ def dist_main(rank: int, world: int, port: int, backends: dict, root: str, tmp: 
     import ckptio
     import ckptio.distributed as D
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     ckptio.configure(backends=backends)
     node = f"n{rank // 2}"
     res: dict = {}
     res["one_node"] = _outcome(lambda: D.load(f"{root}/a.pt", cache=f"{tmp}/one", timeout=30)["w"].tolist())
-    res["two_nodes"] = _outcome(lambda: D.load(f"{root}/b.pt", cache=f"{tmp}/{node}", node=node,
-                                               timeout=30)["w"].tolist())
-    res["network"] = _outcome(lambda: D.load(f"{root}/c.pt", mode="network", chunk_size=700,
-                                             timeout=30)["w"].tolist())
+    res["two_nodes"] = _outcome(
+        lambda: D.load(f"{root}/b.pt", cache=f"{tmp}/{node}", node=node, timeout=30)["w"].tolist()
+    )
+    res["network"] = _outcome(lambda: D.load(f"{root}/c.pt", mode="network", chunk_size=700, timeout=30)["w"].tolist())
 
     def dcp_load():
         sd = {"w": torch.zeros(8, 4), "b": torch.zeros(16, dtype=torch.int64)}

@@ -14,18 +14,27 @@ import sys
 import threading
 import time
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
 # before anything imports gcsfs: without it gcsfs 2026.x stalls a minute per call on the emulator
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-_ENV_DEFAULTS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true"}
+_ENV_DEFAULTS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 for _k, _v in _ENV_DEFAULTS.items():
     os.environ.setdefault(_k, _v)
 # the developer's AWS settings (a profile, request_checksum_calculation for R2/MinIO...) must not change the tests
-for _k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+for _k in (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION",
+):
     os.environ.pop(_k, None)
 os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
@@ -39,10 +48,15 @@ from ckptio.backends.base import Backend, BufferedWriter, ObjectInfo, check_mode
 from ckptio.errors import AlreadyExistsError, NotFoundError  # noqa: E402
 from servers import CountingProxy, GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # noqa: E402
 
+# fixtures defined next to their helpers, for every test module: faults, s3_faults, gcs_faults
+# (faultproxy.py) and loader (fpk_crafting.py)
+pytest_plugins = ["faultproxy", "fpk_crafting"]
+
 S3_TEST_OPTIONS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 
 
 # ---- a user backend and an fsspec protocol, registered the way users would ---------------------
+
 
 @ckptio.register_backend("userdict", prefixes=["userdict://"], force=True)
 class UserDictBackend(Backend):
@@ -83,7 +97,7 @@ class UserDictBackend(Backend):
         for k in sorted(self.store):
             if not k.startswith(prefix):
                 continue
-            rest = k[len(prefix):]
+            rest = k[len(prefix) :]
             if "/" in rest and not recursive:
                 d = prefix + rest.split("/", 1)[0]
                 if d not in dirs:
@@ -110,6 +124,7 @@ fsspec.register_implementation("fstest", FsTestFileSystem, clobber=True)
 
 # ---- per-test isolation ------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _ckptio_isolation() -> Iterator[None]:
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
@@ -134,6 +149,7 @@ def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
 
 
 # ---- servers -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[MotoServer]:

@@ -12,7 +12,8 @@ Faults (``kind``):
   (S3 XML ``SlowDown``/``InternalError``, or ``code`` and ``message`` when given; GCS JSON).
 * ``expired``: the credentials expired (S3: 400 ``ExpiredToken`` XML; GCS: 401), not forwarded.
 * ``reset``: forward, then send the status line, headers and half the body and reset the
-  connection (RST); a response with no body is not sent at all. ``before=True`` resets before forwarding (the server never sees the request).
+  connection (RST); a response with no body is not sent at all. ``before=True`` resets before
+  forwarding (the server never sees the request).
 * ``stall``: forward, send headers and half the body (or nothing, ``before=True``) and then send
   nothing for ``stall`` seconds before closing.
 * ``truncate``: forward, then send a consistent but short response: half the body, with
@@ -92,16 +93,26 @@ class Seen:
 
 def _error_body(flavor: str, status: int, code: str, message: str) -> tuple[bytes, str]:
     if flavor == "s3":
-        return (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
-                f"<RequestId>fault</RequestId></Error>").encode(), "application/xml"
+        return (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>'
+            f"<RequestId>fault</RequestId></Error>"
+        ).encode(), "application/xml"
     import json
 
-    return json.dumps({"error": {"code": status, "message": message, "errors": [{"reason": code}]}}).encode(), \
-        "application/json"
+    return json.dumps(
+        {"error": {"code": status, "message": message, "errors": [{"reason": code}]}}
+    ).encode(), "application/json"
 
 
-_S3_CODES = {500: "InternalError", 502: "BadGateway", 503: "SlowDown", 504: "GatewayTimeout", 403: "AccessDenied",
-             404: "NoSuchKey", 412: "PreconditionFailed"}
+_S3_CODES = {
+    500: "InternalError",
+    502: "BadGateway",
+    503: "SlowDown",
+    504: "GatewayTimeout",
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    412: "PreconditionFailed",
+}
 
 
 @dataclass
@@ -151,8 +162,9 @@ class FaultProxy(LoopbackProxy):
                 kind = fault.kind if fault else None
                 if kind == "status":
                     seen.status = fault.status
-                    code = fault.code or (_S3_CODES.get(fault.status, "InternalError") if proxy.flavor == "s3"
-                                          else "backendError")
+                    code = fault.code or (
+                        _S3_CODES.get(fault.status, "InternalError") if proxy.flavor == "s3" else "backendError"
+                    )
                     return self._error(fault.status, code, fault.message or f"injected {fault.status}")
                 if kind == "expired":
                     if proxy.flavor == "s3":
@@ -170,8 +182,9 @@ class FaultProxy(LoopbackProxy):
                     kind = None
                 head_len = next((v for k, v in headers if k.lower() == "content-length"), None)
                 if kind is None:
-                    self._head(status, reason, headers, int(head_len) if self.command == "HEAD" and head_len
-                               else len(data))
+                    self._head(
+                        status, reason, headers, int(head_len) if self.command == "HEAD" and head_len else len(data)
+                    )
                     if self.command != "HEAD":
                         self.wfile.write(data)
                     return
@@ -234,7 +247,7 @@ def wait_until(pred, timeout: float = 5.0) -> bool:
     return pred()
 
 
-# ---- fixtures (import them into a test module: ``from faultproxy import faults  # noqa: F401``) ----
+# ---- fixtures (every test module has them: conftest.py lists this module in pytest_plugins) ----
 
 import pytest  # noqa: E402
 
@@ -253,13 +266,34 @@ def _setup(flavor: str, endpoint: str, **options) -> FaultProxy:
     bucket = _unique("f")
     if flavor == "s3":
         make_s3_bucket(endpoint, bucket)
-        ckptio.configure(backends={"s3": {"endpoint_url": p.url, **S3_TEST_OPTIONS, "part_size": 5 * MiB,
-                                          "concurrency": 3, **FAST, **options}})
+        ckptio.configure(
+            backends={
+                "s3": {
+                    "endpoint_url": p.url,
+                    **S3_TEST_OPTIONS,
+                    "part_size": 5 * MiB,
+                    "concurrency": 3,
+                    **FAST,
+                    **options,
+                }
+            }
+        )
         p.uri = f"s3://{bucket}"  # type: ignore[attr-defined]
     else:
         make_gcs_bucket(endpoint, bucket)
-        ckptio.configure(backends={"gcs": {"endpoint_url": p.url, "anon": True, "project": "test",
-                                           "part_size": 256 * 1024, "concurrency": 3, **FAST, **options}})
+        ckptio.configure(
+            backends={
+                "gcs": {
+                    "endpoint_url": p.url,
+                    "anon": True,
+                    "project": "test",
+                    "part_size": 256 * 1024,
+                    "concurrency": 3,
+                    **FAST,
+                    **options,
+                }
+            }
+        )
         p.uri = f"gs://{bucket}"  # type: ignore[attr-defined]
     p.endpoint = endpoint  # type: ignore[attr-defined]
     p.bucket = bucket  # type: ignore[attr-defined]

@@ -40,24 +40,36 @@ def split(data: bytes) -> tuple[int, bytes, bytes]:
     """(flags, payload area, metadata bytes) of a well-formed file."""
     meta_off, meta_len = struct.unpack("<QQ", data[-64:-48])
     flags = struct.unpack("<H", data[10:12])[0]
-    return flags, data[64:meta_off], data[meta_off: meta_off + meta_len]
+    return flags, data[64:meta_off], data[meta_off : meta_off + meta_len]
 
 
 def seal(flags: int, payload: bytes, meta: bytes, *, footer_lie: dict | None = None) -> bytes:
     """A file with valid checksums around whatever metadata (and footer fields) it is given."""
     header = fp.HEADER.pack(fp.MAGIC, fp.VERSION, flags, fp.ALIGN)
-    f = {"meta_off": 64 + len(payload), "meta_len": len(meta), "size": 64 + len(payload) + len(meta) + 64,
-         "hash": xxhash.xxh3_64_intdigest(header + meta), **(footer_lie or {})}
+    f = {
+        "meta_off": 64 + len(payload),
+        "meta_len": len(meta),
+        "size": 64 + len(payload) + len(meta) + 64,
+        "hash": xxhash.xxh3_64_intdigest(header + meta),
+        **(footer_lie or {}),
+    }
     body = struct.pack("<QQQQHH12x", f["meta_off"], f["meta_len"], f["hash"], f["size"], fp.VERSION, flags)
     footer = body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + fp.FOOTER_MAGIC
     return header + payload + meta + footer
 
 
-def craft(tree: bytes, storages: list | None = None, tensors: list | None = None, payload: bytes = b"",
-          flags: int = 0, **footer_lie: int) -> bytes:
+def craft(
+    tree: bytes,
+    storages: list | None = None,
+    tensors: list | None = None,
+    payload: bytes = b"",
+    flags: int = 0,
+    **footer_lie: int,
+) -> bytes:
     """A sealed file from a packed tree and raw tables (each storage's checksum as given)."""
-    meta = msgpack.packb({"checksum": "xxh3_64", "storages": storages or [], "tensors": tensors or [],
-                          "tree": tree}, use_bin_type=True)
+    meta = msgpack.packb(
+        {"checksum": "xxh3_64", "storages": storages or [], "tensors": tensors or [], "tree": tree}, use_bin_type=True
+    )
     return seal(flags, payload, meta, footer_lie=footer_lie or None)
 
 
@@ -134,6 +146,7 @@ def nested_tree(kinds: list[str], leaf: bytes = b"\xc0") -> bytes:
 
 
 # ---- the child ----------------------------------------------------------------------------------
+
 
 def _largest_owned(value: Any) -> int:
     """The largest buffer any array or tensor in ``value`` owns or views."""
@@ -223,8 +236,13 @@ class LoaderProcess:
         # few malloc arenas: each reserves 64 MiB of the capped address space
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MALLOC_ARENA_MAX": "2"}
         self._err = open(os.path.join(self.workdir, "child.stderr"), "ab")
-        self.proc = subprocess.Popen([sys.executable, __file__, self.workdir], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, self.workdir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=env,
+        )
 
     def run(self, op: str, data: bytes, **kw: Any) -> tuple[str, Any]:
         if self.proc is None or self.proc.poll() is not None:
@@ -248,8 +266,9 @@ class LoaderProcess:
             with open(os.path.join(self.workdir, "child.stderr"), "rb") as f:
                 tail = f.read()[-3000:].decode(errors="replace")
             what = "hung and was killed" if isinstance(e, TimeoutError) else "died"
-            raise AssertionError(f"the loader process {what} ({how}) on {op} {kw} of a {len(data)}-byte file, "
-                                 f"saved as {saved}:\n{tail}") from None
+            raise AssertionError(
+                f"the loader process {what} ({how}) on {op} {kw} of a {len(data)}-byte file, saved as {saved}:\n{tail}"
+            ) from None
 
     @property
     def path(self) -> str:
@@ -269,8 +288,9 @@ class LoaderProcess:
                     assert self.path in detail["stderr"] and "error: " in detail["stderr"], detail
                 outcome = "ok" if detail["code"] == 0 else "format"
             elif outcome == "ok":
-                assert detail["largest"] <= len(data), f"{op} made a {detail['largest']}-byte buffer from " \
-                                                      f"a {len(data)}-byte file"
+                assert detail["largest"] <= len(data), (
+                    f"{op} made a {detail['largest']}-byte buffer from a {len(data)}-byte file"
+                )
             elif outcome == "format":  # names the file and says what is wrong
                 assert detail.startswith(self.path) and not detail.rstrip().endswith(":"), detail
             else:

@@ -57,32 +57,47 @@ def _self_signed_certificate(directory: str) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
     with open(cert_file, "wb") as f:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
     with open(key_file, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return cert_file, key_file
 
 
 # ---- bucket helpers ---------------------------------------------------------------------------
 
+
 def s3_client(endpoint: str):
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                        aws_secret_access_key="testing")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
 
 
 # ---- a counting proxy -------------------------------------------------------------------------
+
 
 @dataclass
 class Request:
@@ -202,8 +217,9 @@ class CountingProxy(LoopbackProxy):
                 body = self._body()
                 status, reason, headers, data = self._forward(body)
                 with proxy._lock:  # recorded before the client can see the response
-                    proxy.requests.append(Request(self.command, self.path, dict(self.headers.items()), len(body),
-                                                  len(data), status))
+                    proxy.requests.append(
+                        Request(self.command, self.path, dict(self.headers.items()), len(body), len(data), status)
+                    )
                 length = next((v for k, v in headers if k.lower() == "content-length"), None)
                 self._head(status, reason, headers, length if self.command == "HEAD" and length else len(data))
                 if self.command != "HEAD":

@@ -21,8 +21,13 @@ SECRET = "SUPERSECRETvalue1234567890"
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
 
 
 def test_import_ckptio_does_not_import_storage_clients():
@@ -35,8 +40,9 @@ def test_import_ckptio_does_not_import_storage_clients():
     assert r.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module,uri,extra", [("s3fs", "s3://bucket/k", "ckptio[s3]"),
-                                              ("gcsfs", "gs://bucket/k", "ckptio[gcs]")])
+@pytest.mark.parametrize(
+    "module,uri,extra", [("s3fs", "s3://bucket/k", "ckptio[s3]"), ("gcsfs", "gs://bucket/k", "ckptio[gcs]")]
+)
 def test_missing_extra_names_what_to_install(module, uri, extra):
     r = _run(f"""
         import sys
@@ -69,8 +75,16 @@ def test_credentials_file_in_easy_io_format(s3_uri, s3_endpoint, tmp_path, monke
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     creds = tmp_path / "creds.json"
-    creds.write_text(json.dumps({"aws_access_key_id": "fromfile", "aws_secret_access_key": SECRET,
-                                 "endpoint_url": s3_endpoint, "region_name": "us-east-1"}))
+    creds.write_text(
+        json.dumps(
+            {
+                "aws_access_key_id": "fromfile",
+                "aws_secret_access_key": SECRET,
+                "endpoint_url": s3_endpoint,
+                "region_name": "us-east-1",
+            }
+        )
+    )
     ckptio.reset()
     b, u = ckptio.resolve(s3_uri + "/k", credentials_file=str(creds))
     b.write(u, b"via file")
@@ -107,15 +121,25 @@ def test_unreachable_endpoint_is_a_transfer_error_naming_uri(scheme):
 
 
 def test_secrets_not_in_repr_or_settings(s3_endpoint):
-    ckptio.configure(backends={"s3": {"endpoint_url": s3_endpoint, "access_key_id": "id",
-                                      "secret_access_key": SECRET, "session_token": SECRET}})
+    ckptio.configure(
+        backends={
+            "s3": {
+                "endpoint_url": s3_endpoint,
+                "access_key_id": "id",
+                "secret_access_key": SECRET,
+                "session_token": SECRET,
+            }
+        }
+    )
     b, _ = ckptio.resolve("s3://bucket/x")
     assert SECRET not in repr(b) and SECRET not in str(ckptio.settings())
 
 
 @pytest.mark.parametrize("uri", ["s3://", "s3:///key", "gs://", "s3://bucket", "gs://bucket/"])
 def test_malformed_object_uri(uri, s3_endpoint, gcs_endpoint):
-    ckptio.configure(backends={"s3": {"endpoint_url": s3_endpoint}, "gcs": {"endpoint_url": gcs_endpoint, "anon": True}})
+    ckptio.configure(
+        backends={"s3": {"endpoint_url": s3_endpoint}, "gcs": {"endpoint_url": gcs_endpoint, "anon": True}}
+    )
     b, u = ckptio.resolve(uri)
     with pytest.raises(InvalidURIError) as ei:
         b.read(u)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import ckptio
-from faultproxy import Fault, MiB, s3_faults  # noqa: F401
+from faultproxy import Fault, MiB
 
 
 class Provider:

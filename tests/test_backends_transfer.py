@@ -59,7 +59,7 @@ def test_s3_create_race_lost_at_complete_aborts_upload(s3_proxy, s3_endpoint):
     with pytest.raises(FileExistsError):
         w.close()
     assert b.read(u) == b"winner"
-    bucket = s3_proxy.uri[len("s3://"):]
+    bucket = s3_proxy.uri[len("s3://") :]
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
@@ -69,7 +69,7 @@ def test_s3_abort_aborts_multipart_upload(s3_proxy, s3_endpoint):
     w.write(os.urandom(16 * MiB))
     w.abort()
     assert s3_proxy.count("DELETE", "uploadId=") == 1
-    bucket = s3_proxy.uri[len("s3://"):]
+    bucket = s3_proxy.uri[len("s3://") :]
     assert s3_client(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert not b.exists(u)
 
@@ -92,10 +92,11 @@ def test_gcs_resumable_chunks_are_256k_multiples_and_reads_are_ranged(gcs_proxy)
     data = os.urandom(2 * MiB + 5)
     with b.open_writer(u) as w:
         for i in range(0, len(data), 100_000):
-            w.write(data[i: i + 100_000])
+            w.write(data[i : i + 100_000])
     ranges = [r.headers["Content-Range"] for r in gcs_proxy.requests if r.method == "PUT"]
-    assert ranges == [f"bytes {o}-{o + 512 * 1024 - 1}/*" for o in range(0, 2 * MiB, 512 * 1024)] + \
-        [f"bytes {2 * MiB}-{2 * MiB + 4}/{len(data)}"]
+    assert ranges == [f"bytes {o}-{o + 512 * 1024 - 1}/*" for o in range(0, 2 * MiB, 512 * 1024)] + [
+        f"bytes {2 * MiB}-{2 * MiB + 4}/{len(data)}"
+    ]
     gcs_proxy.clear()
     assert b.read(u) == data
     assert gcs_proxy.count("GET", "alt=media") == 5 and gcs_proxy.bytes_out >= len(data)
@@ -115,19 +116,22 @@ def test_s3_uploads_carry_a_crc32_per_part_that_s3_stores(s3_proxy, s3_endpoint)
     assert create[0].headers.get("x-amz-checksum-algorithm") == "CRC32"
     parts = sorted((r for r in s3_proxy.requests if "partNumber=" in r.path), key=lambda r: r.path)
     sent = {r.headers.get("x-amz-checksum-crc32") for r in parts}
-    want = {_crc32_b64(data[i: i + 5 * MiB]) for i in range(0, len(data), 5 * MiB)}
+    want = {_crc32_b64(data[i : i + 5 * MiB]) for i in range(0, len(data), 5 * MiB)}
     assert sent == want
     small = [r for r in s3_proxy.requests if r.method == "PUT" and "partNumber=" not in r.path]
     assert small[0].headers.get("x-amz-checksum-crc32") == _crc32_b64(b"small")
-    bucket, key = u[len("s3://"):].split("/", 1)
+    bucket, key = u[len("s3://") :].split("/", 1)
     client = s3_client(s3_endpoint)
     # S3's composite checksum: the CRC32 of the parts' CRC32s (real S3 appends "-<parts>")
-    composite = _crc32_b64(b"".join(zlib.crc32(data[i: i + 5 * MiB]).to_bytes(4, "big")
-                                    for i in range(0, len(data), 5 * MiB)))
-    assert client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")["ChecksumCRC32"].split("-")[0] == \
-        composite
-    assert client.head_object(Bucket=bucket, Key=key + "-small", ChecksumMode="ENABLED")["ChecksumCRC32"] == \
-        _crc32_b64(b"small")
+    composite = _crc32_b64(
+        b"".join(zlib.crc32(data[i : i + 5 * MiB]).to_bytes(4, "big") for i in range(0, len(data), 5 * MiB))
+    )
+    assert (
+        client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")["ChecksumCRC32"].split("-")[0] == composite
+    )
+    assert client.head_object(Bucket=bucket, Key=key + "-small", ChecksumMode="ENABLED")["ChecksumCRC32"] == _crc32_b64(
+        b"small"
+    )
     assert b.read(u) == data
 
 
@@ -157,11 +161,14 @@ def test_s3_checksum_option_is_checked():
         ckptio.resolve("s3://bucket/x", checksum="md5")
 
 
-@pytest.mark.parametrize("url, crc, signed", [
-    ("https://s3.us-east-1.amazonaws.com/b/k", True, False),  # TLS + CRC32: unsigned payload, as botocore does
-    ("https://s3.us-east-1.amazonaws.com/b/k", False, True),
-    ("http://127.0.0.1:9000/b/k", True, True),  # plain http: always signed
-])
+@pytest.mark.parametrize(
+    "url, crc, signed",
+    [
+        ("https://s3.us-east-1.amazonaws.com/b/k", True, False),  # TLS + CRC32: unsigned payload, as botocore does
+        ("https://s3.us-east-1.amazonaws.com/b/k", False, True),
+        ("http://127.0.0.1:9000/b/k", True, True),  # plain http: always signed
+    ],
+)
 def test_s3_payload_signing_follows_botocores_rule_without_hashing_on_the_loop(url, crc, signed):
     import botocore.credentials
     from botocore.awsrequest import AWSRequest
@@ -176,16 +183,23 @@ def test_s3_payload_signing_follows_botocores_rule_without_hashing_on_the_loop(u
     assert auth.payload(req) == ("f" * 64 if signed else "UNSIGNED-PAYLOAD")
 
 
-@pytest.mark.parametrize("endpoint, checksum, sha", [
-    (None, "crc32", False), ("https://minio.example:9000", "crc32", False), ("https://minio.example:9000", "none", True),
-    ("http://127.0.0.1:9000", "crc32", True), ("http://127.0.0.1:9000", "none", True),
-])
+@pytest.mark.parametrize(
+    "endpoint, checksum, sha",
+    [
+        (None, "crc32", False),
+        ("https://minio.example:9000", "crc32", False),
+        ("https://minio.example:9000", "none", True),
+        ("http://127.0.0.1:9000", "crc32", True),
+        ("http://127.0.0.1:9000", "none", True),
+    ],
+)
 def test_s3_writer_hashes_what_the_request_needs(endpoint, checksum, sha):
     import asyncio
     import hashlib
 
-    b, u = ckptio.resolve("s3://bucket/k", endpoint_url=endpoint, checksum=checksum, access_key_id="a",
-                          secret_access_key="b")
+    b, u = ckptio.resolve(
+        "s3://bucket/k", endpoint_url=endpoint, checksum=checksum, access_key_id="a", secret_access_key="b"
+    )
     w = b.open_writer(u)
     data = os.urandom(100 * 1024)  # above the inline limit: hashed on a worker thread
     digest, args = asyncio.run(w._digests(data))
@@ -228,5 +242,6 @@ def test_s3_over_tls_parts_carry_crc32_and_unsigned_payloads(tls_s3, monkeypatch
     assert len(payloads) == 4 and {p for _, p in payloads} == {"UNSIGNED-PAYLOAD"}
     assert b.read(u) == data
     head = client.head_object(Bucket="tls-bucket", Key="obj.bin", ChecksumMode="ENABLED")
-    assert head["ChecksumCRC32"].split("-")[0] == _crc32_b64(b"".join(
-        zlib.crc32(data[i: i + 5 * MiB]).to_bytes(4, "big") for i in range(0, len(data), 5 * MiB)))
+    assert head["ChecksumCRC32"].split("-")[0] == _crc32_b64(
+        b"".join(zlib.crc32(data[i : i + 5 * MiB]).to_bytes(4, "big") for i in range(0, len(data), 5 * MiB))
+    )

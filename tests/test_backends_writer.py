@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptio
-from faultproxy import Fault, MiB, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import Fault, MiB
 from servers import s3_client
 
 
@@ -74,7 +74,7 @@ def test_part_buffers_stay_within_max_buffer_bytes(scheme, request):
     w = b.open_writer(u)
     peak = 0
     for i in range(0, len(data), 3 * MiB):
-        w.write(mv[i: i + 3 * MiB])
+        w.write(mv[i : i + 3 * MiB])
         peak = max(peak, w._allocated)
     w.close()
     assert 0 < peak <= budget

@@ -20,8 +20,25 @@ from benchmarks import throughput  # noqa: E402
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys):
     pytest.importorskip("matplotlib")
-    code = throughput.main(["--sizes", "256KiB", "--repeats", "2", "--backends", "local,memory", "--uri", f"{s3_uri}/b",
-                            "--uri", f"{gcs_uri}/b", "--out", str(tmp_path), "--name", "smoke", "--quiet"])
+    code = throughput.main(
+        [
+            "--sizes",
+            "256KiB",
+            "--repeats",
+            "2",
+            "--backends",
+            "local,memory",
+            "--uri",
+            f"{s3_uri}/b",
+            "--uri",
+            f"{gcs_uri}/b",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "smoke",
+            "--quiet",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "ckptio .pt" in out and "smoke.json" in out and "smoke.png" in out
@@ -61,8 +78,23 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys):
 def test_ckptio_bench_command(tmp_path, capsys):
     from ckptio import cli
 
-    code = cli.main(["--json", "bench", "--sizes", "64KiB", "--repeats", "1", "--backends", "memory", "--out",
-                     str(tmp_path), "--name", "cmd", "--no-chart"])
+    code = cli.main(
+        [
+            "--json",
+            "bench",
+            "--sizes",
+            "64KiB",
+            "--repeats",
+            "1",
+            "--backends",
+            "memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "cmd",
+            "--no-chart",
+        ]
+    )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["outputs"]["json"] == str(tmp_path / "cmd.json") and doc["outputs"]["png"] is None
@@ -75,8 +107,21 @@ def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsy
 
     for mod in ("moto", "matplotlib", "safetensors"):  # as if not installed
         monkeypatch.setitem(sys.modules, mod, None)
-    code = bench.main(["--sizes", "64KiB", "--repeats", "1", "--backends", "local,s3", "--out", str(tmp_path),
-                       "--name", "bare", "--quiet"])
+    code = bench.main(
+        [
+            "--sizes",
+            "64KiB",
+            "--repeats",
+            "1",
+            "--backends",
+            "local,s3",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "bare",
+            "--quiet",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     hint = "pip install 'ckptio[bench]'"

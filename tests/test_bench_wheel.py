@@ -2,8 +2,9 @@
 
 The wheel is built from a copy of the sources (no build/ or egg-info left in the checkout) and
 installed with ``--no-deps``; the dependencies come from this test's own environment through a
-``.pth`` file, so nothing is downloaded (``pip --python`` installs into a venv made without pip). The assertions make sure the installed copy of ckptio is
-the one that runs, not this checkout or an editable install.
+``.pth`` file, so nothing is downloaded (``pip --python`` installs into a venv made without pip).
+The assertions make sure the installed copy of ckptio is the one that runs, not this checkout or an
+editable install.
 """
 
 from __future__ import annotations
@@ -32,8 +33,22 @@ def test_ckptio_bench_runs_from_an_installed_wheel(tmp_path):
         shutil.copy(os.path.join(ROOT, f), src / f)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", CKPTIO_PROGRESS="0")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(dist), str(src)], env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        env=env,
+    )
     (wheel,) = glob.glob(str(dist / "ckptio-*.whl"))
 
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env=env)
@@ -47,13 +62,28 @@ def test_ckptio_bench_runs_from_an_installed_wheel(tmp_path):
         f.write("".join(f"import site; site.addsitedir({d!r})\n" for d in deps))
 
     work.mkdir()
-    probe = ("import sys, ckptio; print(ckptio.__file__); "
-             "assert not [m for m in sys.modules if m.startswith('ckptio.bench')], 'import ckptio loaded ckptio.bench'")
+    probe = (
+        "import sys, ckptio; print(ckptio.__file__); "
+        "assert not [m for m in sys.modules if m.startswith('ckptio.bench')], 'import ckptio loaded ckptio.bench'"
+    )
     where = _run([py, "-c", probe], cwd=work, env=env).stdout.strip()
     assert where.startswith(site + os.sep), f"ckptio imported from {where}, not from the wheel in {site}"
 
-    p = _run([str(venv / "bin" / "ckptio"), "bench", "--quick", "--sizes", "256KiB", "--repeats", "1", "--backends",
-              "local,memory"], cwd=work, env=env)
+    p = _run(
+        [
+            str(venv / "bin" / "ckptio"),
+            "bench",
+            "--quick",
+            "--sizes",
+            "256KiB",
+            "--repeats",
+            "1",
+            "--backends",
+            "local,memory",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert "KiB of fp32 tensors; GB/s" in p.stdout and "ckptio .pt" in p.stdout and "torch.save/load" in p.stdout
     assert "ckptio .fpk" in p.stdout and "not measured" not in p.stdout
     (res,) = glob.glob(str(work / "ckptio-bench-results" / "throughput-*.json"))

@@ -48,13 +48,19 @@ def cache_dir(tmp_path):
 
 def _entries(cache_dir: str) -> list[str]:
     """The data files (``<key>-<basename>``; ``<key>.json`` is metadata, whatever the object's name)."""
-    return sorted(p for p in glob.glob(os.path.join(cache_dir, "data", "*", "*"))
-                  if re.fullmatch(r"[0-9a-f]{40}-.+", os.path.basename(p)))
+    return sorted(
+        p
+        for p in glob.glob(os.path.join(cache_dir, "data", "*", "*"))
+        if re.fullmatch(r"[0-9a-f]{40}-.+", os.path.basename(p))
+    )
 
 
 def _meta(cache_dir: str) -> str:
-    [meta] = [p for p in glob.glob(os.path.join(cache_dir, "data", "*", "*.json"))
-              if re.fullmatch(r"[0-9a-f]{40}\.json", os.path.basename(p))]
+    [meta] = [
+        p
+        for p in glob.glob(os.path.join(cache_dir, "data", "*", "*.json"))
+        if re.fullmatch(r"[0-9a-f]{40}\.json", os.path.basename(p))
+    ]
     return meta
 
 
@@ -156,13 +162,13 @@ def _read_all(cache, uri, payload):
 
 
 def _read_range(cache, uri, payload):
-    return cache.read_range(uri, BLOCK + 12_000, BLOCK + 13_000), payload[BLOCK + 12_000: BLOCK + 13_000]
+    return cache.read_range(uri, BLOCK + 12_000, BLOCK + 13_000), payload[BLOCK + 12_000 : BLOCK + 13_000]
 
 
 def _readinto(cache, uri, payload):
     buf = bytearray(100)
     assert cache.readinto(uri, buf, BLOCK + 12_300) == 100
-    return bytes(buf), payload[BLOCK + 12_300: BLOCK + 12_400]
+    return bytes(buf), payload[BLOCK + 12_300 : BLOCK + 12_400]
 
 
 def _open_reader(cache, uri, payload):
@@ -211,18 +217,28 @@ def test_ranged_reads_verify_only_the_blocks_they_touch(remote, cache_dir):
     ckptio.put(payload, uri)
     cache = CachedBackend(LocalBackend(), cache_dir)
     size = len(payload)
-    for start, end in [(0, 0), (0, 1), (BLOCK - 1, BLOCK + 1), (BLOCK, 2 * BLOCK), (5, size), (size - 1, size),
-                       (size, size + 10), (size + 5, None), (3, None), (2 * BLOCK - 7, 3 * BLOCK + 3)]:
+    for start, end in [
+        (0, 0),
+        (0, 1),
+        (BLOCK - 1, BLOCK + 1),
+        (BLOCK, 2 * BLOCK),
+        (5, size),
+        (size - 1, size),
+        (size, size + 10),
+        (size + 5, None),
+        (3, None),
+        (2 * BLOCK - 7, 3 * BLOCK + 3),
+    ]:
         assert cache.read_range(uri, start, end) == payload[start:end]
         buf = bytearray(len(payload[start:end]) + 3)  # up to 3 bytes past ``end``, as far as the object goes
         n = cache.readinto(uri, buf, start)
-        assert buf[:n] == payload[start: start + len(buf)] and n == len(payload[start: start + len(buf)])
+        assert buf[:n] == payload[start : start + len(buf)] and n == len(payload[start : start + len(buf)])
     [entry] = _entries(cache_dir)
     flip_byte(entry, 2 * BLOCK + 50)
-    assert cache.read_range(uri, 10, BLOCK + 10) == payload[10: BLOCK + 10]  # blocks 0 and 1: intact
+    assert cache.read_range(uri, 10, BLOCK + 10) == payload[10 : BLOCK + 10]  # blocks 0 and 1: intact
     assert cache.stats()["discarded"] == 0
     buf = bytearray(20)
-    assert cache.readinto(uri, buf, 2 * BLOCK + 40) == 20 and buf == payload[2 * BLOCK + 40: 2 * BLOCK + 60]
+    assert cache.readinto(uri, buf, 2 * BLOCK + 40) == 20 and buf == payload[2 * BLOCK + 40 : 2 * BLOCK + 60]
     assert cache.stats()["discarded"] == 1 and cache.stats()["misses"] == 2
 
 
@@ -259,8 +275,13 @@ def test_entry_without_block_checksums_is_refetched(remote, cache_dir):
             boot = f.read().strip()
     except OSError:
         boot = "unknown"
-    old = {**{k: record[k] for k in ("uri", "version", "size")}, "xxh3": xxhash.xxh3_64(payload).hexdigest(),
-           "boot_id": boot, "fsynced": False, "created": 0.0}
+    old = {
+        **{k: record[k] for k in ("uri", "version", "size")},
+        "xxh3": xxhash.xxh3_64(payload).hexdigest(),
+        "boot_id": boot,
+        "fsynced": False,
+        "created": 0.0,
+    }
     with open(meta, "w") as f:
         json.dump(old, f)
     assert cache.read(uri) == payload
@@ -303,8 +324,13 @@ def test_open_reader_survives_eviction(remote, cache_dir):
 
 def _spawn_fill(uri: str, cache_dir: str, delay: float, go: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, WORKER, "fill", uri, cache_dir, str(delay), go], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, WORKER, "fill", uri, cache_dir, str(delay), go],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _fill_together(uri: str, cache_dir: str, delay: float, tmp_path, n: int = 4) -> list[dict]:
@@ -355,8 +381,9 @@ def test_fill_killed_midway_leaves_no_entry_and_next_load_succeeds(remote, cache
     proc = _spawn_fill(uri, cache_dir, 0.2, go)  # ~3 s to fill
     tmp_dir = os.path.join(cache_dir, "tmp")
     deadline = time.monotonic() + 30
-    while not (os.path.isdir(tmp_dir) and any(os.path.getsize(os.path.join(tmp_dir, n)) > 0
-                                              for n in os.listdir(tmp_dir))):
+    while not (
+        os.path.isdir(tmp_dir) and any(os.path.getsize(os.path.join(tmp_dir, n)) > 0 for n in os.listdir(tmp_dir))
+    ):
         assert time.monotonic() < deadline, "the fill never started"
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
@@ -440,8 +467,9 @@ def test_read_only_cache_dir_is_an_error_that_says_so(remote, tmp_path, used):
     prefix = _read_only(ro)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
     try:
-        proc = subprocess.run([*prefix, sys.executable, WORKER, "readonly", ro, uri], env=env, capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [*prefix, sys.executable, WORKER, "readonly", ro, uri], env=env, capture_output=True, text=True, timeout=60
+        )
     finally:
         for d, _, _ in os.walk(ro):
             os.chmod(d, 0o755)
@@ -483,8 +511,12 @@ def test_object_store_is_downloaded_once_and_revalidated(request, tmp_path, stor
     proxy.clear()
     for _ in range(3):
         assert torch.equal(ckptio.load(uri, cache=cache)["w"], torch.zeros(64))
-    media = [r for r in proxy.requests if r.method == "GET" and (
-        "alt=media" in r.path if store == "gcs" else r.path.split("?")[0].endswith("/ckpt/m.pt"))]
+    media = [
+        r
+        for r in proxy.requests
+        if r.method == "GET"
+        and ("alt=media" in r.path if store == "gcs" else r.path.split("?")[0].endswith("/ckpt/m.pt"))
+    ]
     assert len(media) == 1, [(r.method, r.path) for r in proxy.requests]
     ckptio.dump({"w": torch.ones(64)}, uri)  # same size, new etag / generation
     assert torch.equal(ckptio.load(uri, cache=cache)["w"], torch.ones(64))
@@ -493,8 +525,14 @@ def test_object_store_is_downloaded_once_and_revalidated(request, tmp_path, stor
 def test_cache_settings_per_alias_are_typed(remote, cache_dir):
     uri = str(remote / "a.bin")
     ckptio.put(b"abc", uri)
-    ckptio.configure(aliases={"ck": {"target": str(remote), "options": {"cache_dir": cache_dir,
-                                                                        "cache_verify": "true", "max_bytes": "1KiB"}}})
+    ckptio.configure(
+        aliases={
+            "ck": {
+                "target": str(remote),
+                "options": {"cache_dir": cache_dir, "cache_verify": "true", "max_bytes": "1KiB"},
+            }
+        }
+    )
     backend, resolved = ckptio.resolve("ck://a.bin")
     assert isinstance(backend, CachedBackend) and backend.verify is True and backend.max_bytes == 1024
     assert backend.read(resolved) == b"abc"

@@ -23,9 +23,11 @@ import ckptio
 from ckptio.checkpointer import Checkpointer
 from servers import s3_client
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
-              pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork"),
+]
 STEPS = 4
 KEEP = 2
 CHILD_TIMEOUT = 60
@@ -98,13 +100,15 @@ class Events:
             self.n += 1
             self.log.write(json.dumps([self.n, kind, uri]) + "\n")
             # kill_at: the event's number, or (kind, end of the URI) of the first such event
-            if self.n == self.kill_at or (isinstance(self.kill_at, tuple) and self.kill_at[0] == kind
-                                          and uri.endswith(self.kill_at[1])):
+            if self.n == self.kill_at or (
+                isinstance(self.kill_at, tuple) and self.kill_at[0] == kind and uri.endswith(self.kill_at[1])
+            ):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_child(root: str, fmt: str, kill_at: int | tuple[str, str], tmp: str, async_save: bool,
-              state=make_state) -> list:
+def run_child(
+    root: str, fmt: str, kill_at: int | tuple[str, str], tmp: str, async_save: bool, state=make_state
+) -> list:
     """Fork; the child saves ``state(step)`` for steps 1..STEPS; returns (events logged, steps whose
     save returned, killed).
 
@@ -155,8 +159,7 @@ def kill_points(events: list) -> list[int]:
     return sorted(set(boundaries + chunks[:: max(1, len(chunks) // 6)]))
 
 
-def crash_and_recover(root: str, fmt: str, tmp: str, *, async_save: bool = False,
-                      limit: int | None = None) -> int:
+def crash_and_recover(root: str, fmt: str, tmp: str, *, async_save: bool = False, limit: int | None = None) -> int:
     make_state(0)  # import what optimizers import lazily (torch._dynamo, seconds) once, before forking
     events, done, killed = run_child(root + "/dry", fmt, 0, tmp, async_save)
     assert not killed and done == list(range(1, STEPS + 1))
@@ -211,6 +214,7 @@ def test_sigkill_on_s3(s3_uri, tmp_path):
 
 
 # ---- what killed saves leave behind -------------------------------------------------------------
+
 
 def test_next_start_removes_the_pointer_temp_file_of_a_killed_save(tmp_path):
     ckptio.configure(backends=NO_FSYNC)

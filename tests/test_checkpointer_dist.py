@@ -29,8 +29,9 @@ def _worker(rank: int, world: int, port: int, roots: list[str], out_dir: str, ba
     try:
         if backends:
             ckptio.configure(backends=backends)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         for root in roots:
             _save_and_resume(rank, root)
         dist.barrier()
@@ -76,9 +77,8 @@ def _save_and_resume(rank: int, root: str) -> None:
 
 
 def test_two_ranks_dcp_save_resume_local_and_s3(tmp_path, s3_uri, s3_endpoint):
-    from conftest import S3_TEST_OPTIONS
-
     from ckptio.checkpointer import Checkpointer
+    from conftest import S3_TEST_OPTIONS
 
     root = str(tmp_path / "run")
     backends = {"s3": {"endpoint_url": s3_endpoint, **S3_TEST_OPTIONS}}

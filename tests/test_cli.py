@@ -7,6 +7,7 @@ run the installed entry point in a subprocess with a ``CKPTIO_CONFIG`` TOML file
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -18,7 +19,6 @@ import torch
 import ckptio
 from ckptio import cli
 from ckptio.progress import Bar, Tracker
-
 from conftest import S3_TEST_OPTIONS
 
 
@@ -35,8 +35,11 @@ def run_json(capsys, *argv: str) -> tuple[int, object]:
 
 def state() -> dict:
     torch.manual_seed(0)
-    return {"model": {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, "step": 7,
-            "cfg": {"lr": 0.5, "name": "run"}}
+    return {
+        "model": {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)},
+        "step": 7,
+        "cfg": {"lr": 0.5, "name": "run"},
+    }
 
 
 def corrupt(uri: str, at: int) -> None:
@@ -59,7 +62,7 @@ def test_ls_cp_rm_across_backends(request, capsys, src_fx, dst_fx):
     code, rows = run_json(capsys, "ls", "-r", src)
     assert code == 0
     assert sorted(r["uri"] for r in rows) == sorted(f"{src}/{rel}" for rel in files)
-    assert all(r["size"] == len(files[r["uri"][len(src) + 1:]]) for r in rows)
+    assert all(r["size"] == len(files[r["uri"][len(src) + 1 :]]) for r in rows)
 
     assert run(capsys, "cp", src, dst)[0] == cli.EXIT_USAGE  # a directory needs -r
     code, res = run_json(capsys, "cp", "-r", "-j", "3", src, dst)
@@ -109,8 +112,13 @@ def test_cp_without_resume_replaces_same_size_newer_destination(local_uri, capsy
 @pytest.mark.parametrize("fx", ["local_uri", "s3_uri", "gcs_uri"])
 def test_missing_objects_exit_3(request, capsys, fx):
     base = request.getfixturevalue(fx)
-    for argv in (["ls", f"{base}/nope"], ["info", f"{base}/nope.pt"], ["verify", f"{base}/nope.fpk"],
-                 ["rm", f"{base}/nope.bin"], ["cp", f"{base}/nope.bin", f"{base}/x.bin"]):
+    for argv in (
+        ["ls", f"{base}/nope"],
+        ["info", f"{base}/nope.pt"],
+        ["verify", f"{base}/nope.fpk"],
+        ["rm", f"{base}/nope.bin"],
+        ["cp", f"{base}/nope.bin", f"{base}/x.bin"],
+    ):
         code, out, err = run(capsys, "--json", *argv)
         assert code == cli.EXIT_NOT_FOUND, argv
         assert json.loads(out)["exit_code"] == cli.EXIT_NOT_FOUND
@@ -231,17 +239,18 @@ def test_rm_r_of_the_filesystem_root_needs_force(capsys, monkeypatch):
 def test_rm_r_of_a_whole_bucket_asks_on_a_terminal():
     import pty
 
-    code = ("import ckptio, sys\n"
-            "from ckptio.cli import main\n"
-            "ckptio.put(b'x', 'memory://b/k')\n"
-            "rc = main(['rm', '-r', 'memory://b'])\n"
-            "print('exit', rc, 'left', ckptio.exists('memory://b/k'))\n")
+    code = (
+        "import ckptio, sys\n"
+        "from ckptio.cli import main\n"
+        "ckptio.put(b'x', 'memory://b/k')\n"
+        "rc = main(['rm', '-r', 'memory://b'])\n"
+        "print('exit', rc, 'left', ckptio.exists('memory://b/k'))\n"
+    )
     for answer, expect in (("n", "exit 2 left True"), ("", "exit 2 left True"), ("y", "exit 0 left False")):
         master, slave = pty.openpty()
         try:
             os.write(master, f"{answer}\n".encode())
-            r = subprocess.run([sys.executable, "-c", code], stdin=slave, capture_output=True, text=True,
-                               timeout=120)
+            r = subprocess.run([sys.executable, "-c", code], stdin=slave, capture_output=True, text=True, timeout=120)
         finally:
             os.close(slave)
             os.close(master)
@@ -257,7 +266,7 @@ def test_config_redacts_secrets(s3_uri, capsys):
     assert doc["aliases"]["ckpt"]["target"] == f"{s3_uri}/checkpoints"
     ckptio.configure(backends={"s3": {"secret_access_key": "sup3r-secret-value"}})
     code, out, _ = run(capsys, "config")
-    assert code == 0 and "sup3r" not in out and "secret_access_key = \"***\"" in out
+    assert code == 0 and "sup3r" not in out and 'secret_access_key = "***"' in out
 
 
 def test_alias_scheme_and_usage_errors(s3_uri, capsys):
@@ -282,10 +291,12 @@ def test_copy_progress_callback(local_uri, memory_uri):
     for i in range(3):
         ckptio.put(os.urandom(100_000 + i), f"{memory_uri}/p/{i}.bin")
     seen: list[tuple[int, int]] = []
-    res = cli.copy(f"{memory_uri}/p", f"{local_uri}/p", recursive=True, jobs=2, progress=lambda d, t: seen.append((d, t)))
+    res = cli.copy(
+        f"{memory_uri}/p", f"{local_uri}/p", recursive=True, jobs=2, progress=lambda d, t: seen.append((d, t))
+    )
     total = 3 * 100_000 + 3
     assert res.bytes_copied == total and seen[-1] == (total, total)
-    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))
 
 
 def test_progress_bar_silent_off_tty_and_drawn_when_enabled(monkeypatch):
@@ -304,10 +315,12 @@ def test_progress_bar_silent_off_tty_and_drawn_when_enabled(monkeypatch):
 
 # ---- the installed command in a subprocess, settings from a CKPTIO_CONFIG file -----------------------
 
+
 def _cli(args: list[str], config: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CKPTIO_CONFIG": config, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-    return subprocess.run([sys.executable, "-m", "ckptio.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptio.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_subprocess_with_settings_file(s3_uri, gcs_uri, s3_endpoint, gcs_endpoint, tmp_path):
@@ -315,8 +328,8 @@ def test_subprocess_with_settings_file(s3_uri, gcs_uri, s3_endpoint, gcs_endpoin
     cfg.write_text(f"""
 [backends.s3]
 endpoint_url = "{s3_endpoint}"
-access_key_id = "{S3_TEST_OPTIONS['access_key_id']}"
-secret_access_key = "{S3_TEST_OPTIONS['secret_access_key']}"
+access_key_id = "{S3_TEST_OPTIONS["access_key_id"]}"
+secret_access_key = "{S3_TEST_OPTIONS["secret_access_key"]}"
 region = "us-east-1"
 
 [backends.gcs]
@@ -356,7 +369,7 @@ def test_verify_dcp_written_by_torch(tmp_path, capsys):
     obj = next(root.glob("*.distcp"))
     data = bytearray(obj.read_bytes())
     member = next(i for i in zipfile.ZipFile(io.BytesIO(bytes(data))).infolist() if i.filename.endswith("data/0"))
-    n, e = struct.unpack("<HH", data[member.header_offset + 26: member.header_offset + 30])
+    n, e = struct.unpack("<HH", data[member.header_offset + 26 : member.header_offset + 30])
     data[member.header_offset + 30 + n + e + 17] ^= 0xFF  # a byte of the tensor
     obj.write_bytes(bytes(data))
     code, out, err = run(capsys, "verify", str(root))
@@ -401,8 +414,10 @@ def test_config_refuses_bad_settings(tmp_path, monkeypatch, capsys, case):
 
 def test_config_shows_no_value_of_an_unknown_key(tmp_path, monkeypatch, capsys):
     path = tmp_path / "ckptio.toml"
-    path.write_text(f'[backends.abfs]\naccount_name = "{SECRET}"\nsas = "{SECRET}"\nanon = true\n'
-                    f'[aliases.ck]\ntarget = "https://u:{SECRET}@h/x?sig={SECRET}"\n')
+    path.write_text(
+        f'[backends.abfs]\naccount_name = "{SECRET}"\nsas = "{SECRET}"\nanon = true\n'
+        f'[aliases.ck]\ntarget = "https://u:{SECRET}@h/x?sig={SECRET}"\n'
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", str(path))
     ckptio.reset()
     code, out, _ = run(capsys, "config")

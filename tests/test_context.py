@@ -42,7 +42,9 @@ def test_import_is_cheap_and_submodules_load_on_first_use():
     import subprocess
     import sys
 
-    code = ("import sys, ckptio; assert 'torch' not in sys.modules and 's3fs' not in sys.modules; "
-            "ckptio.fastpickle.inspect, ckptio.dcp.is_complete, ckptio.distributed.load, ckptio.Checkpointer; "
-            "assert 'torch' in sys.modules")
+    code = (
+        "import sys, ckptio; assert 'torch' not in sys.modules and 's3fs' not in sys.modules; "
+        "ckptio.fastpickle.inspect, ckptio.dcp.is_complete, ckptio.distributed.load, ckptio.Checkpointer; "
+        "assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio.dcp as cd
-from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
 import dcp_workers as W
+from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
 from test_dcp import assert_same, blank, sample
 from test_dcp_dist import save_2_load_1_and_3
 
@@ -36,8 +36,11 @@ def test_round_trip_every_backend(any_uri):
 
 
 def _fsspec_options(endpoint: str) -> dict:
-    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint,
-                                                                      "region_name": "us-east-1"}}
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 def test_ckptio_loads_fsspec_writer_checkpoint_on_s3(s3_uri, s3_endpoint):
@@ -73,14 +76,22 @@ def test_large_tensor_multipart_on_s3(s3_uri):
 
 
 def test_dtensor_save_2_load_1_and_3_s3(s3_uri, s3_endpoint, tmp_path):
-    options = {"endpoint_url": s3_endpoint, "access_key_id": "testing", "secret_access_key": "testing",
-               "part_size": 5 << 20}
+    options = {
+        "endpoint_url": s3_endpoint,
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+        "part_size": 5 << 20,
+    }
     save_2_load_1_and_3(f"{s3_uri}/dist", tmp_path, {"s3": options}, load_3=False)  # 3 ranks: local test
 
 
 def test_dtensor_save_2_load_1_and_3_gcs(gcs_uri, gcs_endpoint, tmp_path):
-    save_2_load_1_and_3(f"{gcs_uri}/dist", tmp_path, {"gcs": {"endpoint_url": gcs_endpoint, "anon": True,
-                                                              "project": "test"}}, load_3=False)
+    save_2_load_1_and_3(
+        f"{gcs_uri}/dist",
+        tmp_path,
+        {"gcs": {"endpoint_url": gcs_endpoint, "anon": True, "project": "test"}},
+        load_3=False,
+    )
 
 
 def test_big_state_on_s3_after_interrupted_save(s3_uri):

@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
+import cache_workers as W
 import ckptio
 import ckptio.dcp as cd
-import cache_workers as W
 from conftest import S3_TEST_OPTIONS
 from multiproc import run_ranks
 
@@ -31,8 +31,8 @@ def gets(proxy, key: str) -> int:
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory, s3_endpoint):
     """Run the scenarios once; yield (per-rank results, GET counts per key, objects' sizes)."""
-    from servers import CountingProxy
     from conftest import _s3_bucket
+    from servers import CountingProxy
 
     ckptio.reset()
     tmp = str(tmp_path_factory.mktemp("dist"))
@@ -49,8 +49,10 @@ def outcome(tmp_path_factory, s3_endpoint):
         run_ranks(W.dist_main, WORLD, backends, root, tmp)
         results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
         counts = {k: gets(proxy, k) for k in [*tensors, *dcp_files, "missing.pt"]}
-        bytes_out = {k: sum(r.bytes_out for r in proxy.requests if r.method == "GET"
-                            and r.path.split("?")[0].endswith("/" + k)) for k in tensors}
+        bytes_out = {
+            k: sum(r.bytes_out for r in proxy.requests if r.method == "GET" and r.path.split("?")[0].endswith("/" + k))
+            for k in tensors
+        }
     ckptio.reset()
     yield {"results": results, "counts": counts, "sizes": sizes, "bytes_out": bytes_out, "dcp_files": dcp_files}
 

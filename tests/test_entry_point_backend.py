@@ -41,7 +41,9 @@ def test_entry_point_backend_takes_its_options_from_settings():
 
 
 def test_fresh_process_finds_entry_point_before_anything_is_registered():
-    code = "import ckptio; b, u = ckptio.resolve('testplug://x/y'); b.write(u, b'1'); print(type(b).__name__, b.read(u))"
+    code = (
+        "import ckptio; b, u = ckptio.resolve('testplug://x/y'); b.write(u, b'1'); print(type(b).__name__, b.read(u))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["TestPlugBackend", "b'1'"]
@@ -51,8 +53,7 @@ def test_a_plugin_that_fails_to_import_is_skipped_with_a_warning_naming_it(monke
     """A broken installed plug-in must not take every other lookup down with it."""
     broken = metadata.EntryPoint(name="brokenplug", value="ckptio_no_such_module_xyz:Backend", group="ckptio.backends")
     real = metadata.entry_points
-    monkeypatch.setattr(registry.metadata, "entry_points",
-                        lambda group: [broken, *real(group=group)])
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [broken, *real(group=group)])
     reg = registry.BackendRegistry()
     reg.register("local", ("",), "ckptio.backends.local:LocalBackend")
     with pytest.warns(RuntimeWarning, match=r"brokenplug.*ckptio_no_such_module_xyz.*ModuleNotFoundError"):

@@ -42,7 +42,9 @@ def package_errors() -> list[type]:
     for mod in pkgutil.walk_packages(ckptio.__path__, "ckptio."):
         importlib.import_module(mod.name)
     found = {CkptioError} | _all_subclasses(CkptioError)
-    return sorted((c for c in found if c.__module__.startswith("ckptio")), key=lambda c: f"{c.__module__}.{c.__qualname__}")
+    return sorted(
+        (c for c in found if c.__module__.startswith("ckptio")), key=lambda c: f"{c.__module__}.{c.__qualname__}"
+    )
 
 
 ERRORS = package_errors()
@@ -57,8 +59,11 @@ def test_the_walk_finds_errors_outside_errors_py():
 
 def make(cls: type) -> BaseException:
     """An instance built the way ckptio builds it: ``cls(uri, detail)`` or ``cls(message)``."""
-    params = [p for p in inspect.signature(cls.__init__).parameters.values()
-              if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if params and params[0].name == "uri":
         return cls(URI, f"{cls.__name__} detail")
     if params and all(p.default is p.empty for p in params):  # a future signature: a string for each
@@ -75,7 +80,10 @@ def same(a: BaseException, b: BaseException) -> None:
 
 
 ROUND_TRIPS = {
-    **{f"pickle{p}": (lambda e, p=p: pickle.loads(pickle.dumps(e, protocol=p))) for p in range(pickle.HIGHEST_PROTOCOL + 1)},
+    **{
+        f"pickle{p}": (lambda e, p=p: pickle.loads(pickle.dumps(e, protocol=p)))
+        for p in range(pickle.HIGHEST_PROTOCOL + 1)
+    },
     "copy": copy.copy,
     "deepcopy": copy.deepcopy,
 }
@@ -93,10 +101,12 @@ def test_every_error_round_trips(cls, how):
 
 @pytest.mark.parametrize("how", list(ROUND_TRIPS))
 def test_uri_errors_keep_errno_uri_and_message(how):
-    for e, code in [(ckptio.AlreadyExistsError("/x/.metadata", "exists"), errno.EEXIST),
-                    (ckptio.NotFoundError("/x/__1_0.distcp"), errno.ENOENT),
-                    (ckptio.AccessDeniedError("gs://b/k"), errno.EACCES),
-                    (ckptio.CredentialsError("s3://b/k", "no credentials found"), errno.EACCES)]:
+    for e, code in [
+        (ckptio.AlreadyExistsError("/x/.metadata", "exists"), errno.EEXIST),
+        (ckptio.NotFoundError("/x/__1_0.distcp"), errno.ENOENT),
+        (ckptio.AccessDeniedError("gs://b/k"), errno.EACCES),
+        (ckptio.CredentialsError("s3://b/k", "no credentials found"), errno.EACCES),
+    ]:
         back = ROUND_TRIPS[how](e)
         assert (type(back), back.errno, back.uri, back.filename, str(back)) == (type(e), code, e.uri, e.uri, str(e))
         assert isinstance(back, OSError) and e.uri in str(back)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import os
 import struct
 
@@ -16,8 +15,8 @@ import ckptio
 from ckptio import fastpickle as fp
 from ckptio.errors import AlreadyExistsError, FormatError, IntegrityError
 
-
 # ---- comparing values exactly ------------------------------------------------------------------
+
 
 def storage_bytes(t: torch.Tensor) -> bytes:
     return bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy())
@@ -52,7 +51,7 @@ def assert_same(a, b, path="<root>"):
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}.{i}")
     else:
         assert a == b, path
@@ -74,20 +73,46 @@ def train_state():
         model(torch.randn(5, 8)).pow(2).mean().backward()
         opt.step()
         sched.step()
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 3,
-            "rng": torch.get_rng_state(), "np_rng": np.random.RandomState(0).get_state()[1]}
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "step": 3,
+        "rng": torch.get_rng_state(),
+        "np_rng": np.random.RandomState(0).get_state()[1],
+    }
 
 
 # ---- round-trips -------------------------------------------------------------------------------
 
 PLAIN = {
-    "none": None, "true": True, "false": False, "int": -7, "u64": (1 << 64) - 1, "i64": -(1 << 63),
-    "big": 1 << 200, "negbig": -(1 << 90) + 3, "float": 0.1, "nan": float("nan"), "inf": float("-inf"),
-    "negzero": -0.0, "str": "héllo", "empty": "", "bytes": b"\x00\xff", "complex": complex(1.5, float("nan")),
-    "list": [1, [2, [3]]], "tuple": (1, (2,), ()), "set": {1, "a", (2, 3)}, "frozenset": frozenset({b"x"}),
-    "odict": collections.OrderedDict([("z", 1), ("a", 2)]), "intkeys": {10: "a", -1: "b", 3: "c"},
-    "mixedkeys": {"a": 1, 2: 2, b"c": 3}, "tuplekeys": {(1, 2): "t", None: "n", 1.5: "f", True: "b"},
-    "size": torch.Size([2, 0, 3]), "dtype": torch.float8_e4m3fn, "device": torch.device("cuda", 1),
+    "none": None,
+    "true": True,
+    "false": False,
+    "int": -7,
+    "u64": (1 << 64) - 1,
+    "i64": -(1 << 63),
+    "big": 1 << 200,
+    "negbig": -(1 << 90) + 3,
+    "float": 0.1,
+    "nan": float("nan"),
+    "inf": float("-inf"),
+    "negzero": -0.0,
+    "str": "héllo",
+    "empty": "",
+    "bytes": b"\x00\xff",
+    "complex": complex(1.5, float("nan")),
+    "list": [1, [2, [3]]],
+    "tuple": (1, (2,), ()),
+    "set": {1, "a", (2, 3)},
+    "frozenset": frozenset({b"x"}),
+    "odict": collections.OrderedDict([("z", 1), ("a", 2)]),
+    "intkeys": {10: "a", -1: "b", 3: "c"},
+    "mixedkeys": {"a": 1, 2: 2, b"c": 3},
+    "tuplekeys": {(1, 2): "t", None: "n", 1.5: "f", True: "b"},
+    "size": torch.Size([2, 0, 3]),
+    "dtype": torch.float8_e4m3fn,
+    "device": torch.device("cuda", 1),
     "np_scalars": [np.float32(1.25), np.int8(-3), np.bool_(True), np.complex128(1j), np.uint64(2**64 - 1)],
     "np_dtype": np.dtype("<f2"),
 }
@@ -118,8 +143,10 @@ def test_every_dtype_roundtrips_bitwise(dtype):
 @pytest.mark.parametrize("qdtype", [torch.qint8, torch.quint8, torch.qint32])
 def test_quantized_tensors(qdtype):
     x = torch.randn(4, 6)
-    obj = {"pt": torch.quantize_per_tensor(x, 0.05, 3, qdtype),
-           "pc": torch.quantize_per_channel(x, torch.rand(6) + 0.1, torch.zeros(6, dtype=torch.long), 1, qdtype)}
+    obj = {
+        "pt": torch.quantize_per_tensor(x, 0.05, 3, qdtype),
+        "pc": torch.quantize_per_channel(x, torch.rand(6) + 0.1, torch.zeros(6, dtype=torch.long), 1, qdtype),
+    }
     assert_same(roundtrip(obj), obj)
 
 
@@ -131,11 +158,19 @@ def test_packed_quantized_dtypes_fail_clearly():
 
 def test_tensor_layouts_and_flags():
     base = torch.randn(6, 8)
-    obj = {"t": base.t(), "slice": base[1:4, ::3], "expand": torch.randn(3, 1).expand(3, 5),
-           "zero_d": torch.tensor(2.5), "empty": torch.empty(0), "chlast": torch.randn(2, 3, 4, 5).to(
-               memory_format=torch.channels_last), "rg": torch.randn(3, requires_grad=True),
-           "param": torch.nn.Parameter(torch.randn(2)), "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
-           "conj": torch.randn(3, dtype=torch.complex64).conj(), "nonleaf": torch.randn(2, requires_grad=True) * 2}
+    obj = {
+        "t": base.t(),
+        "slice": base[1:4, ::3],
+        "expand": torch.randn(3, 1).expand(3, 5),
+        "zero_d": torch.tensor(2.5),
+        "empty": torch.empty(0),
+        "chlast": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "rg": torch.randn(3, requires_grad=True),
+        "param": torch.nn.Parameter(torch.randn(2)),
+        "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "nonleaf": torch.randn(2, requires_grad=True) * 2,
+    }
     out = roundtrip(obj)
     for k in ("t", "slice", "expand", "zero_d", "empty", "chlast", "rg", "param", "frozen"):
         assert_same(out[k], obj[k], k)
@@ -145,10 +180,18 @@ def test_tensor_layouts_and_flags():
 
 
 def test_numpy_arrays():
-    obj = {"f": np.arange(12, dtype=np.float32).reshape(3, 4), "fortran": np.asfortranarray(np.ones((2, 3))),
-           "strided": np.arange(20)[::3], "be": np.arange(4, dtype=">i4"), "s": np.array([b"ab", b"c"]),
-           "u": np.array(["xyz"]), "zero_d": np.array(1.5), "empty": np.empty((0, 4), dtype=np.int16),
-           "bool": np.array([True, False]), "dt64": np.array(["2024-01-01"], dtype="datetime64[ns]")}
+    obj = {
+        "f": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "fortran": np.asfortranarray(np.ones((2, 3))),
+        "strided": np.arange(20)[::3],
+        "be": np.arange(4, dtype=">i4"),
+        "s": np.array([b"ab", b"c"]),
+        "u": np.array(["xyz"]),
+        "zero_d": np.array(1.5),
+        "empty": np.empty((0, 4), dtype=np.int16),
+        "bool": np.array([True, False]),
+        "dt64": np.array(["2024-01-01"], dtype="datetime64[ns]"),
+    }
     out = roundtrip(obj)
     for k, v in obj.items():
         assert_same(out[k], np.array(v, order="C"), k)
@@ -168,8 +211,15 @@ def test_training_state_roundtrips(tmp_path):
 def test_shared_storage_restored_shared():
     base = torch.randn(4, 4)
     lin = torch.nn.Linear(4, 4)
-    obj = {"a": base, "view": base[1], "same": base, "bytes": base.view(torch.int32), "emb": lin.weight,
-           "head": lin.weight, "np": np.zeros(3)}
+    obj = {
+        "a": base,
+        "view": base[1],
+        "same": base,
+        "bytes": base.view(torch.int32),
+        "emb": lin.weight,
+        "head": lin.weight,
+        "np": np.zeros(3),
+    }
     obj["np2"] = obj["np"]
     buf = io.BytesIO()
     fp.save(obj, buf)
@@ -219,6 +269,7 @@ def test_pickle_fallback_is_opt_in_on_both_sides():
 
 
 # ---- files, URIs, backends ---------------------------------------------------------------------
+
 
 def test_registered_extension_through_ckptio_dump_load(memory_uri, tmp_path):
     state = train_state()
@@ -274,8 +325,12 @@ def test_map_location(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_go_through_pinned_staging(tmp_path):
-    state = {"w": torch.randn(3000, 1000, device="cuda"), "b": torch.arange(7, device="cuda"),
-             "cpu": torch.randn(5), "view": None}
+    state = {
+        "w": torch.randn(3000, 1000, device="cuda"),
+        "b": torch.arange(7, device="cuda"),
+        "cpu": torch.randn(5),
+        "view": None,
+    }
     state["view"] = state["w"][10:20]  # shares the CUDA storage
     p = tmp_path / "cuda.fpk"
     fp.save(state, p)
@@ -289,10 +344,16 @@ def test_cuda_tensors_go_through_pinned_staging(tmp_path):
 
 # ---- partial, lazy and metadata-only loads ----------------------------------------------------
 
+
 def test_partial_load_reads_only_needed_ranges(memory_uri):
-    state = {"model": collections.OrderedDict((f"layer{i}.weight", torch.randn(256, 256)) for i in range(6)),
-             "optim": {"state": {i: {"exp_avg": torch.randn(256, 256), "step": torch.tensor(3.0)} for i in range(6)},
-                       "param_groups": [{"lr": 0.1, "params": list(range(6))}]}, "step": 7}
+    state = {
+        "model": collections.OrderedDict((f"layer{i}.weight", torch.randn(256, 256)) for i in range(6)),
+        "optim": {
+            "state": {i: {"exp_avg": torch.randn(256, 256), "step": torch.tensor(3.0)} for i in range(6)},
+            "param_groups": [{"lr": 0.1, "params": list(range(6))}],
+        },
+        "step": 7,
+    }
     uri = f"{memory_uri}/p.fpk"
     fp.save(state, uri)
     backend, resolved = ckptio.resolve(uri)
@@ -374,16 +435,19 @@ def test_full_remote_load_reads_each_byte_once(memory_uri, part_size):
     size = backend.stat(resolved).size
     out = fp.FastpickleFormat().load(backend, resolved)
     assert torch.equal(out["a"], state["a"]) and torch.equal(out["c"], state["c"])
-    assert all(torch.equal(x, y) for x, y in zip(out["b"], state["b"]))
+    assert all(torch.equal(x, y) for x, y in zip(out["b"], state["b"], strict=True))
     # read ahead at both ends, then only the middle: never a byte twice (gaps of alignment padding aside)
     assert size - 3 * 64 <= backend.bytes_read <= size
 
 
-@pytest.mark.parametrize("pos, error, message", [
-    (0, FormatError, "bad magic"),  # the magic
-    (12, IntegrityError, "header or bytes"),  # the header's alignment field: it is under the metadata checksum
-    (-100, IntegrityError, "metadata checksum"),  # a metadata byte (covered by the footer's checksum of both)
-])
+@pytest.mark.parametrize(
+    "pos, error, message",
+    [
+        (0, FormatError, "bad magic"),  # the magic
+        (12, IntegrityError, "header or bytes"),  # the header's alignment field: it is under the metadata checksum
+        (-100, IntegrityError, "metadata checksum"),  # a metadata byte (covered by the footer's checksum of both)
+    ],
+)
 def test_remote_full_load_checks_header_and_metadata(memory_uri, pos, error, message):
     uri = f"{memory_uri}/h.fpk"
     fp.save({"w": torch.randn(1000), "x": [1, 2]}, uri)

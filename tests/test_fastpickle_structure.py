@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptio import fastpickle as fp
-from fpk_crafting import KINDS, craft, fix_kinds, loader, nested_tree, nested_value, tensor_ref  # noqa: F401
+from fpk_crafting import KINDS, craft, fix_kinds, nested_tree, nested_value, tensor_ref
 
 DEPTH = fp.MAX_DEPTH
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -35,6 +35,7 @@ def saved(obj) -> bytes:
 
 
 # ---- nesting depth ------------------------------------------------------------------------------
+
 
 def test_issue_deep_tuples_do_not_crash(loader):
     """The report: 300 nested tuples saved, then load, info and verify killed the interpreter."""
@@ -77,9 +78,18 @@ def test_depth_counts_keys_tensors_and_the_root():
         saved({(key,): 1})
 
 
-@pytest.mark.parametrize("kinds", [["list"] * 1025, ["list"] * 5000, ["dict"] * 3000, ["tuple"] * 2000,
-                                   ["set", "list"] * 600, ["gdict_key", "frozenset"] * 400],
-                         ids=["list-1025", "list-5000", "dict-3000", "tuple-2000", "set+list", "key+frozenset"])
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ["list"] * 1025,
+        ["list"] * 5000,
+        ["dict"] * 3000,
+        ["tuple"] * 2000,
+        ["set", "list"] * 600,
+        ["gdict_key", "frozenset"] * 400,
+    ],
+    ids=["list-1025", "list-5000", "dict-3000", "tuple-2000", "set+list", "key+frozenset"],
+)
 def test_far_too_deep_is_a_clear_format_error(loader, kinds):
     data = craft(nested_tree(fix_kinds(kinds)))
     assert loader.check(data, ALL_OPS) == "format"
@@ -91,17 +101,20 @@ def _ext(code: int, value=None, raw: bytes | None = None) -> msgpack.ExtType:
     return msgpack.ExtType(code, msgpack.packb(value) if raw is None else raw)
 
 
-@pytest.mark.parametrize("tree,why", [
-    ({_ext(fp.EXT_TUPLE, [[1]]): 1}, "map key"),  # a placeholder would be left in the tree
-    (_ext(fp.EXT_TUPLE, 5), "does not hold a list"),
-    ([_ext(fp.EXT_TUPLE, [_ext(fp.EXT_SET, 5)])], "does not hold a list"),  # found by the loop, not the hook
-    (_ext(fp.EXT_GDICT, [1]), "odd number"),
-    (_ext(fp.EXT_SET, [[1]]), "unhashable"),
-    (_ext(fp.EXT_TUPLE, raw=b"\xc1"), "invalid msgpack"),
-    (_ext(fp.EXT_TUPLE, raw=b"\x92\x01"), "incomplete"),
-    (_ext(fp.EXT_TUPLE, raw=b"\x91" * 2000 + b"\xc0"), "nested more than msgpack"),
-    (msgpack.ExtType(0x7f, b""), "unknown extension"),
-])
+@pytest.mark.parametrize(
+    "tree,why",
+    [
+        ({_ext(fp.EXT_TUPLE, [[1]]): 1}, "map key"),  # a placeholder would be left in the tree
+        (_ext(fp.EXT_TUPLE, 5), "does not hold a list"),
+        ([_ext(fp.EXT_TUPLE, [_ext(fp.EXT_SET, 5)])], "does not hold a list"),  # found by the loop, not the hook
+        (_ext(fp.EXT_GDICT, [1]), "odd number"),
+        (_ext(fp.EXT_SET, [[1]]), "unhashable"),
+        (_ext(fp.EXT_TUPLE, raw=b"\xc1"), "invalid msgpack"),
+        (_ext(fp.EXT_TUPLE, raw=b"\x92\x01"), "incomplete"),
+        (_ext(fp.EXT_TUPLE, raw=b"\x91" * 2000 + b"\xc0"), "nested more than msgpack"),
+        (msgpack.ExtType(0x7F, b""), "unknown extension"),
+    ],
+)
 def test_malformed_trees_say_what_is_wrong(loader, tree, why):
     data = craft(msgpack.packb(tree))
     assert loader.check(data, ALL_OPS) == "format"
@@ -123,8 +136,11 @@ def test_fuzz_mixed_nesting_around_the_bound(loader, kinds, tensor_leaf):
     kinds = fix_kinds(kinds)
     leaf = tensor_ref(0) if tensor_leaf else b"\xc0"
     payload = bytes(range(8))
-    tables = ([[64, 8, xxhash.xxh3_64_intdigest(payload), "cpu"]], [[0, 0, "float32", [2], [1], 0, 0, "x", None]],
-              payload) if tensor_leaf else ()
+    tables = (
+        ([[64, 8, xxhash.xxh3_64_intdigest(payload), "cpu"]], [[0, 0, "float32", [2], [1], 0, 0, "x", None]], payload)
+        if tensor_leaf
+        else ()
+    )
     data = craft(nested_tree(kinds, leaf), *tables)
     outcome = loader.check(data, ALL_OPS, return_value=True)
     assert outcome == ("ok" if len(kinds) <= DEPTH else "format")
@@ -134,15 +150,70 @@ def test_fuzz_mixed_nesting_around_the_bound(loader, kinds, tensor_leaf):
 
 # ---- dtype, itemsize, shape --------------------------------------------------------------------
 
-NP_DTYPES = ["S0", "U0", "S", "U", "a", "V0", "V8", "O", "|O", "S5", "U3", ">U2", "<f8", ">f8", "=i4", "|b1", "?",
-             "M8", "m8[s]", "<M8[ns]", "c16", "f2", "u8", "i1", "float64", "(2,)f4", "f4,i4", "S2147483647",
-             "U999999999", "[('a', 'f4')]", "int", "x" * 40, "d" * 3]
+NP_DTYPES = [
+    "S0",
+    "U0",
+    "S",
+    "U",
+    "a",
+    "V0",
+    "V8",
+    "O",
+    "|O",
+    "S5",
+    "U3",
+    ">U2",
+    "<f8",
+    ">f8",
+    "=i4",
+    "|b1",
+    "?",
+    "M8",
+    "m8[s]",
+    "<M8[ns]",
+    "c16",
+    "f2",
+    "u8",
+    "i1",
+    "float64",
+    "(2,)f4",
+    "f4,i4",
+    "S2147483647",
+    "U999999999",
+    "[('a', 'f4')]",
+    "int",
+    "x" * 40,
+    "d" * 3,
+]
 TORCH_DTYPES = sorted(fp._DTYPES)
-DIMS = [0, 1, 2, 3, 7, 8, 64, 1000, 1 << 20, 1 << 31, 1 << 32, (1 << 62) + 1, (1 << 63) - 1, 1 << 63,
-        (1 << 64) - 1, -1, -(1 << 63)]
-QEXTRA = [None, ["per_tensor_affine", 0.1, 0], ["per_tensor_affine", 0.0, (1 << 64) - 1],
-          ["per_tensor_affine", float("nan"), 0], ["per_channel_affine", [0.1, 0.2], [0, 0], 0],
-          ["per_channel_affine", [0.1], [0], 5], ["bogus"]]
+DIMS = [
+    0,
+    1,
+    2,
+    3,
+    7,
+    8,
+    64,
+    1000,
+    1 << 20,
+    1 << 31,
+    1 << 32,
+    (1 << 62) + 1,
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+    -1,
+    -(1 << 63),
+]
+QEXTRA = [
+    None,
+    ["per_tensor_affine", 0.1, 0],
+    ["per_tensor_affine", 0.0, (1 << 64) - 1],
+    ["per_tensor_affine", float("nan"), 0],
+    ["per_channel_affine", [0.1, 0.2], [0, 0], 0],
+    ["per_channel_affine", [0.1], [0], 5],
+    ["bogus"],
+]
 
 
 @st.composite
@@ -168,8 +239,11 @@ def test_fuzz_dtype_itemsize_shape_tables(loader, entry, nbytes, mmap):
 
 
 def zero_itemsize_file(dtype: str, shape=(1000, 1000, 1000)) -> bytes:
-    return craft(msgpack.packb({"x": msgpack.ExtType(fp.EXT_TENSOR, bytes(4))}),
-                 [[64, 0, xxhash.xxh3_64_intdigest(b""), "cpu"]], [[1, 0, dtype, list(shape), [], 0, 0, "x", None]])
+    return craft(
+        msgpack.packb({"x": msgpack.ExtType(fp.EXT_TENSOR, bytes(4))}),
+        [[64, 0, xxhash.xxh3_64_intdigest(b""), "cpu"]],
+        [[1, 0, dtype, list(shape), [], 0, 0, "x", None]],
+    )
 
 
 @pytest.mark.parametrize("dtype", ["S0", "U0", "|S0", ">U0", "S", "U"])
@@ -188,13 +262,16 @@ def test_issue_zero_itemsize_with_many_dims_is_refused(loader):
     assert loader.check(data, ALL_OPS) == "format"
 
 
-@pytest.mark.parametrize("entry,why", [
-    ([1, 0, "<f8", [0] + [1 << 40] * 3, [], 0, 0, "x", None], "larger than any array"),
-    ([0, 0, "float32", [1 << 40] * 3, [0] * 3, 0, 0, "x", None], "more elements than any tensor"),
-    ([0, 0, "quint4x2", [2], [1], 0, 0, "x", None], "unknown dtype"),
-    ([2, 0, "qint8", [1000, 1000], [0, 0], 0, 0, "x", ["per_tensor_affine", 0.1, 0]], "larger than its"),
-    ([2, 0, "qint8", [2], [1], 0, 0, "x", ["per_tensor_affine", 0.1, 1 << 63]], "quantization"),
-])
+@pytest.mark.parametrize(
+    "entry,why",
+    [
+        ([1, 0, "<f8", [0] + [1 << 40] * 3, [], 0, 0, "x", None], "larger than any array"),
+        ([0, 0, "float32", [1 << 40] * 3, [0] * 3, 0, 0, "x", None], "more elements than any tensor"),
+        ([0, 0, "quint4x2", [2], [1], 0, 0, "x", None], "unknown dtype"),
+        ([2, 0, "qint8", [1000, 1000], [0, 0], 0, 0, "x", ["per_tensor_affine", 0.1, 0]], "larger than its"),
+        ([2, 0, "qint8", [2], [1], 0, 0, "x", ["per_tensor_affine", 0.1, 1 << 63]], "quantization"),
+    ],
+)
 def test_tables_that_would_allocate_or_misbehave_are_refused(loader, entry, why):
     payload = bytes(8)
     data = craft(tensor_ref(0), [[64, 8, xxhash.xxh3_64_intdigest(payload), "cpu"]], [entry], payload + bytes(56))
@@ -217,30 +294,46 @@ LENGTHS = [0, 1, 8, 63, 64, 65, 128, 129, 1 << 31, (1 << 63) - 1, (1 << 64) - 1,
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.sampled_from(OFFSETS), st.sampled_from(LENGTHS), st.booleans(),
-                          st.sampled_from(["cpu", "cpu", "cuda:0", "meta", "nonsense", "cpu" * 30])),
-                min_size=1, max_size=3),
-       st.sampled_from([{}, {"meta_off": 3}, {"meta_len": 1 << 40}, {"meta_off": 1 << 63}, {"size": 1 << 62}]),
-       st.sampled_from([{}, {"keys": ["a"]}, {"mmap": True}, {"verify": False}, {"map_location": "cpu"}]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(OFFSETS),
+            st.sampled_from(LENGTHS),
+            st.booleans(),
+            st.sampled_from(["cpu", "cpu", "cuda:0", "meta", "nonsense", "cpu" * 30]),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from([{}, {"meta_off": 3}, {"meta_len": 1 << 40}, {"meta_off": 1 << 63}, {"size": 1 << 62}]),
+    st.sampled_from([{}, {"keys": ["a"]}, {"mmap": True}, {"verify": False}, {"map_location": "cpu"}]),
+)
 def test_fuzz_storage_offsets_and_lengths(loader, storages, footer_lie, kw):
     payload = bytes(range(128)) * 2
-    table = [[off, n, xxhash.xxh3_64_intdigest(payload[max(0, off - 64): max(0, off - 64 + n)]) if good else 1, loc]
-             for off, n, good, loc in storages]
-    tensors = [[0, i, "uint8", [max(0, n)] if 0 <= n < 1 << 20 else [1], [1], 0, 0, f"t{i}", None]
-               for i, (_, n, _, _) in enumerate(storages)]
+    table = [
+        [off, n, xxhash.xxh3_64_intdigest(payload[max(0, off - 64) : max(0, off - 64 + n)]) if good else 1, loc]
+        for off, n, good, loc in storages
+    ]
+    tensors = [
+        [0, i, "uint8", [max(0, n)] if 0 <= n < 1 << 20 else [1], [1], 0, 0, f"t{i}", None]
+        for i, (_, n, _, _) in enumerate(storages)
+    ]
     tree = msgpack.packb({"a": [msgpack.ExtType(fp.EXT_TENSOR, i.to_bytes(4, "little")) for i in range(len(tensors))]})
     loader.check(craft(tree, table, tensors, payload, **footer_lie), ALL_OPS, **kw)
 
 
 # ---- the CLI, as users run it -------------------------------------------------------------------
 
-@pytest.mark.parametrize("data", [craft(nested_tree(["tuple"] * 300 + ["dict"])), zero_itemsize_file("U0")],
-                         ids=["deep-tuples", "U0-array"])
+
+@pytest.mark.parametrize(
+    "data", [craft(nested_tree(["tuple"] * 300 + ["dict"])), zero_itemsize_file("U0")], ids=["deep-tuples", "U0-array"]
+)
 @pytest.mark.parametrize("command", ["info", "verify"])
 def test_cli_on_crafted_files(tmp_path, data, command):
     path = tmp_path / "crafted.fpk"
     path.write_bytes(data)
-    r = subprocess.run([sys.executable, "-m", "ckptio.cli", command, str(path)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptio.cli", command, str(path)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # an error, not a signal (negative)
     assert f"error: {path}: malformed" in r.stderr

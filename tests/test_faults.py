@@ -18,7 +18,7 @@ import torch
 import ckptio
 from ckptio.errors import AccessDeniedError, CredentialsError, NotFoundError, TransferError
 from ckptio.retry import RetryPolicy
-from faultproxy import FAST, Fault, MiB, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault, MiB
 from servers import s3_client
 
 TRANSIENT = {
@@ -90,8 +90,13 @@ def test_transient_fault_on_ranged_read_retries_only_that_range(faults, fault):
 def test_transient_fault_on_metadata_calls(faults, fault):
     b, u = ckptio.resolve(faults.uri + "/dir/obj")
     b.write(u, b"payload")
-    for op in (lambda: b.stat(u).size == 7, lambda: [i.uri for i in b.list(faults.uri + "/dir")] == [u],
-               lambda: b.read(u) == b"payload", lambda: b.delete(u) is None, lambda: not b.exists(u)):
+    for op in (
+        lambda: b.stat(u).size == 7,
+        lambda: [i.uri for i in b.list(faults.uri + "/dir")] == [u],
+        lambda: b.read(u) == b"payload",
+        lambda: b.delete(u) is None,
+        lambda: not b.exists(u),
+    ):
         faults.clear()
         faults.add(Fault(nth=1, **TRANSIENT[fault]))
         assert op()
@@ -146,8 +151,15 @@ def test_permanent_upload_failure_is_clear_and_leaves_nothing(faults):
     b, u = ckptio.resolve(faults.uri + "/obj.bin")
     b.write(u, b"previous committed version")
     faults.clear()
-    faults.add(Fault("status", status=503, method="PUT", path=("partNumber=2" if faults.flavor == "s3" else
-                                                               "upload_id="), fraction=1.0))
+    faults.add(
+        Fault(
+            "status",
+            status=503,
+            method="PUT",
+            path=("partNumber=2" if faults.flavor == "s3" else "upload_id="),
+            fraction=1.0,
+        )
+    )
     with pytest.raises(TransferError) as ei:
         b.write(u, _big(faults))
     msg = str(ei.value)  # it ran out of attempts, well within the deadline (no wall clock: busy machines)
@@ -219,6 +231,7 @@ def test_per_attempt_timeout_bounds_a_stalled_request(faults, caplog):
 
 # ---- credentials ------------------------------------------------------------------------------
 
+
 class Provider:
     def __init__(self, flavor: str) -> None:
         self.flavor, self.calls = flavor, 0
@@ -226,8 +239,11 @@ class Provider:
     def __call__(self):
         self.calls += 1
         if self.flavor == "s3":
-            return {"access_key_id": f"KEY{self.calls}", "secret_access_key": f"S3CRET-{self.calls}-xyz",
-                    "session_token": f"TOKEN-{self.calls}-abc"}
+            return {
+                "access_key_id": f"KEY{self.calls}",
+                "secret_access_key": f"S3CRET-{self.calls}-xyz",
+                "session_token": f"TOKEN-{self.calls}-abc",
+            }
         return f"ya29.token-{self.calls}"
 
 
@@ -249,14 +265,15 @@ def test_expired_token_is_refreshed_and_retried(faults, caplog):
 
 
 def test_provider_named_in_settings(s3_faults, monkeypatch):
-    import types
     import sys
+    import types
 
     mod = types.ModuleType("ckptio_test_provider")
     mod.provider = Provider("s3")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ckptio_test_provider", mod)
-    ckptio.configure(aliases={"cred": {"target": s3_faults.uri,
-                                       "options": {"credential_provider": "ckptio_test_provider:provider"}}})
+    ckptio.configure(
+        aliases={"cred": {"target": s3_faults.uri, "options": {"credential_provider": "ckptio_test_provider:provider"}}}
+    )
     s3_faults.add(Fault("expired", nth=1))
     ckptio.put(b"hello", "cred://k")
     assert ckptio.get("cred://k") == b"hello" and mod.provider.calls == 2
@@ -272,6 +289,7 @@ def test_expired_token_without_provider_is_a_credentials_error(faults):
 
 
 # ---- settings --------------------------------------------------------------------------------
+
 
 def test_retry_options_per_backend_and_per_alias(faults):
     name = "s3" if faults.flavor == "s3" else "gcs"
@@ -310,6 +328,7 @@ def test_backoff_is_full_jitter_and_bounded():
 
 # ---- the easy_io face and fastpickle under random faults ---------------------------------------
 
+
 @pytest.mark.parametrize("ext", [".pt", ".fpk"])
 def test_dump_load_under_random_faults(faults, ext):
     state = {"w": torch.randn(700, 600), "b": torch.arange(1000), "step": 7}  # ~1.7 MB
@@ -340,8 +359,16 @@ def test_fastpickle_partial_load_under_faults(faults):
 def test_s3_store_rejecting_checksum_headers_gets_a_hint(s3_faults):
     """Some S3-compatible stores reject the CRC32 headers; the error says which option turns them off."""
     b, u = ckptio.resolve(s3_faults.uri + "/obj.bin")
-    s3_faults.add(Fault("status", status=501, code="NotImplemented", method="PUT", fraction=1.0,
-                        message="Header 'x-amz-checksum-crc32' with value 'AAAAAA==' not implemented"))
+    s3_faults.add(
+        Fault(
+            "status",
+            status=501,
+            code="NotImplemented",
+            method="PUT",
+            fraction=1.0,
+            message="Header 'x-amz-checksum-crc32' with value 'AAAAAA==' not implemented",
+        )
+    )
     with pytest.raises(TransferError, match="checksum = 'none'") as ei:
         b.write(u, b"x")
     assert "NotImplemented" in str(ei.value) and u in str(ei.value)

@@ -17,16 +17,20 @@ import ckptio
 from ckptio import dcp
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import TransferError
-from faultproxy import FAST, Fault, faults, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 
 
 def make_state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)},
-            "trainer": {"step": step}}
+    return {
+        "model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)},
+        "trainer": {"step": step},
+    }
 
 
 def blank() -> dict:
@@ -34,8 +38,11 @@ def blank() -> dict:
 
 
 def same(a: dict, b: dict) -> bool:
-    return (torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
-            and a["trainer"] == b["trainer"])
+    return (
+        torch.equal(a["model"]["w"], b["model"]["w"])
+        and torch.equal(a["model"]["b"], b["model"]["b"])
+        and a["trainer"] == b["trainer"]
+    )
 
 
 def transient_mix(p) -> None:

@@ -21,8 +21,10 @@ from ckptio.checkpointer import Checkpointer
 from ckptio.errors import AccessDeniedError, IntegrityError, TransferError
 from conftest import flip_byte
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 
 
 def _mount(path, *opts: str) -> None:
@@ -114,12 +116,15 @@ def test_cp_past_the_file_size_limit_names_the_destination(tmp_path):
     """Without a small filesystem to mount: RLIMIT_FSIZE makes the write fail (EFBIG) in a subprocess."""
     src, dst = tmp_path / "src.bin", tmp_path / "out" / "copy.bin"
     src.write_bytes(os.urandom(2 * 1024 * 1024))
-    code = ("import resource, sys\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
-            "from ckptio.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    r = subprocess.run([sys.executable, "-c", code, "cp", str(src), str(dst)], capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "from ckptio.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "cp", str(src), str(dst)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 1 and "file too large" in r.stderr, r.stderr
     assert str(dst) in r.stderr and str(src) not in r.stderr, r.stderr
     assert os.listdir(dst.parent) == []  # no temporary file left
@@ -137,6 +142,7 @@ def test_read_only_mount(ro_fs):
 
 
 # ---- damage after writing ----------------------------------------------------------------------
+
 
 def test_fpk_bit_flip_is_detected_with_object_and_range(tmp_path):
     p = str(tmp_path / "s.fpk")

@@ -19,12 +19,15 @@ import torch
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
-from faultproxy import FAST, Fault, s3_faults  # noqa: F401
+from faultproxy import FAST, Fault
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork"),
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
-              pytest.mark.timeout(3000)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+    pytest.mark.timeout(3000),
+]
 CYCLES = int(os.environ.get("CKPTIO_SOAK_CYCLES", "200"))
 
 
@@ -45,8 +48,9 @@ def _trainer(root: str, fmt: str, endpoint: str, out: int) -> None:
         state = {"model": {"w": torch.zeros(128, 128)}, "trainer": {"step": -1}}
         step = ck.load(state)
         step = 0 if step is None else step
-        ok = step == 0 or (torch.equal(state["model"]["w"], make_state(step)["model"]["w"])
-                           and state["trainer"] == {"step": step})
+        ok = step == 0 or (
+            torch.equal(state["model"]["w"], make_state(step)["model"]["w"]) and state["trainer"] == {"step": step}
+        )
         os.write(out, f"resumed {step} {int(ok)}\n".encode())
         ck.save(step + 1, make_state(step + 1))
         ck.close()

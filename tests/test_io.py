@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -29,15 +30,18 @@ def model_state():
     return {"model": m.state_dict(), "optim": o.state_dict(), "step": 7}
 
 
-@pytest.mark.parametrize("name, obj", [
-    ("a.json", {"a": [1, 2, {"b": None}]}),
-    ("a.yaml", {"a": [1, 2]}),
-    ("a.pkl", {"a": {1, 2}, "b": (1, 2)}),
-    ("a.msgpack", {"a": [1, 2], 3: b"x"}),
-    ("a.txt", "hello\nworld"),
-    ("a.bin", b"\x00\x01raw"),
-    ("a.npy", np.arange(12, dtype=np.float32).reshape(3, 4)),
-])
+@pytest.mark.parametrize(
+    "name, obj",
+    [
+        ("a.json", {"a": [1, 2, {"b": None}]}),
+        ("a.yaml", {"a": [1, 2]}),
+        ("a.pkl", {"a": {1, 2}, "b": (1, 2)}),
+        ("a.msgpack", {"a": [1, 2], 3: b"x"}),
+        ("a.txt", "hello\nworld"),
+        ("a.bin", b"\x00\x01raw"),
+        ("a.npy", np.arange(12, dtype=np.float32).reshape(3, 4)),
+    ],
+)
 def test_dump_load_by_extension(root, name, obj):
     uri = ckptio.join_path(root, "sub", name)
     ckptio.dump(obj, uri)
@@ -134,10 +138,19 @@ def test_listing(root):
     assert sorted(ckptio.list_dir_or_file(root)) == ["a.txt", "b.json", "sub"]
     assert sorted(ckptio.list_dir_or_file(root, list_dir=False)) == ["a.txt", "b.json"]
     assert sorted(ckptio.list_dir_or_file(root, list_file=False)) == ["sub"]
-    assert sorted(ckptio.list_dir_or_file(root, list_dir=False, suffix=".txt", recursive=True)) == \
-        ["a.txt", "sub/c.txt", "sub/deep/d.txt"]
-    assert sorted(ckptio.list_dir_or_file(root, recursive=True)) == \
-        ["a.txt", "b.json", "sub", "sub/c.txt", "sub/deep", "sub/deep/d.txt"]
+    assert sorted(ckptio.list_dir_or_file(root, list_dir=False, suffix=".txt", recursive=True)) == [
+        "a.txt",
+        "sub/c.txt",
+        "sub/deep/d.txt",
+    ]
+    assert sorted(ckptio.list_dir_or_file(root, recursive=True)) == [
+        "a.txt",
+        "b.json",
+        "sub",
+        "sub/c.txt",
+        "sub/deep",
+        "sub/deep/d.txt",
+    ]
     with pytest.raises(TypeError):
         list(ckptio.list_dir_or_file(root, suffix=".txt"))
     assert [u.rsplit("/", 1)[-1] for u in ckptio.ls(root)] == ["a.txt", "b.json", "sub"]
@@ -225,7 +238,9 @@ def test_easy_io_backend_args_and_keys(tmp_path):
     ckptio.dump({"a": 1}, "memory://mapped/x.json", backend_args=args)
     assert ckptio.load("memory://real/x.json") == {"a": 1}
     assert ckptio.load("memory://mapped/x.json", backend_args=args) == {"a": 1}
-    ckptio.set_s3_backend(key="team", backend_args={"backend": "s3", "path_mapping": {"memory://team/": "memory://t2/"}})
+    ckptio.set_s3_backend(
+        key="team", backend_args={"backend": "s3", "path_mapping": {"memory://team/": "memory://t2/"}}
+    )
     ckptio.put(b"k", "memory://team/y.bin", backend_key="team")
     assert ckptio.get("memory://t2/y.bin") == b"k"
     assert ckptio.exists("memory://team/y.bin", backend_key="team")
@@ -258,8 +273,31 @@ def test_register_format_decorator_and_conflicts(tmp_path):
         ckptio.registry.formats.unregister("other")
 
 
+def test_text_stream_format_gets_str_streams(root):
+    """``StreamFormat.text = True``: dump_file writes str and load_file reads str, on every backend."""
+
+    @ckptio.register_format("texty", extensions=[".texty"])
+    class Texty(ckptio.StreamFormat):
+        text = True
+
+        def dump_file(self, obj, f, **kw):
+            f.write(obj)
+
+        def load_file(self, f, **kw):
+            return f.read()
+
+    try:
+        uri = ckptio.join_path(root, "t.texty")
+        ckptio.dump("h\u00e9llo\n", uri)
+        assert ckptio.load(uri) == "h\u00e9llo\n"
+        assert ckptio.get(uri) == "h\u00e9llo\n".encode()
+    finally:
+        ckptio.registry.formats.unregister("texty")
+
+
 def test_register_backend_conflict_requires_force():
     with pytest.raises(ValueError, match="already registered"):
+
         @ckptio.register_backend("mine", prefixes=["memory"])
         class Mine(ckptio.Backend):
             pass
@@ -292,7 +330,7 @@ def test_progress_callback_reports_bytes(any_uri, name):
     obj = b"x" * (3 << 20) if name.endswith(".bin") else {"w": torch.randn(256, 1024), "step": 3}
     seen: list[tuple[int, int]] = []
     ckptio.dump(obj, uri, progress=lambda d, t: seen.append((d, t)))
-    assert seen and all(b[0] >= a[0] for a, b in zip(seen, seen[1:]))  # monotonic
+    assert seen and all(b[0] >= a[0] for a, b in itertools.pairwise(seen))  # monotonic
     assert seen[-1][0] >= (1 << 20)
     size = ckptio.stat(uri).size
     seen.clear()
@@ -314,6 +352,7 @@ def test_progress_true_is_quiet_off_a_terminal(tmp_path, capsys):
 
 
 # ---- mmengine.fileio / easy_io semantics (their LocalBackend is shutil's) ------------------------
+
 
 def test_copyfile_onto_itself_raises_same_file_error(root, tmp_path):
     import shutil

@@ -52,8 +52,9 @@ def test_version_is_written_in_one_place():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"ckptio {ckptio.__version__}"
     with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
-        assert re.search(rf"^## \[?{re.escape(ckptio.__version__)}\]?", f.read(), re.M), \
+        assert re.search(rf"^## \[?{re.escape(ckptio.__version__)}\]?", f.read(), re.M), (
             f"CHANGELOG.md has no section for {ckptio.__version__}"
+        )
 
 
 def test_build_metadata_has_the_version_and_an_spdx_license_without_warnings(tmp_path):
@@ -62,7 +63,7 @@ def test_build_metadata_has_the_version_and_an_spdx_license_without_warnings(tmp
     shutil.copytree(os.path.join(ROOT, "ckptio"), src / "ckptio", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    code = "from setuptools import build_meta as b; print(b.prepare_metadata_for_build_wheel(%r))" % str(tmp_path)
+    code = f"from setuptools import build_meta as b; print(b.prepare_metadata_for_build_wheel({str(tmp_path)!r}))"
     r = _run([sys.executable, "-W", "always", "-c", code], cwd=src)
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and "deprecat" not in r.stderr.lower(), r.stderr
@@ -78,11 +79,14 @@ def test_import_time_floors_are_the_extras_floors(module, extra):
     assert importlib.import_module(module).MIN_VERSIONS == _floors(extra)
 
 
-@pytest.mark.parametrize("dist, old, uri, extra", [
-    ("s3fs", "0.4.2", "s3://bucket/k", "s3"),
-    ("aiobotocore", "2.5.0", "s3://bucket/k", "s3"),
-    ("gcsfs", "2023.6.0", "gs://bucket/k", "gcs"),
-])
+@pytest.mark.parametrize(
+    "dist, old, uri, extra",
+    [
+        ("s3fs", "0.4.2", "s3://bucket/k", "s3"),
+        ("aiobotocore", "2.5.0", "s3://bucket/k", "s3"),
+        ("gcsfs", "2023.6.0", "gs://bucket/k", "gcs"),
+    ],
+)
 def test_too_old_client_library_is_refused_by_name_and_version(tmp_path, dist, old, uri, extra):
     """An older release first on sys.path: its metadata, and a module that fails to import (as old
     releases do against today's dependencies). The version is named, not the import error."""
@@ -103,4 +107,3 @@ def test_too_old_client_library_is_refused_by_name_and_version(tmp_path, dist, o
     minimum = _floors(extra)[dist]
     assert f"REFUSED: ckptio's {extra} backend needs {dist}>={minimum}, but {dist} {old} is installed" in r.stdout
     assert f"pip install -U 'ckptio[{extra}]'" in r.stdout
-

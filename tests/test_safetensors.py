@@ -14,7 +14,7 @@ import torch
 
 import ckptio
 from ckptio import cli
-from ckptio.errors import FormatError, IntegrityError, NotFoundError
+from ckptio.errors import FormatError, NotFoundError
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -36,7 +36,7 @@ def sample() -> dict[str, torch.Tensor]:
         "empty": torch.zeros(0, 7),
         "u8": torch.arange(13, dtype=torch.uint8),
         "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
-        "clé ünïcode \n\"q\"": torch.ones(2, 2),
+        'clé ünïcode \n"q"': torch.ones(2, 2),
     }
     for name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
         if hasattr(torch, name):
@@ -53,10 +53,11 @@ def same(a: dict, b: dict) -> None:
 
 def header(data: bytes) -> dict:
     (n,) = struct.unpack_from("<Q", data)
-    return json.loads(data[8: 8 + n])
+    return json.loads(data[8 : 8 + n])
 
 
 # ---- byte compatibility with safetensors.torch ---------------------------------------------------
+
 
 @pytest.mark.parametrize("metadata", [None, {}, {"format": "pt"}])
 def test_same_bytes_as_save_file(tmp_path, metadata):
@@ -84,9 +85,11 @@ def test_float4_and_e8m0_and_views(tmp_path):
     if not hasattr(torch, "float4_e2m1fn_x2") or not hasattr(torch, "float8_e8m0fnu"):
         pytest.skip("torch without float4/e8m0")
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    sd = {"f4": torch.arange(8, dtype=torch.uint8).reshape(2, 4).view(torch.float4_e2m1fn_x2),
-          "e8m0": torch.arange(5, dtype=torch.uint8).view(torch.float8_e8m0fnu),
-          "col": base[:, 1]}  # not contiguous: written as its contiguous copy
+    sd = {
+        "f4": torch.arange(8, dtype=torch.uint8).reshape(2, 4).view(torch.float4_e2m1fn_x2),
+        "e8m0": torch.arange(5, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        "col": base[:, 1],
+    }  # not contiguous: written as its contiguous copy
     ckptio.dump(sd, tmp_path / "a.safetensors")
     assert header((tmp_path / "a.safetensors").read_bytes())["f4"]["shape"] == [2, 8]
     back = ckptio.load(tmp_path / "a.safetensors")
@@ -97,16 +100,19 @@ def test_float4_and_e8m0_and_views(tmp_path):
     assert torch.equal(pkg["e8m0"].view(torch.uint8), sd["e8m0"].view(torch.uint8))
 
 
-@pytest.mark.parametrize("bad, what", [
-    ([torch.ones(1)], "flat dict"),
-    ({"a": {"b": torch.ones(1)}}, "'a'"),
-    ({"a": torch.ones(1), "n": 3}, "'n'"),
-    ({1: torch.ones(1)}, "key 1"),
-    ({"__metadata__": torch.ones(1)}, "reserved"),
-    ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "'q'"),
-    ({"s": torch.ones(2, 2).to_sparse()}, "'s'"),
-    ({"c128": torch.ones(2, dtype=torch.complex128)}, "'c128'"),
-])
+@pytest.mark.parametrize(
+    "bad, what",
+    [
+        ([torch.ones(1)], "flat dict"),
+        ({"a": {"b": torch.ones(1)}}, "'a'"),
+        ({"a": torch.ones(1), "n": 3}, "'n'"),
+        ({1: torch.ones(1)}, "key 1"),
+        ({"__metadata__": torch.ones(1)}, "reserved"),
+        ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "'q'"),
+        ({"s": torch.ones(2, 2).to_sparse()}, "'s'"),
+        ({"c128": torch.ones(2, dtype=torch.complex128)}, "'c128'"),
+    ],
+)
 def test_dump_refuses_what_safetensors_cannot_hold(local_uri, bad, what):
     uri = f"{local_uri}/x.safetensors"
     with pytest.raises(TypeError, match=what):
@@ -121,6 +127,7 @@ def test_dump_refuses_bad_metadata(local_uri, md, what):
 
 
 # ---- every storage -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fx", ["local_uri", "memory_uri", "s3_uri", "gcs_uri", "fsspec_uri", "user_uri"])
 def test_round_trip_partial_and_map_location(request, fx):
@@ -162,8 +169,10 @@ def test_local_load_maps_the_file_copy_on_write(tmp_path):
 
 
 def test_misaligned_tensor_is_copied_to_aligned_memory(tmp_path):
-    body = {"b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-            "a": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}
+    body = {
+        "b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]},
+    }
     raw = json.dumps(body).encode()
     data = struct.pack("<Q", len(raw)) + raw + b"\x07" + struct.pack("<2f", 1.5, -2.0)
     (tmp_path / "odd.safetensors").write_bytes(data)
@@ -190,6 +199,7 @@ def test_remote_partial_load_reads_header_then_only_needed_ranges(s3_proxy):
 
 
 # ---- sharded checkpoints -------------------------------------------------------------------------
+
 
 def write_sharded(root: str, sd: dict, nshards: int = 3, index: dict | None = None) -> str:
     keys = list(sd)
@@ -229,9 +239,23 @@ def test_sharded_load_through_the_node_cache(s3_uri, tmp_path):
     assert len(os.listdir(tmp_path / "cache" / "data")) >= 1
 
 
-@pytest.mark.parametrize("shard", ["../model-1.safetensors", "a/../../x.safetensors", "/etc/x.safetensors",
-                                   "s3://other/x.safetensors", "file:x.safetensors", "a//b.safetensors",
-                                   "./x.safetensors", "secrets.json", "~/x.safetensors", 3, None, ""])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../model-1.safetensors",
+        "a/../../x.safetensors",
+        "/etc/x.safetensors",
+        "s3://other/x.safetensors",
+        "file:x.safetensors",
+        "a//b.safetensors",
+        "./x.safetensors",
+        "secrets.json",
+        "~/x.safetensors",
+        3,
+        None,
+        "",
+    ],
+)
 def test_index_naming_outside_paths_is_refused(local_uri, shard):
     index = write_sharded(local_uri, {"w": torch.ones(2)}, nshards=1, index={"weight_map": {"w": shard}})
     with pytest.raises(FormatError, match=r"model\.safetensors\.index\.json.*'w'"):
@@ -253,13 +277,14 @@ def test_index_errors_name_the_index_and_key(local_uri):
     ckptio.put(json.dumps(doc).encode(), index)
     with pytest.raises(NotFoundError, match="model-00009"):
         ckptio.load(index)
-    for bad in (b'{"weight_map": [1]}', b'[]', b'{"weight_map": {}, "weight_map": {}}', b'\xff'):
+    for bad in (b'{"weight_map": [1]}', b"[]", b'{"weight_map": {}, "weight_map": {}}', b"\xff"):
         ckptio.put(bad, index)
         with pytest.raises(FormatError, match="index.json"):
             ckptio.load(index)
 
 
 # ---- info / verify -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fx", ["local_uri", "s3_uri"])
 def test_cli_info_and_verify(request, fx, capsys):
@@ -281,18 +306,25 @@ def test_cli_info_and_verify(request, fx, capsys):
     h = header(data)
     h["model.w"]["data_offsets"][1] -= 4  # overlaps the next tensor
     raw = json.dumps(h).encode()
-    ckptio.put(struct.pack("<Q", len(raw)) + raw + data[8 + struct.unpack_from("<Q", data)[0]:], uri)
+    ckptio.put(struct.pack("<Q", len(raw)) + raw + data[8 + struct.unpack_from("<Q", data)[0] :], uri)
     assert cli.main(["info", uri]) == cli.EXIT_FAILURE
     assert "'model.w'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("data, want", [
-    (lambda: craft({"a": T(), "b": T()}, bytes(16)), "overlaps"),
-    (lambda: craft({"a": T()}, bytes(16)), "8 bytes after the last tensor"),
-    (lambda: craft(b'{"a": ' + json.dumps(T()).encode() + b', "a": ' + json.dumps(T()).encode() + b"}", bytes(8)),
-     "'a' twice"),
-    (lambda: craft({"a": T(dtype="F32", shape=(3,))}, bytes(8)), "'a'"),
-])
+@pytest.mark.parametrize(
+    "data, want",
+    [
+        (lambda: craft({"a": T(), "b": T()}, bytes(16)), "overlaps"),
+        (lambda: craft({"a": T()}, bytes(16)), "8 bytes after the last tensor"),
+        (
+            lambda: craft(
+                b'{"a": ' + json.dumps(T()).encode() + b', "a": ' + json.dumps(T()).encode() + b"}", bytes(8)
+            ),
+            "'a' twice",
+        ),
+        (lambda: craft({"a": T(dtype="F32", shape=(3,))}, bytes(8)), "'a'"),
+    ],
+)
 def test_cli_verify_refuses_what_a_header_length_check_accepts(local_uri, capsys, data, want):
     uri = f"{local_uri}/m.safetensors"
     ckptio.put(data(), uri)
@@ -372,8 +404,10 @@ CRAFTED = {
     "not_object": (craft(b"[1, 2]", b""), "start"),
     "not_utf8": (craft(b'{"\xff": 1}', b""), "UTF-8"),
     "deep": (craft(b'{"w": ' + b"[" * 100000 + b"]" * 100000 + b"}", b""), "JSON"),
-    "duplicate_key": (craft(b'{"w": ' + json.dumps(T()).encode() + b', "w": ' + json.dumps(T()).encode() + b"}",
-                            bytes(8)), "'w' twice"),
+    "duplicate_key": (
+        craft(b'{"w": ' + json.dumps(T()).encode() + b', "w": ' + json.dumps(T()).encode() + b"}", bytes(8)),
+        "'w' twice",
+    ),
     "unknown_dtype": (craft({"w": T(dtype="F128")}, bytes(8)), "'w'"),
     "no_torch_dtype": (craft({"w": T(dtype="F6_E2M3", shape=(4,), offsets=(0, 3))}, bytes(3)), "'w'"),
     "negative_dim": (craft({"w": T(shape=(-2,))}, bytes(8)), "'w'"),
@@ -402,23 +436,33 @@ CRAFTED = {
 
 def test_crafted_files_raise_format_errors_in_a_subprocess(tmp_path):
     cases = {k: v[0].hex() for k, v in CRAFTED.items()}
-    cases["__good__"] = st.save({"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int8),
-                                 "c": torch.zeros(2, 2, dtype=torch.float16)}, metadata={"m": "x"}).hex()
+    cases["__good__"] = st.save(
+        {"a": torch.arange(6.0), "b": torch.ones(3, dtype=torch.int8), "c": torch.zeros(2, 2, dtype=torch.float16)},
+        metadata={"m": "x"},
+    ).hex()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "crafted.safetensors")], input=json.dumps(cases),
-                       capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "crafted.safetensors")],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out.pop("__fuzz__") == []
     assert out.pop("__good__") == [["ok", ""]] * 3
     for name, (_, want) in CRAFTED.items():
-        for (kind, msg), where in zip(out[name], ("memory://c/x.safetensors", "crafted.safetensors",
-                                                  "crafted.safetensors")):
+        for (kind, msg), where in zip(
+            out[name], ("memory://c/x.safetensors", "crafted.safetensors", "crafted.safetensors"), strict=True
+        ):
             assert kind in ("FormatError", "IntegrityError"), (name, kind, msg)
             assert where in msg and want in msg, (name, msg)
 
 
 # ---- the benchmark runs (no timing checks) -------------------------------------------------------
+
 
 def test_benchmark_smoke(tmp_path, capsys):
     sys.path.insert(0, ROOT)

@@ -27,10 +27,12 @@ import ckptio
 from ckptio import fastpickle
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import CkptioError
-from faultproxy import Fault, gcs_faults, s3_faults  # noqa: F401
+from faultproxy import Fault
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 
 
 class Evil:
@@ -89,6 +91,7 @@ def test_latest_pointer_cannot_redirect_to_another_checkpoint(tmp_path):
 
 # ---- path escapes ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", ["../escaped.bin", "a/../../escaped.bin"])
 def test_copytree_refuses_keys_that_escape(tmp_path, user_uri, key):
     from conftest import UserDictBackend
@@ -123,8 +126,12 @@ def test_copytree_does_not_write_through_a_symlink_in_the_destination(tmp_path):
 
 def test_cli_cp_does_not_write_through_a_symlink(tmp_path):
     outside, src, dst = _symlinked_destination(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "ckptio.cli", "cp", "-r", str(src) + "/", str(dst) + "/"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptio.cli", "cp", "-r", str(src) + "/", str(dst) + "/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert list(outside.iterdir()) == [], (r.stdout, r.stderr)
 
 
@@ -150,22 +157,43 @@ SECRETS = (SECRET_SETTINGS, SECRET_ENV, SECRET_FILE, SECRET_PROVIDED)
 def _assert_clean(*texts: str) -> None:
     for t in texts:
         for s in SECRETS:
-            assert s not in t, f"secret {s[:8]}... leaked: {t[max(0, t.find(s) - 200): t.find(s) + 50]!r}"
+            assert s not in t, f"secret {s[:8]}... leaked: {t[max(0, t.find(s) - 200) : t.find(s) + 50]!r}"
 
 
 def test_secrets_never_in_logs_errors_repr_or_settings(s3_faults, tmp_path, monkeypatch, caplog):
     creds = tmp_path / "creds.json"
-    creds.write_text(json.dumps({"aws_access_key_id": "filekey", "aws_secret_access_key": SECRET_FILE,
-                                 "aws_session_token": SECRET_FILE + "tok"}))
+    creds.write_text(
+        json.dumps(
+            {
+                "aws_access_key_id": "filekey",
+                "aws_secret_access_key": SECRET_FILE,
+                "aws_session_token": SECRET_FILE + "tok",
+            }
+        )
+    )
     monkeypatch.setenv("CKPTIO_S3_SESSION_TOKEN", SECRET_ENV)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ENV)
     ckptio.reset()
-    ckptio.configure(backends={"s3": {"endpoint_url": s3_faults.url, "secret_access_key": SECRET_SETTINGS,
-                                      "access_key_id": "k", "max_attempts": 2, "deadline": 10}},
-                     aliases={"filecreds": {"target": s3_faults.uri, "options": {"credentials_file": str(creds)}},
-                              "provided": {"target": s3_faults.uri, "options": {
-                                  "credential_provider": lambda: {"access_key_id": "p",
-                                                                  "secret_access_key": SECRET_PROVIDED}}}})
+    ckptio.configure(
+        backends={
+            "s3": {
+                "endpoint_url": s3_faults.url,
+                "secret_access_key": SECRET_SETTINGS,
+                "access_key_id": "k",
+                "max_attempts": 2,
+                "deadline": 10,
+            }
+        },
+        aliases={
+            "filecreds": {"target": s3_faults.uri, "options": {"credentials_file": str(creds)}},
+            "provided": {
+                "target": s3_faults.uri,
+                "options": {
+                    "credential_provider": lambda: {"access_key_id": "p", "secret_access_key": SECRET_PROVIDED}
+                },
+            },
+        },
+    )
     texts: list[str] = []
     with caplog.at_level(logging.DEBUG, logger="ckptio"):
         for uri in (s3_faults.uri + "/a", "filecreds://a", "provided://a"):
@@ -190,15 +218,22 @@ def test_secrets_never_in_logs_errors_repr_or_settings(s3_faults, tmp_path, monk
 
 def test_secrets_never_in_cli_output(tmp_path, s3_faults):
     cfg = tmp_path / "ckptio.toml"
-    cfg.write_text(f'[backends.s3]\nendpoint_url = "{s3_faults.url}"\naccess_key_id = "k"\n'
-                   f'secret_access_key = "{SECRET_SETTINGS}"\nmax_attempts = 1\n')
+    cfg.write_text(
+        f'[backends.s3]\nendpoint_url = "{s3_faults.url}"\naccess_key_id = "k"\n'
+        f'secret_access_key = "{SECRET_SETTINGS}"\nmax_attempts = 1\n'
+    )
     env = {**os.environ, "CKPTIO_CONFIG": str(cfg), "CKPTIO_S3_SESSION_TOKEN": SECRET_ENV}
     s3_faults.add(Fault("status", status=503, fraction=1.0))
     outs = []
-    for args in (["config"], ["ls", s3_faults.uri], ["cp", str(cfg), s3_faults.uri + "/x"],
-                 ["info", s3_faults.uri + "/missing.fpk"]):
-        r = subprocess.run([sys.executable, "-m", "ckptio.cli", *args], capture_output=True, text=True, env=env,
-                           timeout=120)
+    for args in (
+        ["config"],
+        ["ls", s3_faults.uri],
+        ["cp", str(cfg), s3_faults.uri + "/x"],
+        ["info", s3_faults.uri + "/missing.fpk"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "ckptio.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        )
         outs += [r.stdout, r.stderr]
     assert "***" in "".join(outs) or "attempt" in "".join(outs)
     _assert_clean(*outs)
@@ -216,6 +251,7 @@ def test_cli_inspector_decodes_only_latin1_bytes():
         class P:
             def __reduce__(self):
                 return _codecs.encode, ("x" * 64, encoding)
+
         return pickle.dumps({"b": P()}, protocol=2)
 
     assert _TorchInspector(__import__("io").BytesIO(payload("latin1"))).load() == {"b": b"x" * 64}

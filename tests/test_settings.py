@@ -18,7 +18,9 @@ def write(path, text: str) -> str:
 
 
 def test_alias_scheme_resolves_with_its_own_options(tmp_path, monkeypatch):
-    f = write(tmp_path / "ckptio.toml", """
+    f = write(
+        tmp_path / "ckptio.toml",
+        """
         [aliases.ckpt]
         target = "memory://team-bucket/checkpoints"
         [aliases.ckpt.options]
@@ -27,7 +29,8 @@ def test_alias_scheme_resolves_with_its_own_options(tmp_path, monkeypatch):
         [aliases.other]
         target = "memory://elsewhere"
         options = { part_size = "16MiB" }
-    """)
+    """,
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", f)
     b1, u1 = ckptio.resolve("ckpt://run7/step100")
     b2, u2 = ckptio.resolve("other://x")
@@ -47,11 +50,14 @@ def test_path_mapping_longest_prefix_wins():
 
 
 def test_precedence_argument_over_env_over_file(tmp_path, monkeypatch):
-    f = write(tmp_path / "s.toml", """
+    f = write(
+        tmp_path / "s.toml",
+        """
         [backends.memory]
         part_size = 1000
         concurrency = 3
-    """)
+    """,
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", f)
     b, _ = ckptio.resolve("memory://a/b")
     assert (b.part_size, b.concurrency) == (1000, 3)
@@ -73,16 +79,19 @@ def test_cwd_file_is_found(tmp_path, monkeypatch):
     assert ckptio.resolve("here://x")[1] == "memory://cwd/x"
 
 
-@pytest.mark.parametrize("text, key", [
-    ("[backends.s3]\nconcurrency = -1\n", "backends.s3.concurrency"),
-    ("[backends.s3]\npart_size = \"lots\"\n", "backends.s3.part_size"),
-    ("[backends.s3]\nendpoint_url = \"localhost:9000\"\n", "backends.s3.endpoint_url"),
-    ("[aliases.ckpt]\noptions = {}\n", "aliases.ckpt.target"),
-    ("[aliases.s3]\ntarget = \"memory://x\"\n", "aliases.s3"),
-    ("[aliases.ckpt]\ntarget = \"memory://x\"\ntypo = 1\n", "aliases.ckpt"),
-    ("[bakends.s3]\nregion = \"x\"\n", "unknown top-level key"),
-    ("[backends.s3\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[backends.s3]\nconcurrency = -1\n", "backends.s3.concurrency"),
+        ('[backends.s3]\npart_size = "lots"\n', "backends.s3.part_size"),
+        ('[backends.s3]\nendpoint_url = "localhost:9000"\n', "backends.s3.endpoint_url"),
+        ("[aliases.ckpt]\noptions = {}\n", "aliases.ckpt.target"),
+        ('[aliases.s3]\ntarget = "memory://x"\n', "aliases.s3"),
+        ('[aliases.ckpt]\ntarget = "memory://x"\ntypo = 1\n', "aliases.ckpt"),
+        ('[bakends.s3]\nregion = "x"\n', "unknown top-level key"),
+        ("[backends.s3\n", "not valid TOML"),
+    ],
+)
 def test_invalid_file_names_file_and_key(tmp_path, monkeypatch, text, key):
     f = write(tmp_path / "bad.toml", text)
     monkeypatch.setenv("CKPTIO_CONFIG", f)
@@ -106,7 +115,9 @@ def test_unknown_backend_option_is_reported_with_backend_and_uri():
 
 def test_secrets_are_redacted_everywhere(tmp_path, monkeypatch):
     secret = "SUPERSECRET-123"
-    f = write(tmp_path / "s.toml", f"""
+    f = write(
+        tmp_path / "s.toml",
+        f"""
         [backends.s3]
         secret_access_key = "{secret}"
         session_token = "{secret}"
@@ -114,7 +125,8 @@ def test_secrets_are_redacted_everywhere(tmp_path, monkeypatch):
         [aliases.ckpt]
         target = "s3://b/x"
         options = {{ secret_access_key = "{secret}" }}
-    """)
+    """,
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", f)
     shown = ckptio.settings()
     assert secret not in repr(shown)
@@ -122,7 +134,10 @@ def test_secrets_are_redacted_everywhere(tmp_path, monkeypatch):
     assert shown["backends"]["s3"]["secret_access_key"] == "***"
     s = config.load()
     assert secret not in repr(s) and secret not in str(s.aliases)
-    monkeypatch.setenv("CKPTIO_CONFIG", str(write(tmp_path / "bad.toml", f'[backends.s3]\nsecret_access_key = "{secret}"\nconcurrency = 0\n')))
+    monkeypatch.setenv(
+        "CKPTIO_CONFIG",
+        str(write(tmp_path / "bad.toml", f'[backends.s3]\nsecret_access_key = "{secret}"\nconcurrency = 0\n')),
+    )
     ckptio.reset()
     with pytest.raises(SettingsError) as e:
         ckptio.resolve("memory://a")
@@ -152,8 +167,21 @@ def test_configure_settings_file_and_reset(tmp_path):
         ckptio.resolve("zz://k")
 
 
-@pytest.mark.parametrize("key", ["key", "secret", "token", "account_key", "connection_string", "sas_token",
-                                 "api_key", "aws_access_key_id", "aws_secret_access_key", "session_token"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "key",
+        "secret",
+        "token",
+        "account_key",
+        "connection_string",
+        "sas_token",
+        "api_key",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "session_token",
+    ],
+)
 def test_fsspec_style_secret_names_are_redacted(key):
     ckptio.configure(backends={"abfs": {key: "S3CR3T-VALUE"}})
     assert "S3CR3T-VALUE" not in repr(ckptio.settings())
@@ -166,6 +194,7 @@ def test_credentials_in_urls_are_redacted():
 
 
 # ---- every rough edge fails when the settings load, naming file, key and reason ---------------
+
 
 def load_error(tmp_path, monkeypatch, text: str | bytes, name: str = "ckptio.toml") -> str:
     """The SettingsError that loading ``text`` as $CKPTIO_CONFIG raises, checked to name the file."""
@@ -183,15 +212,18 @@ SIZES = ["part_size", "upload_part_size", "max_buffer_bytes", "max_bytes"]
 COUNTS = ["concurrency", "max_attempts"]
 
 
-@pytest.mark.parametrize("key, value, reason", [
-    *((k, v, "> 0") for k in SIZES for v in ("0", "-1", '"0MiB"', "0.4")),
-    *((k, v, "positive") for k in COUNTS for v in ("0", "-3")),
-    *((k, "1.5", "whole number") for k in COUNTS + ["retries"]),
-    ("retries", "-1", ">= 0"),
-    ("concurrency", "true", "whole number"),
-    ("timeout", "0", "> 0"),
-    ("deadline", "false", "> 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, reason",
+    [
+        *((k, v, "> 0") for k in SIZES for v in ("0", "-1", '"0MiB"', "0.4")),
+        *((k, v, "positive") for k in COUNTS for v in ("0", "-3")),
+        *((k, "1.5", "whole number") for k in COUNTS + ["retries"]),
+        ("retries", "-1", ">= 0"),
+        ("concurrency", "true", "whole number"),
+        ("timeout", "0", "> 0"),
+        ("deadline", "false", "> 0"),
+    ],
+)
 def test_sizes_and_counts_must_be_positive(tmp_path, monkeypatch, key, value, reason):
     msg = load_error(tmp_path, monkeypatch, f"[backends.s3]\n{key} = {value}\n")
     assert f"backends.s3.{key}" in msg and reason in msg
@@ -204,7 +236,9 @@ def test_cache_argument_sizes_must_be_positive(tmp_path, cache):
 
 
 def test_positive_sizes_still_load(tmp_path, monkeypatch):
-    f = write(tmp_path / "s.toml", """
+    f = write(
+        tmp_path / "s.toml",
+        """
         [backends.s3]
         part_size = "8MiB"
         upload_part_size = "5MiB"
@@ -212,19 +246,31 @@ def test_positive_sizes_still_load(tmp_path, monkeypatch):
         max_bytes = 1
         concurrency = 1
         retries = 0
-    """)
+    """,
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", f)
-    assert ckptio.settings()["backends"]["s3"] == {"part_size": 8 << 20, "upload_part_size": 5 << 20,
-                                                   "max_buffer_bytes": 1 << 30, "max_bytes": 1, "concurrency": 1,
-                                                   "retries": 0}
+    assert ckptio.settings()["backends"]["s3"] == {
+        "part_size": 8 << 20,
+        "upload_part_size": 5 << 20,
+        "max_buffer_bytes": 1 << 30,
+        "max_bytes": 1,
+        "concurrency": 1,
+        "retries": 0,
+    }
 
 
-@pytest.mark.parametrize("text, key, cycle", [
-    ('[aliases.a]\ntarget = "b://x"\n[aliases.b]\ntarget = "a://y"\n', "aliases.", "-> "),
-    ('[aliases.me]\ntarget = "me://again"\n', "aliases.me.target", "me ("),
-    ('[aliases.a]\ntarget = "b://"\n[aliases.b]\ntarget = "c://"\n[aliases.c]\ntarget = "b://z"\n', "aliases.",
-     "b ("),
-])
+@pytest.mark.parametrize(
+    "text, key, cycle",
+    [
+        ('[aliases.a]\ntarget = "b://x"\n[aliases.b]\ntarget = "a://y"\n', "aliases.", "-> "),
+        ('[aliases.me]\ntarget = "me://again"\n', "aliases.me.target", "me ("),
+        (
+            '[aliases.a]\ntarget = "b://"\n[aliases.b]\ntarget = "c://"\n[aliases.c]\ntarget = "b://z"\n',
+            "aliases.",
+            "b (",
+        ),
+    ],
+)
 def test_alias_cycles_are_refused_at_load(tmp_path, monkeypatch, text, key, cycle):
     msg = load_error(tmp_path, monkeypatch, text)
     assert key in msg and "cycle" in msg and cycle in msg
@@ -249,8 +295,9 @@ def test_long_alias_chains_resolve(tmp_path, monkeypatch):
     assert b.part_size == 1 << 20
 
 
-@pytest.mark.parametrize("name, owner", [("s3a", "s3"), ("gs", "gcs"), ("file", "local"), ("memory", "memory"),
-                                         ("userdict", "userdict")])
+@pytest.mark.parametrize(
+    "name, owner", [("s3a", "s3"), ("gs", "gcs"), ("file", "local"), ("memory", "memory"), ("userdict", "userdict")]
+)
 def test_alias_may_not_shadow_a_registered_scheme(tmp_path, monkeypatch, name, owner):
     msg = load_error(tmp_path, monkeypatch, f'[aliases.{name}]\ntarget = "memory://x"\n')
     assert f"aliases.{name}" in msg and f"{owner!r} backend" in msg
@@ -261,8 +308,9 @@ def test_alias_may_not_shadow_a_registered_scheme(tmp_path, monkeypatch, name, o
 def test_alias_shadowing_a_backend_registered_later_is_refused_on_use():
     ckptio.configure(aliases={"latecomer": "memory://late"})
     assert ckptio.resolve("latecomer://k")[1] == "memory://late/k"
-    ckptio.register_backend("latecomer", ["latecomer://"])(type("Late", (ckptio.registry.backends.by_name(
-        "memory").load(),), {}))
+    ckptio.register_backend("latecomer", ["latecomer://"])(
+        type("Late", (ckptio.registry.backends.by_name("memory").load(),), {})
+    )
     try:
         with pytest.raises(SettingsError, match="ckptio.configure.*aliases.latecomer.*'latecomer' backend"):
             ckptio.resolve("latecomer://k")
@@ -270,21 +318,30 @@ def test_alias_shadowing_a_backend_registered_later_is_refused_on_use():
         ckptio.registry.backends.unregister("latecomer")
 
 
-@pytest.mark.parametrize("text, key, hint", [
-    ('[backends.s3]\nendpoint = "http://h:1"\n', "backends.s3.endpoint", "did you mean 'endpoint_url'"),
-    ('[backends.s3]\npartsize = "8MiB"\n', "backends.s3.partsize", "did you mean 'part_size'"),
-    ('[backends.s3]\nfrobnicate = 1\n', "backends.s3.frobnicate", "it takes: "),
-    ('[backends.gcs]\nregion = "x"\n', "backends.gcs.region", "'gcs' backend has no option"),
-    ('[backends.local]\ndurabel = false\n', "backends.local.durabel", "did you mean 'durable'"),
-    ('[backends.memory]\ncache_dri = "/tmp/c"\n', "backends.memory.cache_dri", "did you mean 'cache_dir'"),
-    ('[aliases.ck]\ntarget = "s3://b/x"\noptions = { endpoint = "http://h:1" }\n', "aliases.ck.options.endpoint",
-     "did you mean 'endpoint_url'"),
-    ('[aliases.ck]\ntarget = "ck2://x"\n[aliases.ck2]\ntarget = "/tmp/x"\noptions = { durabel = 1 }\n',
-     "aliases.ck2.options.durabel", "'local' backend"),
-    ('[backends.s4]\nregion = "x"\n', "backends.s4", "did you mean 's3'"),
-    ('[backends.s3a]\nregion = "x"\n', "backends.s3a", "[backends.s3]"),
-    ('[backends.gs]\nproject = "x"\n', "backends.gs", "[backends.gcs]"),
-])
+@pytest.mark.parametrize(
+    "text, key, hint",
+    [
+        ('[backends.s3]\nendpoint = "http://h:1"\n', "backends.s3.endpoint", "did you mean 'endpoint_url'"),
+        ('[backends.s3]\npartsize = "8MiB"\n', "backends.s3.partsize", "did you mean 'part_size'"),
+        ("[backends.s3]\nfrobnicate = 1\n", "backends.s3.frobnicate", "it takes: "),
+        ('[backends.gcs]\nregion = "x"\n', "backends.gcs.region", "'gcs' backend has no option"),
+        ("[backends.local]\ndurabel = false\n", "backends.local.durabel", "did you mean 'durable'"),
+        ('[backends.memory]\ncache_dri = "/tmp/c"\n', "backends.memory.cache_dri", "did you mean 'cache_dir'"),
+        (
+            '[aliases.ck]\ntarget = "s3://b/x"\noptions = { endpoint = "http://h:1" }\n',
+            "aliases.ck.options.endpoint",
+            "did you mean 'endpoint_url'",
+        ),
+        (
+            '[aliases.ck]\ntarget = "ck2://x"\n[aliases.ck2]\ntarget = "/tmp/x"\noptions = { durabel = 1 }\n',
+            "aliases.ck2.options.durabel",
+            "'local' backend",
+        ),
+        ('[backends.s4]\nregion = "x"\n', "backends.s4", "did you mean 's3'"),
+        ('[backends.s3a]\nregion = "x"\n', "backends.s3a", "[backends.s3]"),
+        ('[backends.gs]\nproject = "x"\n', "backends.gs", "[backends.gcs]"),
+    ],
+)
 def test_unknown_options_and_backends_are_refused(tmp_path, monkeypatch, text, key, hint):
     msg = load_error(tmp_path, monkeypatch, text)
     assert key in msg and hint in msg
@@ -317,12 +374,17 @@ def test_unusable_settings_file_is_a_settings_error(tmp_path, monkeypatch, kind)
     elif kind == "not utf-8":
         path.write_bytes(b'[backends.s3]\nregion = "\xff\xfe"\n')
     else:
-        path.write_text('[backends.s3]\nregion = \n')
+        path.write_text("[backends.s3]\nregion = \n")
     monkeypatch.setenv("CKPTIO_CONFIG", str(path))
     with pytest.raises(SettingsError) as e:
         ckptio.resolve("memory://a")
-    reason = {"directory": "is a directory", "unreadable": "cannot read", "symlink loop": "cannot read",
-              "not utf-8": "not UTF-8", "invalid toml": "not valid TOML"}[kind]
+    reason = {
+        "directory": "is a directory",
+        "unreadable": "cannot read",
+        "symlink loop": "cannot read",
+        "not utf-8": "not UTF-8",
+        "invalid toml": "not valid TOML",
+    }[kind]
     assert str(path) in str(e.value) and reason in str(e.value)
     with pytest.raises(SettingsError, match=reason):
         ckptio.configure(settings_file=str(path))
@@ -331,21 +393,26 @@ def test_unusable_settings_file_is_a_settings_error(tmp_path, monkeypatch, kind)
 SECRET = "S3CR3T-VALUE-42"
 
 
-@pytest.mark.parametrize("text", [
-    f'[backends.s3]\nsecret_acess_key = "{SECRET}"\n',  # a typo in a secret's name: refused, value not echoed
-    f'[backends.s3]\npassword_for_thing = "{SECRET}"\n',
-    f'[backends.s3]\nendpoint_url = "user:{SECRET}@host:9000"\n',  # invalid value holding a credential
-    f'[backends.s3]\nendpoint_url = "https://user:{SECRET}@host:9000"\nconcurrency = 0\n',
-    f'[backends.nosuch]\ntoken = "{SECRET}"\n',
-    f'[aliases.ck]\ntarget = "s3://b/x"\noptions = {{ sekret = "{SECRET}" }}\n',
-    f'[aliases.ck]\ntarget = "ck://{SECRET}"\n',  # a cycle: the targets are not echoed
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'[backends.s3]\nsecret_acess_key = "{SECRET}"\n',  # a typo in a secret's name: refused, value not echoed
+        f'[backends.s3]\npassword_for_thing = "{SECRET}"\n',
+        f'[backends.s3]\nendpoint_url = "user:{SECRET}@host:9000"\n',  # invalid value holding a credential
+        f'[backends.s3]\nendpoint_url = "https://user:{SECRET}@host:9000"\nconcurrency = 0\n',
+        f'[backends.nosuch]\ntoken = "{SECRET}"\n',
+        f'[aliases.ck]\ntarget = "s3://b/x"\noptions = {{ sekret = "{SECRET}" }}\n',
+        f'[aliases.ck]\ntarget = "ck://{SECRET}"\n',  # a cycle: the targets are not echoed
+    ],
+)
 def test_errors_never_echo_secrets(tmp_path, monkeypatch, text):
     assert SECRET not in load_error(tmp_path, monkeypatch, text)
 
 
 def test_unknown_keys_and_url_credentials_are_never_shown(tmp_path, monkeypatch):
-    f = write(tmp_path / "s.toml", f"""
+    f = write(
+        tmp_path / "s.toml",
+        f"""
         [backends.abfs]
         account_name = "{SECRET}"
         client_kwargs = {{ nested = "{SECRET}" }}
@@ -355,7 +422,8 @@ def test_unknown_keys_and_url_credentials_are_never_shown(tmp_path, monkeypatch)
         target = "https://user:{SECRET}@host/x?sig={SECRET}"
         [path_mapping]
         "s3://old/" = "https://u:{SECRET}@h/new/?token={SECRET}"
-    """)
+    """,
+    )
     monkeypatch.setenv("CKPTIO_CONFIG", f)
     shown = ckptio.settings()
     assert SECRET not in repr(shown) and SECRET not in repr(config.load()) and SECRET not in repr(config.load().aliases)
@@ -364,10 +432,13 @@ def test_unknown_keys_and_url_credentials_are_never_shown(tmp_path, monkeypatch)
     assert shown["backends"]["abfs"] == {"account_name": "***", "client_kwargs": {"nested": "***"}}
 
 
-@pytest.mark.parametrize("url, want", [
-    ("https://user:p@ss@host:9000/x", "https://***@host:9000/x"),  # an unencoded '@' in the password
-    ("user:p@ss@host", "***@host"),
-    ("https://host/a@b?sig=1", "https://host/a@b?***"),  # an '@' in the path is not a credential
-])
+@pytest.mark.parametrize(
+    "url, want",
+    [
+        ("https://user:p@ss@host:9000/x", "https://***@host:9000/x"),  # an unencoded '@' in the password
+        ("user:p@ss@host", "***@host"),
+        ("https://host/a@b?sig=1", "https://host/a@b?***"),  # an '@' in the path is not a credential
+    ],
+)
 def test_url_credentials_are_masked_up_to_the_last_at_sign(url, want):
     assert config.redact_url(url) == want

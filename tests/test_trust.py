@@ -32,8 +32,10 @@ from ckptio.checkpointer import Checkpointer
 from ckptio.errors import CkptioError, FormatError
 from test_security import _evil  # an object whose unpickling creates a marker file
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 
 
 @dataclasses.dataclass
@@ -49,9 +51,11 @@ _NPCORE = getattr(np, "_core", None) or np.core  # numpy 2 / 1.x
 
 def _reduce_as(fn, args, state=None):
     """An object that pickles as ``fn(*args)`` followed by BUILD with ``state``, whatever those are."""
+
     class R:
         def __reduce__(self):
             return (fn, args) if state is None else (fn, args, state)
+
     return R()
 
 
@@ -65,40 +69,64 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "GLOBAL posix.system (protocol 0)": pickle.dumps(_reduce_as(os.system, (cmd.decode(),)), protocol=0),
         "STACK_GLOBAL posix.system": pickle.dumps(_reduce_as(os.system, (cmd.decode(),)), protocol=4),
         "builtins.eval": b"cbuiltins\neval\n(S\"__import__('os').system('" + cmd + b"')\"\ntR.",
-        "__builtin__.eval (protocol 2 name)": b"\x80\x02c__builtin__\neval\n(S\"__import__('os').system('" + cmd
-                                              + b"')\"\ntR.",
-        "builtins.getattr(__import__('os'), 'system')":
-            b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(S'os'\ntRS'system'\ntR(S'" + cmd + b"'\ntR.",
+        "__builtin__.eval (protocol 2 name)": b"\x80\x02c__builtin__\neval\n(S\"__import__('os').system('"
+        + cmd
+        + b"')\"\ntR.",
+        "builtins.getattr(__import__('os'), 'system')": b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n"
+        b"(S'os'\ntRS'system'\ntR(S'" + cmd + b"'\ntR.",
         "copyreg._reconstructor": b"ccopy_reg\n_reconstructor\n(ccollections\nOrderedDict\ncbuiltins\ndict\nNtR.",
         "INST os.system": b"(S'" + cmd + b"'\nios\nsystem\n.",
         "OBJ os.system": b"(cos\nsystem\nS'" + cmd + b"'\no.",
         "NEWOBJ numpy.ndarray": b"\x80\x02cnumpy\nndarray\n)\x81.",
-        "BUILD sets __init__ on an admitted class":
-            b"ccollections\nOrderedDict\n(N(dS'__init__'\ncbuiltins\nset\nsttb.",
-        "BUILD sets __reduce_ex__ on an admitted class":
-            b"ccollections\nOrderedDict\n(N(dS'__reduce_ex__'\ncbuiltins\nset\nsttb.",
+        "BUILD sets __init__ on an admitted class": b"ccollections\nOrderedDict\n"
+        b"(N(dS'__init__'\ncbuiltins\nset\nsttb.",
+        "BUILD sets __reduce_ex__ on an admitted class": b"ccollections\nOrderedDict\n"
+        b"(N(dS'__reduce_ex__'\ncbuiltins\nset\nsttb.",
         "BUILD sets a checked function's defaults": b"c_codecs\nencode\n(N(dS'__defaults__'\n(S'zlib'\ntsttb.",
         "REDUCE bytes(size) on an admitted type": b"cbuiltins\nbytes\n(I1000000000000\ntR.",
         "REDUCE _codecs.encode with a non-latin codec": b"c_codecs\nencode\n(S'x'\nS'zlib_codec'\ntR.",
         "defaultdict(builtins.exec)": b"ccollections\ndefaultdict\n(cbuiltins\nexec\ntR.",
-        "numpy _reconstruct of a non-ndarray type":
-            pickle.dumps(_reduce_as(recon, (collections.OrderedDict, (0,), b"b")), protocol=2),
+        "numpy _reconstruct of a non-ndarray type": pickle.dumps(
+            _reduce_as(recon, (collections.OrderedDict, (0,), b"b")), protocol=2
+        ),
         "numpy _reconstruct of an ndarray subclass": pickle.dumps(np.zeros(2).view(np.recarray), protocol=2),
-        "numpy dtype flags: object array from raw bytes":
-            pickle.dumps(_reduce_as(recon, (np.ndarray, (0,), b"b"), (1, (1,), obj_dtype, False, b"A" * 8))),
-        "numpy dtype: object field at a forged offset": pickle.dumps(_reduce_as(
-            recon, (np.ndarray, (0,), b"b"),
-            (1, (1,), _reduce_as(np.dtype, ("V8", False, True),
-                                 (3, "|", None, ("a",), {"a": (obj_dtype, 0)}, 8, 1, 0)), False, b"A" * 8))),
-        "numpy dtype: field beyond the item size": pickle.dumps(_reduce_as(
-            recon, (np.ndarray, (0,), b"b"),
-            (1, (1,), _reduce_as(np.dtype, ("V8", False, True),
-                                 (3, "|", None, ("a",), {"a": (np.dtype("f8"), 4096)}, 8, 1, 0)), False,
-             b"A" * 8))),
-        "numpy _frombuffer with an object dtype": pickle.dumps(_reduce_as(
-            _NPCORE.numeric._frombuffer, (bytearray(8), obj_dtype, (1,), "C")), protocol=5),
-        "numpy gadget runstring": b"cnumpy.testing._private.utils\nrunstring\n(S'import os; os.system(\"" + cmd
-                                  + b"\")'\n(dtR.",
+        "numpy dtype flags: object array from raw bytes": pickle.dumps(
+            _reduce_as(recon, (np.ndarray, (0,), b"b"), (1, (1,), obj_dtype, False, b"A" * 8))
+        ),
+        "numpy dtype: object field at a forged offset": pickle.dumps(
+            _reduce_as(
+                recon,
+                (np.ndarray, (0,), b"b"),
+                (
+                    1,
+                    (1,),
+                    _reduce_as(np.dtype, ("V8", False, True), (3, "|", None, ("a",), {"a": (obj_dtype, 0)}, 8, 1, 0)),
+                    False,
+                    b"A" * 8,
+                ),
+            )
+        ),
+        "numpy dtype: field beyond the item size": pickle.dumps(
+            _reduce_as(
+                recon,
+                (np.ndarray, (0,), b"b"),
+                (
+                    1,
+                    (1,),
+                    _reduce_as(
+                        np.dtype, ("V8", False, True), (3, "|", None, ("a",), {"a": (np.dtype("f8"), 4096)}, 8, 1, 0)
+                    ),
+                    False,
+                    b"A" * 8,
+                ),
+            )
+        ),
+        "numpy _frombuffer with an object dtype": pickle.dumps(
+            _reduce_as(_NPCORE.numeric._frombuffer, (bytearray(8), obj_dtype, (1,), "C")), protocol=5
+        ),
+        "numpy gadget runstring": b"cnumpy.testing._private.utils\nrunstring\n(S'import os; os.system(\""
+        + cmd
+        + b"\")'\n(dtR.",
         "PERSID": b"P1\n.",
         "BINPERSID": b"\x80\x02K\x01Q.",
         "EXT1": b"\x80\x02\x82\x01.",
@@ -106,9 +134,13 @@ def _payloads(marker: str) -> dict[str, bytes]:
         "user class": pickle.dumps(Point(1, 2)),
         "scalar of a lying object dtype": pickle.dumps(_reduce_as(scalar, (obj_dtype, b"A" * 8))),
         # numpy's __setstate__ loses the error of a field it cannot convert (SystemError, a leaked buffer)
-        "numpy structured object array with unconvertible items": pickle.dumps(_reduce_as(
-            recon, (np.ndarray, (0,), b"b"), (1, (2,), np.dtype([("o", "O"), ("i", "<i4")]), False,
-                                              [(None, "x"), bytearray(b"ab")]))),
+        "numpy structured object array with unconvertible items": pickle.dumps(
+            _reduce_as(
+                recon,
+                (np.ndarray, (0,), b"b"),
+                (1, (2,), np.dtype([("o", "O"), ("i", "<i4")]), False, [(None, "x"), bytearray(b"ab")]),
+            )
+        ),
         "Decimal of text that is not a number": b"cdecimal\nDecimal\n(S'garbage'\ntR.",
     }
 
@@ -142,12 +174,19 @@ def test_crafted_pickles_are_refused_without_running_anything(tmp_path):
         p = tmp_path / f"p{i}.pkl"
         p.write_bytes(data)
         paths[str(p)] = name
-    r = subprocess.run([sys.executable, "-c", _WORKER, *paths], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        [sys.executable, "-c", _WORKER, *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert r.returncode == 0 and "INTACT" in r.stdout, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
     assert not marker.exists()
-    results = {paths[d["path"]]: d for d in (json.loads(line[7:]) for line in r.stdout.splitlines()
-                                             if line.startswith("RESULT "))}
+    results = {
+        paths[d["path"]]: d
+        for d in (json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT "))
+    }
     assert set(results) == set(paths.values())
     for name, res in results.items():
         if name in _HARMLESS:
@@ -155,50 +194,87 @@ def test_crafted_pickles_are_refused_without_running_anything(tmp_path):
             continue
         assert res.get("type") == "FormatError" and res["ckptio"], (name, res)
         assert res["msg"].startswith(next(p for p, n in paths.items() if n == name)), (name, res)  # names the file
-    for name, cls in [("GLOBAL os.system", "os.system"), ("STACK_GLOBAL posix.system", "posix.system"),
-                      ("builtins.eval", "builtins.eval"), ("copyreg._reconstructor", "copyreg._reconstructor"),
-                      ("torch tensor", "torch._utils._rebuild_tensor_v2"), ("user class", "test_trust.Point"),
-                      ("numpy _reconstruct of a non-ndarray type", "collections.OrderedDict"),
-                      ("numpy _reconstruct of an ndarray subclass", "recarray")]:
+    for name, cls in [
+        ("GLOBAL os.system", "os.system"),
+        ("STACK_GLOBAL posix.system", "posix.system"),
+        ("builtins.eval", "builtins.eval"),
+        ("copyreg._reconstructor", "copyreg._reconstructor"),
+        ("torch tensor", "torch._utils._rebuild_tensor_v2"),
+        ("user class", "test_trust.Point"),
+        ("numpy _reconstruct of a non-ndarray type", "collections.OrderedDict"),
+        ("numpy _reconstruct of an ndarray subclass", "recarray"),
+    ]:
         assert cls in results[name]["msg"] and "allow_pickle=True" in results[name]["msg"], results[name]
 
 
 # ---- what .pkl users keep in them still loads -------------------------------------------------------
 
+
 def _plain_data():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     return {
-        "arrays": {"f32": a, "i64": np.arange(4), "bool": np.array([True, False]),
-                   "big_endian": np.arange(3, dtype=">i4"),
-                   "fortran": np.asfortranarray(a), "strings": np.array(["a", "bcd"]), "bytes": np.array([b"x"]),
-                   "objects": np.array([1, "a", None, np.arange(2)], dtype=object), "empty": np.zeros((0, 3)),
-                   "struct": np.zeros(2, dtype=[("a", "<i4"), ("b", "f8", (2,))]), "datetime": np.array(
-                       ["2024-01-01"], dtype="M8[ns]"), "f16": np.ones(2, dtype=np.float16),
-                   "struct_objects": np.asfortranarray(np.array([[(1, 2), ("a", 3)], [(None, 4), ((5,), 6)]],
-                                                                dtype=[("o", "O"), ("i", "<i4")]))},
+        "arrays": {
+            "f32": a,
+            "i64": np.arange(4),
+            "bool": np.array([True, False]),
+            "big_endian": np.arange(3, dtype=">i4"),
+            "fortran": np.asfortranarray(a),
+            "strings": np.array(["a", "bcd"]),
+            "bytes": np.array([b"x"]),
+            "objects": np.array([1, "a", None, np.arange(2)], dtype=object),
+            "empty": np.zeros((0, 3)),
+            "struct": np.zeros(2, dtype=[("a", "<i4"), ("b", "f8", (2,))]),
+            "datetime": np.array(["2024-01-01"], dtype="M8[ns]"),
+            "f16": np.ones(2, dtype=np.float16),
+            "struct_objects": np.asfortranarray(
+                np.array([[(1, 2), ("a", 3)], [(None, 4), ((5,), 6)]], dtype=[("o", "O"), ("i", "<i4")])
+            ),
+        },
         "scalars": [np.float32(1.5), np.int64(3), np.bool_(True), np.str_("s"), np.datetime64("2024-01-02")],
         "dtypes": {np.dtype("f4"), np.dtype(">i2")},
         "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),
         "counts": collections.defaultdict(list, {"x": [1]}),
         "queue": collections.deque([1, 2], maxlen=5),
         "when": datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc),
-        "day": datetime.date(2024, 1, 1), "span": datetime.timedelta(seconds=3),
-        "misc": (1, 2.5, 3 + 4j, "s", b"b", bytearray(b"ba"), None, True, 2 ** 100, {1, 2}, frozenset({3}),
-                 slice(1, 5), Ellipsis, decimal.Decimal("1.25")),
+        "day": datetime.date(2024, 1, 1),
+        "span": datetime.timedelta(seconds=3),
+        "misc": (
+            1,
+            2.5,
+            3 + 4j,
+            "s",
+            b"b",
+            bytearray(b"ba"),
+            None,
+            True,
+            2**100,
+            {1, 2},
+            frozenset({3}),
+            slice(1, 5),
+            Ellipsis,
+            decimal.Decimal("1.25"),
+        ),
         "shared": [a, a],
     }
 
 
 def _equal(x, y) -> bool:
     if isinstance(y, np.ndarray):
-        return (type(x) is np.ndarray and _equal(x.dtype, y.dtype) and x.shape == y.shape
-                and x.flags.f_contiguous == y.flags.f_contiguous
-                and (all(_equal(p, q) for p, q in zip(x.ravel(), y.ravel())) if y.dtype.hasobject
-                     else x.tobytes() == y.tobytes()))
+        return (
+            type(x) is np.ndarray
+            and _equal(x.dtype, y.dtype)
+            and x.shape == y.shape
+            and x.flags.f_contiguous == y.flags.f_contiguous
+            and (
+                all(_equal(p, q) for p, q in zip(x.ravel(), y.ravel(), strict=True))
+                if y.dtype.hasobject
+                else x.tobytes() == y.tobytes()
+            )
+        )
     if isinstance(y, dict):
         return type(x) is type(y) and list(x) == list(y) and all(_equal(x[k], y[k]) for k in y)
     if isinstance(y, (list, tuple, collections.deque)):
-        return type(x) is type(y) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y))
+        return type(x) is type(y) and len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y, strict=True))
     if isinstance(y, np.dtype):
         return type(x) is type(y) and x == y and x.str == y.str and x.byteorder == y.byteorder and hash(x) == hash(y)
     return type(x) is type(y) and (x == y or x is y)
@@ -265,6 +341,7 @@ def test_damaged_pickles_raise_format_error(tmp_path):
 
 # ---- the Checkpointer's commit marker ----------------------------------------------------------------
 
+
 def _forged_step(root, manifest, files: dict[str, bytes], step: int = 1):
     d = root / f"{step:012d}"
     d.mkdir(parents=True, exist_ok=True)
@@ -305,24 +382,38 @@ def test_data_file_is_read_as_the_checkpoint_format(tmp_path, own):
     assert not os.path.exists(evil.marker)
 
 
-@pytest.mark.parametrize("manifest, key", [
-    ("[]", None), ('"fpk"', None), ("null", None), ("3", None), ("{not json", None), (b"\xff\xfe", None),
-    ({"format": "pkl", "step": 1}, "format"), ({"format": "pickle", "step": 1}, "format"),
-    ({"format": 5, "step": 1}, "format"), ({"format": None, "step": 1}, "format"), ({"step": 1}, "format"),
-    ({"format": "fpk", "step": "1"}, "step"), ({"format": "fpk", "step": True}, "step"),
-    ({"format": "fpk", "step": -1}, "step"), ({"format": "fpk", "step": 1.0}, "step"),
-    ({"format": "fpk", "step": 1, "files": "state.fpk"}, "files"),
-    ({"format": "fpk", "step": 1, "files": [5]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["../outside.fpk"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["OUTSIDE_ABS"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["sub/state.fpk"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["..\\outside.fpk"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["file://OUTSIDE_ABS"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["memory://b/state.fpk"]}, "files"),
-    ({"format": "fpk", "step": 1, "files": [".."]}, "files"), ({"format": "fpk", "step": 1, "files": [""]}, "files"),
-    ({"format": "fpk", "step": 1, "files": ["state.pt"]}, "files"),
-    ({"format": "dcp", "step": 1, "files": ["../x"]}, "files"),
-])
+@pytest.mark.parametrize(
+    "manifest, key",
+    [
+        ("[]", None),
+        ('"fpk"', None),
+        ("null", None),
+        ("3", None),
+        ("{not json", None),
+        (b"\xff\xfe", None),
+        ({"format": "pkl", "step": 1}, "format"),
+        ({"format": "pickle", "step": 1}, "format"),
+        ({"format": 5, "step": 1}, "format"),
+        ({"format": None, "step": 1}, "format"),
+        ({"step": 1}, "format"),
+        ({"format": "fpk", "step": "1"}, "step"),
+        ({"format": "fpk", "step": True}, "step"),
+        ({"format": "fpk", "step": -1}, "step"),
+        ({"format": "fpk", "step": 1.0}, "step"),
+        ({"format": "fpk", "step": 1, "files": "state.fpk"}, "files"),
+        ({"format": "fpk", "step": 1, "files": [5]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["../outside.fpk"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["OUTSIDE_ABS"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["sub/state.fpk"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["..\\outside.fpk"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["file://OUTSIDE_ABS"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["memory://b/state.fpk"]}, "files"),
+        ({"format": "fpk", "step": 1, "files": [".."]}, "files"),
+        ({"format": "fpk", "step": 1, "files": [""]}, "files"),
+        ({"format": "fpk", "step": 1, "files": ["state.pt"]}, "files"),
+        ({"format": "dcp", "step": 1, "files": ["../x"]}, "files"),
+    ],
+)
 def test_malformed_manifest_is_refused_naming_file_and_key(tmp_path, manifest, key):
     root = tmp_path / "run"
     outside = root / "outside.fpk"
@@ -334,8 +425,11 @@ def test_malformed_manifest_is_refused_naming_file_and_key(tmp_path, manifest, k
     if isinstance(manifest, bytes):
         (d / "checkpoint.json").write_bytes(manifest)
     marker = str(d / "checkpoint.json")
-    for ck, step in ((Checkpointer(str(root), format="fpk"), "latest"), (Checkpointer(str(root), format="fpk"), 1),
-                     (Checkpointer(str(tmp_path / "other"), format="dcp"), str(d))):
+    for ck, step in (
+        (Checkpointer(str(root), format="fpk"), "latest"),
+        (Checkpointer(str(root), format="fpk"), 1),
+        (Checkpointer(str(tmp_path / "other"), format="dcp"), str(d)),
+    ):
         state = {"m": {"w": torch.zeros(2)}}
         with pytest.raises(FormatError) as e:
             ck.load(state, step=step)
@@ -383,7 +477,12 @@ def test_extension_codes_cached_by_a_trusted_load_are_refused(tmp_path):
         except FormatError as e:
             print("REFUSED", e)
     """)
-    r = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    r = subprocess.run(
+        [sys.executable, "-c", script, path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert not marker.exists() and r.returncode == 0, (r.stdout, r.stderr[-2000:])
     assert "REFUSED" in r.stdout and path in r.stdout and "extension" in r.stdout, r.stdout

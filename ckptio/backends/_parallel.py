@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import aiohttp.payload
@@ -68,8 +69,9 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-async def parallel_readinto(fetch_into: FetchInto, buf: memoryview, offset: int, part_size: int,
-                            concurrency: int) -> int:
+async def parallel_readinto(
+    fetch_into: FetchInto, buf: memoryview, offset: int, part_size: int, concurrency: int
+) -> int:
     """Fill ``buf`` with the object's bytes from ``offset`` using parallel ranged reads.
 
     ``fetch_into(start, end, view)`` reads bytes ``[start, end)`` into ``view`` and returns the count
@@ -88,7 +90,7 @@ async def parallel_readinto(fetch_into: FetchInto, buf: memoryview, offset: int,
 
     got = await gather_or_cancel([one(s, e) for s, e in bounds])
     total = 0
-    for (s, e), g in zip(bounds, got):
+    for (s, e), g in zip(bounds, got, strict=True):
         total += g
         if g < e - s:
             break
@@ -119,7 +121,7 @@ class MemoryBody(BytesReader):
 
     def read(self, size: int | None = -1) -> bytes:  # one copy (RawIOBase.read makes two)
         end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
-        out = bytes(self._mv[self._pos: end]) if end > self._pos else b""
+        out = bytes(self._mv[self._pos : end]) if end > self._pos else b""
         self._pos = max(self._pos, end)
         return out
 
@@ -137,17 +139,17 @@ class _MemoryPayload(aiohttp.payload.Payload):
         self._size = len(body.view) - body.tell()
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return bytes(self._value.view[self._value.tell():]).decode(encoding, errors)
+        return bytes(self._value.view[self._value.tell() :]).decode(encoding, errors)
 
     async def write(self, writer: Any) -> None:
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        view = self._value.view[self._value.tell():]
+        view = self._value.view[self._value.tell() :]
         if content_length is not None:
             view = view[:content_length]
         for i in range(0, len(view), SEND_CHUNK):
-            await writer.write(view[i: i + SEND_CHUNK])  # drains when the transport holds > 64 KiB
+            await writer.write(view[i : i + SEND_CHUNK])  # drains when the transport holds > 64 KiB
 
 
 aiohttp.payload.register_payload(_MemoryPayload, MemoryBody, order=aiohttp.payload.Order.try_first)
@@ -173,8 +175,14 @@ class MultipartWriter(Writer):
     part_align = 1  # streamed part sizes are multiples of this
     max_parts: int | None = None  # with a limit, streamed parts double in size every ``max_parts // 10`` parts
 
-    def __init__(self, uri: str, loop: asyncio.AbstractEventLoop, part_size: int, concurrency: int,
-                 max_buffer_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        loop: asyncio.AbstractEventLoop,
+        part_size: int,
+        concurrency: int,
+        max_buffer_bytes: int | None = None,
+    ) -> None:
         self.uri = uri
         self._loop = loop
         self.part_size = part_size
@@ -233,7 +241,7 @@ class MultipartWriter(Writer):
             borrowed = len(mv) >= (step if lend else self.max_buffer_bytes)
             if borrowed and self._fill:  # top up the part being filled, then send it
                 k = min(len(self._buf) - self._fill, len(mv))
-                self._buf[self._fill: self._fill + k] = mv[:k]
+                self._buf[self._fill : self._fill + k] = mv[:k]
                 self._fill, mv = self._fill + k, mv[k:]
                 if mv:
                     self._send_buffer(last=False)
@@ -259,7 +267,7 @@ class MultipartWriter(Writer):
             return self.close()
         try:
             for start in range(0, len(mv), self.part_size):
-                part = mv[start: start + self.part_size]
+                part = mv[start : start + self.part_size]
                 self._submit(part, len(mv) if start + self.part_size >= len(mv) else None)
             self._finish()
         except BaseException as e:
@@ -333,7 +341,7 @@ class MultipartWriter(Writer):
                     self._send_buffer(last=False)
                 self._buf, self._fill = self._new_buffer(), 0
             k = min(len(self._buf) - self._fill, len(mv))
-            self._buf[self._fill: self._fill + k] = mv[:k]
+            self._buf[self._fill : self._fill + k] = mv[:k]
             self._fill += k
             mv = mv[k:]
 
@@ -372,8 +380,9 @@ class MultipartWriter(Writer):
                 self._started = True
             number, offset = len(self._futures) + 1, self._offset
             self._offset += len(data)
-            fut = asyncio.run_coroutine_threadsafe(self.upload_part(self._handle, number, offset, data, total),
-                                                   self._loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                self.upload_part(self._handle, number, offset, data, total), self._loop
+            )
         except BaseException:
             with self._cv:
                 self._inflight -= 1

@@ -17,14 +17,15 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, ClassVar, Iterable, Iterator, Literal, Union
+from typing import BinaryIO, ClassVar, Literal
 
 from .. import uri as _uri
 from ..errors import NotFoundError
 
 WriteMode = Literal["overwrite", "create"]
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
@@ -91,10 +92,10 @@ class Writer(abc.ABC):
     def writable(self) -> bool:
         return True
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027 - a file-like no-op unless a writer buffers
         pass
 
-    def __enter__(self) -> "Writer":
+    def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -165,11 +166,11 @@ class RangeReader(_SeekableReader):
     the backend (which may split them into parallel ranged requests).
     """
 
-    def __init__(self, backend: "Backend", uri: str, size: int) -> None:
+    def __init__(self, backend: Backend, uri: str, size: int) -> None:
         super().__init__()
         self._backend, self.uri, self.size, self._pos = backend, uri, size, 0
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         mv = memoryview(b).cast("B")
         n = min(len(mv), max(0, self.size - self._pos))
         if n == 0:
@@ -190,10 +191,10 @@ class BytesReader(_SeekableReader):
         self._mv = memoryview(data).cast("B")
         self.uri, self.size, self._pos = uri, len(self._mv), 0
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         out = memoryview(b).cast("B")
         n = max(0, min(len(out), self.size - self._pos))
-        out[:n] = self._mv[self._pos: self._pos + n]
+        out[:n] = self._mv[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -205,7 +206,7 @@ class Backend(abc.ABC):
     Options come from settings or arguments; unknown options raise ``TypeError``.
     """
 
-    name: ClassVar[str] = "base"
+    name: str = "base"  # a class default; a wrapper or a registry entry sets its own on the instance
     prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY) -> None:
@@ -257,7 +258,7 @@ class Backend(abc.ABC):
         """A seekable binary file over the object, buffered with ``part_size``-free small-read buffering."""
         if size is None:
             size = self.stat(uri).size
-        return io.BufferedReader(RangeReader(self, uri, size), buffer_size=1024 * 1024)  # type: ignore[return-value]
+        return io.BufferedReader(RangeReader(self, uri, size), buffer_size=1024 * 1024)
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         """Copy within this backend. Default streams through this process in ``part_size`` pieces."""
@@ -304,7 +305,7 @@ class Backend(abc.ABC):
         week). A write in progress in another process is listed too: callers decide by ``since``."""
         return iter(())
 
-    def abort_pending_write(self, write: PendingWrite) -> None:
+    def abort_pending_write(self, write: PendingWrite) -> None:  # noqa: B027 - optional: nothing to abort by default
         """Discard what a pending write left (one listed by :meth:`list_pending_writes`); already
         gone: no error."""
 
@@ -320,7 +321,7 @@ class Backend(abc.ABC):
         finally:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing to release by default
         """Release clients and pools. The backend may be used again afterwards (it reconnects)."""
 
 
@@ -338,8 +339,9 @@ def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
     return pos
 
 
-def copy_between(src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite") -> None:
+def copy_between(
+    src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite"
+) -> None:
     """Stream one object from any backend to any backend with bounded memory."""
     with dst_backend.open_writer(dst, mode=mode) as w:
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
-

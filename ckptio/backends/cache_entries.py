@@ -75,7 +75,7 @@ class Entry:
     fill_id: str
 
     @classmethod
-    def load(cls, data: str, meta: str, uri: str, size: int, memo: dict | None = None) -> "Entry | bool | None":
+    def load(cls, data: str, meta: str, uri: str, size: int, memo: dict | None = None) -> Entry | bool | None:
         """The entry; None if there is none; False if it is unusable (discard it). ``memo`` keeps
         parsed metadata while its file is unchanged (a big entry's is ~300 kB; ranged reads are many)."""
         try:
@@ -93,8 +93,14 @@ class Entry:
             block, digests = m["block_size"], bytes.fromhex(m["blocks"])
         except (OSError, ValueError, KeyError, TypeError):  # no block checksums (the old layout): unverifiable
             return False
-        if (st.st_size != size or m.get("size") != size or m.get("uri") != uri or not isinstance(block, int)
-                or block <= 0 or len(digests) != 8 * -(-size // block)):
+        if (
+            st.st_size != size
+            or m.get("size") != size
+            or m.get("uri") != uri
+            or not isinstance(block, int)
+            or block <= 0
+            or len(digests) != 8 * -(-size // block)
+        ):
             return False
         entry = cls(data, size, block, digests, str(m.get("fill_id")))
         if memo is not None:
@@ -104,9 +110,11 @@ class Entry:
         return entry
 
     def _check(self, i: int, digest: bytes) -> None:
-        if digest != self.digests[8 * i: 8 * i + 8]:
-            raise Damaged(f"{self.path}: bytes {i * self.block}-{min(self.size, (i + 1) * self.block)} do not match "
-                          f"the checksum recorded when the entry was filled")
+        if digest != self.digests[8 * i : 8 * i + 8]:
+            raise Damaged(
+                f"{self.path}: bytes {i * self.block}-{min(self.size, (i + 1) * self.block)} do not match "
+                f"the checksum recorded when the entry was filled"
+            )
 
     def _hash(self, fd: int, h: Any, start: int, end: int, buf: memoryview) -> None:
         while start < end:
@@ -143,7 +151,7 @@ class Entry:
             h.reset()
             if lo < a:  # the block's bytes before the range, hashed but not returned
                 self._hash(fd, h, lo, a, scratch)  # type: ignore[arg-type]
-            part = mv[a - offset: z - offset]
+            part = mv[a - offset : z - offset]
             if _preadinto(fd, part, a) != len(part):
                 raise Damaged(f"{self.path}: truncated before byte {z} of {self.size}")
             h.update(part)
@@ -166,8 +174,8 @@ class Entry:
             raise Damaged(f"{self.path}: truncated at byte {lo + len(data)} of {self.size}")
         with memoryview(data) as mv:
             for i in range(lo // b, -(-hi // b)):
-                self._check(i, xxhash.xxh3_64_digest(mv[i * b - lo: min(hi, (i + 1) * b) - lo]))
-        return data if (lo, hi) == (start, end) else data[start - lo: end - lo]
+                self._check(i, xxhash.xxh3_64_digest(mv[i * b - lo : min(hi, (i + 1) * b) - lo]))
+        return data if (lo, hi) == (start, end) else data[start - lo : end - lo]
 
 
 def _pread(fd: int, start: int, end: int) -> bytes:
@@ -187,6 +195,7 @@ def _pread(fd: int, start: int, end: int) -> bytes:
 
 
 # ---- the directory scan: what the cache holds on disk ----------------------------------------
+
 
 @dataclass(frozen=True)
 class Item:
@@ -235,8 +244,9 @@ def scan(cache_dir: str) -> list[Item]:
             key = m.group(1)
             meta = os.path.join(d, f"{key}.json")
             mst = _stat(meta) if key in metas and key not in keys else None  # a meta counts once
-            items.append(Item(key, "entry", (os.path.join(d, name), meta),
-                              st.st_size + (mst.st_size if mst else 0), st.st_mtime))
+            items.append(
+                Item(key, "entry", (os.path.join(d, name), meta), st.st_size + (mst.st_size if mst else 0), st.st_mtime)
+            )
             keys.add(key)
         for key in metas - keys:
             st = _stat(os.path.join(d, f"{key}.json"))
@@ -262,5 +272,8 @@ def usage(cache_dir: str) -> dict[str, int]:
     fills in progress or killed, and metadata left without data). Reads only: works on a read-only
     or missing directory."""
     items = scan(cache_dir)
-    return {"entries": sum(1 for i in items if i.kind == "entry"), "bytes": sum(i.size for i in items),
-            "partial_bytes": sum(i.size for i in items if i.kind != "entry")}
+    return {
+        "entries": sum(1 for i in items if i.kind == "entry"),
+        "bytes": sum(i.size for i in items),
+        "partial_bytes": sum(i.size for i in items if i.kind != "entry"),
+    }

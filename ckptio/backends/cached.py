@@ -54,9 +54,10 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, CkptioError, IntegrityError, SettingsError
@@ -111,8 +112,11 @@ class _Lock:
                         break
                     except BlockingIOError:
                         if deadline is not None and time.monotonic() > deadline:
-                            raise TimeoutError(errno.ETIMEDOUT, f"timed out after {timeout:.0f}s waiting for the "
-                                               f"cache lock of {what} (another process is filling it: {path})")
+                            raise TimeoutError(
+                                errno.ETIMEDOUT,
+                                f"timed out after {timeout:.0f}s waiting for the "
+                                f"cache lock of {what} (another process is filling it: {path})",
+                            ) from None
                         time.sleep(delay)
                         delay = min(delay * 2, 0.05)
             except BaseException:
@@ -124,7 +128,7 @@ class _Lock:
             self.release()
 
     @classmethod
-    def try_exclusive(cls, path: str) -> "_Lock | None":
+    def try_exclusive(cls, path: str) -> _Lock | None:
         """The exclusive lock if it is free right now, else None (for eviction)."""
         try:
             fd = os.open(path, os.O_RDWR)
@@ -159,7 +163,7 @@ class _Lock:
             os.close(self.fd)  # closing the only descriptor releases the flock
             self.fd = None
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> _Lock:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -185,8 +189,16 @@ class CachedBackend(Backend):
 
     name = "cached"
 
-    def __init__(self, inner: Backend, cache_dir: str | os.PathLike | None = None, *, max_bytes: int | None = None,
-                 verify: bool = False, fsync: bool = False, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        inner: Backend,
+        cache_dir: str | os.PathLike | None = None,
+        *,
+        max_bytes: int | None = None,
+        verify: bool = False,
+        fsync: bool = False,
+        lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
         super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
         if isinstance(inner, CachedBackend):
             raise ValueError("CachedBackend cannot wrap another CachedBackend")
@@ -210,8 +222,11 @@ class CachedBackend(Backend):
 
     # ---- the directory -----------------------------------------------------------------------
     def _unusable(self, e: OSError, what: str = "not writable") -> AccessDeniedError:
-        return AccessDeniedError(self.cache_dir, f"cache directory {what} ({e.strerror or e}; set cache_dir or "
-                                                 f"${ENV_CACHE_DIR} to a writable directory, or pass cache=False)")
+        return AccessDeniedError(
+            self.cache_dir,
+            f"cache directory {what} ({e.strerror or e}; set cache_dir or "
+            f"${ENV_CACHE_DIR} to a writable directory, or pass cache=False)",
+        )
 
     def _make_dirs(self) -> None:
         try:
@@ -292,8 +307,11 @@ class CachedBackend(Backend):
     def _paths(self, info: ObjectInfo) -> tuple[str, str, str]:
         key = self._key(info)
         d = os.path.join(self._data, key[:2])
-        return (os.path.join(d, f"{key}-{_safe_name(info.uri)}"), os.path.join(d, f"{key}.json"),
-                os.path.join(self._locks, f"{key}.lock"))
+        return (
+            os.path.join(d, f"{key}-{_safe_name(info.uri)}"),
+            os.path.join(d, f"{key}.json"),
+            os.path.join(self._locks, f"{key}.lock"),
+        )
 
     def entry_path(self, info: ObjectInfo) -> str:
         """Where the entry for this exact object version lives (it may not exist)."""
@@ -327,8 +345,14 @@ class CachedBackend(Backend):
             return None, entry.fill_id
 
     @contextlib.contextmanager
-    def _entry(self, uri: str, info: ObjectInfo | None = None, *, count: bool = True,
-               serve: Callable[[Entry], Any] | None = None) -> Iterator[tuple[Entry, Any]]:
+    def _entry(
+        self,
+        uri: str,
+        info: ObjectInfo | None = None,
+        *,
+        count: bool = True,
+        serve: Callable[[Entry], Any] | None = None,
+    ) -> Iterator[tuple[Entry, Any]]:
         """Hold a shared lock on the entry for ``uri`` (filling it if needed); yield it and what
         ``serve(entry)`` returned. ``serve`` reads and verifies; if it finds the entry damaged, the
         entry is discarded and fetched again, or, if others hold it (a pin, an open local path), this
@@ -365,17 +389,22 @@ class CachedBackend(Backend):
                 out, damaged = self._serve(entry, serve)
                 if damaged is not None:
                     if downloaded:
-                        raise IntegrityError(f"{uri}: the cache entry {data} does not read back as it was written "
-                                             f"moments ago; the file system under {self.cache_dir} is corrupting "
-                                             f"data: check it, or pass cache=False")
+                        raise IntegrityError(
+                            f"{uri}: the cache entry {data} does not read back as it was written "
+                            f"moments ago; the file system under {self.cache_dir} is corrupting "
+                            f"data: check it, or pass cache=False"
+                        )
                     continue
                 self._count(**({"misses": 1} if downloaded else {"hits": int(count)}))
                 if downloaded:
                     self._evict()  # this entry is share-locked by us, so it stays
                 yield entry, out
                 return
-        raise TimeoutError(errno.ETIMEDOUT, f"could not hold a cache entry for {uri}: it was evicted or damaged "
-                           f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)")
+        raise TimeoutError(
+            errno.ETIMEDOUT,
+            f"could not hold a cache entry for {uri}: it was evicted or damaged "
+            f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)",
+        )
 
     def _fill_locked(self, info: ObjectInfo, data: str, meta: str, damaged: str | None = None) -> bool:
         """Holding the exclusive lock: make the entry valid. True if it was downloaded now.
@@ -399,9 +428,16 @@ class CachedBackend(Backend):
             with f:
                 digests = self._download(info, f)
             os.makedirs(os.path.dirname(data), exist_ok=True)
-            record = {"uri": info.uri, "version": info.version, "size": info.size, "block_size": digests.block,
-                      "blocks": digests.hexdigests(), "fill_id": uuid.uuid4().hex, "fsynced": self.fsync,
-                      "created": time.time()}
+            record = {
+                "uri": info.uri,
+                "version": info.version,
+                "size": info.size,
+                "block_size": digests.block,
+                "blocks": digests.hexdigests(),
+                "fill_id": uuid.uuid4().hex,
+                "fsynced": self.fsync,
+                "created": time.time(),
+            }
             with open(tmp + ".json", "w") as m:
                 json.dump(record, m)
             os.replace(tmp + ".json", meta)
@@ -424,8 +460,10 @@ class CachedBackend(Backend):
             mv = memoryview(bufs[i % len(bufs)])[: min(chunk, info.size - pos)]
             n = self.inner.readinto(info.uri, mv, pos)
             if n != len(mv):
-                raise IntegrityError(f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
-                                     f"bytes); it changed during the read, load again")
+                raise IntegrityError(
+                    f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
+                    f"bytes); it changed during the read, load again"
+                )
             return mv, n
 
         with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
@@ -437,7 +475,7 @@ class CachedBackend(Backend):
                 h.update(mv)
                 done = 0
                 while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
-                    done += f.write(mv[done:])  # type: ignore[operator]
+                    done += f.write(mv[done:])
                 pos, i = pos + n, i + 1
             if pos != info.size:
                 raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
@@ -506,7 +544,7 @@ class CachedBackend(Backend):
         """:meth:`fill` for many objects in parallel (``threads`` defaults to the inner concurrency)."""
         uris = list(uris)
         with ThreadPoolExecutor(max(1, min(threads or self.inner.concurrency, len(uris) or 1))) as pool:
-            return dict(zip(uris, pool.map(self.fill, uris)))
+            return dict(zip(uris, pool.map(self.fill, uris), strict=True))
 
     # ---- Backend: reads served from the cache ------------------------------------------------
     def _read(self, uri: str, serve: Callable[[Entry], Any], through: Callable[[], Any]) -> Any:
@@ -518,13 +556,17 @@ class CachedBackend(Backend):
             return through()
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)),
-                          lambda: self.inner.read_range(uri, start, end))
+        return self._read(
+            uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)), lambda: self.inner.read_range(uri, start, end)
+        )
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         mv = memoryview(buf).cast("B")
-        return self._read(uri, lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
-                          lambda: self.inner.readinto(uri, mv, offset))
+        return self._read(
+            uri,
+            lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
+            lambda: self.inner.readinto(uri, mv, offset),
+        )
 
     def read(self, uri: str) -> bytes:
         return self.read_range(uri)
@@ -640,17 +682,23 @@ def cache_options(cache: Any, backend_options: dict[str, Any]) -> dict[str, Any]
         return None
     if cache is None and "cache_dir" not in found:
         return None
-    opts: dict[str, Any] = {"cache_dir": found.get("cache_dir"), "max_bytes": found.get("max_bytes"),
-                            "verify": found.get("cache_verify", False), "fsync": found.get("cache_fsync", False)}
+    opts: dict[str, Any] = {
+        "cache_dir": found.get("cache_dir"),
+        "max_bytes": found.get("max_bytes"),
+        "verify": found.get("cache_verify", False),
+        "fsync": found.get("cache_fsync", False),
+    }
     if isinstance(cache, (str, os.PathLike)):
         opts["cache_dir"] = os.fspath(cache)
     elif isinstance(cache, Mapping):
-        bad = set(cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
+        given_cache: Mapping[str, Any] = cache
+        bad = set(given_cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
         if bad:
-            raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, "
-                                f"fsync, lock_timeout")
+            raise SettingsError(
+                f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, fsync, lock_timeout"
+            )
         names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
-        given = coerce_options({names.get(k, k): v for k, v in cache.items()}, "cache=")
+        given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
         opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
     elif cache not in (None, True):
         raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")

@@ -10,7 +10,8 @@ counted; the caller reports those as done when the call returns.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer
 

@@ -12,7 +12,8 @@ import contextlib
 import errno
 import os
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 
@@ -38,8 +39,14 @@ class FsspecBackend(Backend):
     name = "fsspec"
     accepts_any_options = True  # storage options are the filesystem's own keyword arguments
 
-    def __init__(self, *, protocol: str, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
-                 **storage_options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        protocol: str,
+        part_size: int = DEFAULT_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        **storage_options: Any,
+    ) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
         self.protocol = protocol
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **storage_options)
@@ -118,7 +125,7 @@ class FsspecBackend(Backend):
             else:
                 entries = self.fs.ls(root, detail=True)
         for info in sorted(entries, key=lambda i: i["name"]):
-            rel = info["name"].rstrip("/")[len(root):].lstrip("/")
+            rel = info["name"].rstrip("/")[len(root) :].lstrip("/")
             if rel:
                 yield self._info(f"{base}/{rel}", info)
 

@@ -5,8 +5,8 @@ gcsfs provides credentials (``token``: a path to a service-account JSON, ``"goog
 small objects are one media upload, large ones a resumable upload in ``part_size`` chunks
 (a multiple of 256 KiB) while the caller fills the next chunk; reads are parallel ranged GETs
 streamed into the caller's buffer (``part_size``, 64 MiB, each; uploads use ``upload_part_size``,
-by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies). ``mode="create"`` sends ``ifGenerationMatch=0``; the version
-token is the object's generation.
+by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies).
+``mode="create"`` sends ``ifGenerationMatch=0``; the version token is the object's generation.
 
 Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
 decorator is not on this path). A resumable-upload chunk that fails is retried alone: the
@@ -26,8 +26,15 @@ from typing import Any
 from urllib.parse import quote
 
 from .. import retry as _retry
-from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, MissingDependencyError,
-                      NotFoundError, TransferError)
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CkptioError,
+    CredentialsError,
+    MissingDependencyError,
+    NotFoundError,
+    TransferError,
+)
 from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 from .objectstore import Entry, ObjectStoreBackend, check_versions
@@ -41,7 +48,8 @@ try:
     import gcsfs
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
-        f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'") from _e
+        f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'"
+    ) from _e
 
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
 READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)
@@ -81,16 +89,38 @@ class GCSBackend(ObjectStoreBackend):
     classify = staticmethod(classify)
     _raw_errors = (*ObjectStoreBackend._raw_errors, json.JSONDecodeError)
 
-    def __init__(self, *, endpoint_url: str | None = None, project: str | None = None, token: Any = None,
-                 anon: bool = False, part_size: int = READ_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
-                 retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
-                 timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, credential_provider: Any = None,
-                 max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
-                 upload_part_size: int | str | None = None) -> None:
-        super().__init__(part_size=part_size, concurrency=concurrency, retries=retries, max_attempts=max_attempts,
-                         deadline=deadline, timeout=timeout, stall_timeout=stall_timeout, read_timeout=read_timeout,
-                         credential_provider=credential_provider, max_buffer_bytes=max_buffer_bytes)
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None = None,
+        project: str | None = None,
+        token: Any = None,
+        anon: bool = False,
+        part_size: int = READ_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retries: int | None = None,
+        max_attempts: int | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        stall_timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        credential_provider: Any = None,
+        max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+        upload_part_size: int | str | None = None,
+    ) -> None:
+        super().__init__(
+            part_size=part_size,
+            concurrency=concurrency,
+            retries=retries,
+            max_attempts=max_attempts,
+            deadline=deadline,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            read_timeout=read_timeout,
+            credential_provider=credential_provider,
+            max_buffer_bytes=max_buffer_bytes,
+        )
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
         up = _parallel.size_option("upload_part_size", upload_part_size) if upload_part_size else self.part_size
         self.upload_part_size = -(-up // CHUNK_ALIGN) * CHUNK_ALIGN
@@ -98,16 +128,24 @@ class GCSBackend(ObjectStoreBackend):
         if self._refresher.provider is not None:
             self._bearer = self._token_from(self._refresher.provider())
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
-        self._timeout = aiohttp.ClientTimeout(sock_connect=float(connect_timeout),
-                                              sock_read=min(float(read_timeout), self.policy.stall_timeout))
+        self._timeout = aiohttp.ClientTimeout(
+            sock_connect=float(connect_timeout), sock_read=min(float(read_timeout), self.policy.stall_timeout)
+        )
         try:
-            self._fs = gcsfs.GCSFileSystem(project=project or gcsfs.core.DEFAULT_PROJECT,
-                                           token="anon" if anon else token, endpoint_url=self.endpoint_url,
-                                           skip_instance_cache=True, use_listings_cache=False)
+            self._fs = gcsfs.GCSFileSystem(
+                project=project or gcsfs.core.DEFAULT_PROJECT,
+                token="anon" if anon else token,
+                endpoint_url=self.endpoint_url,
+                skip_instance_cache=True,
+                use_listings_cache=False,
+            )
         except Exception as e:  # its messages may quote the token: keep only the type
-            raise CredentialsError("gs://", f"GCS credentials could not be loaded ({type(e).__name__}); set the "
-                                   "gcs backend's token option (a service-account JSON path, 'google_default' "
-                                   "or 'anon') or GOOGLE_APPLICATION_CREDENTIALS") from None
+            raise CredentialsError(
+                "gs://",
+                f"GCS credentials could not be loaded ({type(e).__name__}); set the "
+                "gcs backend's token option (a service-account JSON path, 'google_default' "
+                "or 'anon') or GOOGLE_APPLICATION_CREDENTIALS",
+            ) from None
 
     def __repr__(self) -> str:
         return f"<GCSBackend endpoint={self.endpoint_url or 'google'!r}>"
@@ -129,16 +167,29 @@ class GCSBackend(ObjectStoreBackend):
     def _token_from(creds: Any) -> str:
         tok = creds.get("token") or creds.get("access_token") if isinstance(creds, dict) else creds
         if not isinstance(tok, str) or not tok:
-            raise CredentialsError("gcs credential_provider", "the GCS credential_provider must return an OAuth "
-                                   "access token (a string) or a dict with 'token'")
+            raise CredentialsError(
+                "gcs credential_provider",
+                "the GCS credential_provider must return an OAuth access token (a string) or a dict with 'token'",
+            )
         return tok
 
     async def _apply_credentials(self, creds: Any) -> None:
         self._bearer = self._token_from(creds)
 
-    async def _attempt(self, method: str, url: str, *, params: dict | None = None, headers: dict | None = None,
-                       data: Any = None, ok: tuple[int, ...] = (200,), into: memoryview | None = None,
-                       parse_json: bool = False, range_start: int = 0, uri: str = "gs://") -> tuple[int, Any, Any]:
+    async def _attempt(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: dict | None = None,
+        headers: dict | None = None,
+        data: Any = None,
+        ok: tuple[int, ...] = (200,),
+        into: memoryview | None = None,
+        parse_json: bool = False,
+        range_start: int = 0,
+        uri: str = "gs://",
+    ) -> tuple[int, Any, Any]:
         """One HTTP request. ``into``: stream the body (of a ranged GET from ``range_start``) there
         and return its length as the body."""
         stall = self.policy.stall_timeout
@@ -158,14 +209,15 @@ class GCSBackend(ObjectStoreBackend):
                 chunk = await _retry.stall_guard(r.content.read(len(into) - pos), stall)
                 if not chunk:
                     break
-                into[pos: pos + len(chunk)] = chunk
+                into[pos : pos + len(chunk)] = chunk
                 pos += len(chunk)
             if r.status == 206:
                 _retry.check_range(len(into), pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
             return r.status, r.headers, pos
 
-    async def _request(self, method: str, url: str, *, uri: str = "gs://", what: str | None = None,
-                       **kw: Any) -> tuple[int, Any, Any]:
+    async def _request(
+        self, method: str, url: str, *, uri: str = "gs://", what: str | None = None, **kw: Any
+    ) -> tuple[int, Any, Any]:
         """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords)."""
         return await self._retrying(uri, what or method, lambda: self._attempt(method, url, uri=uri, **kw))
 
@@ -185,16 +237,20 @@ class GCSBackend(ObjectStoreBackend):
             elif e.status == 412:
                 out = AlreadyExistsError(uri)
             elif e.status == 401:
-                out = CredentialsError(uri, "GCS rejected the credentials (HTTP 401); set the gcs backend's token "
-                                       "option (a service-account JSON path, 'google_default' or 'anon') or "
-                                       "GOOGLE_APPLICATION_CREDENTIALS")
+                out = CredentialsError(
+                    uri,
+                    "GCS rejected the credentials (HTTP 401); set the gcs backend's token "
+                    "option (a service-account JSON path, 'google_default' or 'anon') or "
+                    "GOOGLE_APPLICATION_CREDENTIALS",
+                )
             elif e.status == 403:
                 out = AccessDeniedError(uri, f"GCS denied access (HTTP 403: {e.message()})")
             else:
                 out = TransferError(errno.EIO, f"GCS error HTTP {e.status} for {uri}: {e.message()}", uri)
         elif isinstance(e, (aiohttp.ClientError, OSError, asyncio.TimeoutError)):
-            out = TransferError(errno.EIO, f"cannot reach GCS endpoint {self._fs._location} for {uri}: "
-                                f"{type(e).__name__}", uri)
+            out = TransferError(
+                errno.EIO, f"cannot reach GCS endpoint {self._fs._location} for {uri}: {type(e).__name__}", uri
+            )
         else:
             return e
         out.__cause__ = e
@@ -212,10 +268,19 @@ class GCSBackend(ObjectStoreBackend):
     # ---- reads -----------------------------------------------------------------------------
     async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
         try:
-            return (await self._request("GET", f"{self._api}/b/{bucket}/o/{_q(key)}", params={"alt": "media"},
-                                        headers={"Range": f"bytes={start}-{end - 1}"}, ok=(200, 206),
-                                        into=view, range_start=start, uri=uri,
-                                        what=f"ranged read of bytes {start}-{end - 1}"))[2]
+            return (
+                await self._request(
+                    "GET",
+                    f"{self._api}/b/{bucket}/o/{_q(key)}",
+                    params={"alt": "media"},
+                    headers={"Range": f"bytes={start}-{end - 1}"},
+                    ok=(200, 206),
+                    into=view,
+                    range_start=start,
+                    uri=uri,
+                    what=f"ranged read of bytes {start}-{end - 1}",
+                )
+            )[2]
         except _HTTPStatus as e:
             if e.status == 416:
                 return 0
@@ -239,8 +304,9 @@ class GCSBackend(ObjectStoreBackend):
         _, size, mtime, version = self._entry(self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{_q(key)}"))
         return ObjectInfo(uri, size, mtime, version)
 
-    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
-                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
+    def _list_page(
+        self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None, limit: int | None = None
+    ) -> tuple[list[Entry], list[str], str | None]:
         params = {"prefix": prefix}
         if delimiter:
             params["delimiter"] = "/"
@@ -261,8 +327,12 @@ class GCSBackend(ObjectStoreBackend):
 
         async def go() -> None:
             try:
-                await self._retrying(uri, "DELETE", lambda: self._attempt(
-                    "DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204)), on_retry)
+                await self._retrying(
+                    uri,
+                    "DELETE",
+                    lambda: self._attempt("DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204)),
+                    on_retry,
+                )
             except _HTTPStatus as e:
                 if not (e.status == 404 and ambiguous):  # 404 after a lost answer: our delete went through
                     raise
@@ -286,8 +356,13 @@ class _GCSWriter(_parallel.MultipartWriter):
         # The server's ifGenerationMatch=0 is authoritative; this early check saves uploading
         # gigabytes for nothing (and gives emulators that ignore preconditions the same behaviour).
         try:
-            await self._b._request("GET", f"{self._b._api}/b/{self._bucket}/o/{_q(self._key)}",
-                                   params={"fields": "generation"}, uri=self.uri, what="precondition check")
+            await self._b._request(
+                "GET",
+                f"{self._b._api}/b/{self._bucket}/o/{_q(self._key)}",
+                params={"fields": "generation"},
+                uri=self.uri,
+                what="precondition check",
+            )
         except _HTTPStatus as e:
             if e.status == 404:
                 return
@@ -298,22 +373,35 @@ class _GCSWriter(_parallel.MultipartWriter):
         if self._cond:
             await self._refuse_existing()
         if not len(memoryview(data)):  # gcp-storage-emulator drops empty media uploads; multipart works everywhere
-            await gcsfs.core.simple_upload(self._b._fs, self._bucket, self._key, b"",
-                                           mode="create" if self._cond else "overwrite")
+            await gcsfs.core.simple_upload(
+                self._b._fs, self._bucket, self._key, b"", mode="create" if self._cond else "overwrite"
+            )
             return
-        await self._b._request("POST", f"{self._b._upload_url}/b/{self._bucket}/o",
-                               data=_parallel.MemoryBody(data),
-                               params={"uploadType": "media", "name": self._key, **self._cond},
-                               headers={"Content-Type": "application/octet-stream"}, uri=self.uri, what="upload")
+        await self._b._request(
+            "POST",
+            f"{self._b._upload_url}/b/{self._bucket}/o",
+            data=_parallel.MemoryBody(data),
+            params={"uploadType": "media", "name": self._key, **self._cond},
+            headers={"Content-Type": "application/octet-stream"},
+            uri=self.uri,
+            what="upload",
+        )
 
     async def begin(self) -> Any:
         if self._cond:
             await self._refuse_existing()
         _, headers, _ = await self._b._request(
-            "POST", f"{self._b._upload_url}/b/{self._bucket}/o", data=json.dumps({"name": self._key}),
+            "POST",
+            f"{self._b._upload_url}/b/{self._bucket}/o",
+            data=json.dumps({"name": self._key}),
             params={"uploadType": "resumable", "name": self._key, **self._cond},
-            headers={"Content-Type": "application/json; charset=UTF-8",
-                     "X-Upload-Content-Type": "application/octet-stream"}, uri=self.uri, what="start of resumable upload")
+            headers={
+                "Content-Type": "application/json; charset=UTF-8",
+                "X-Upload-Content-Type": "application/octet-stream",
+            },
+            uri=self.uri,
+            what="start of resumable upload",
+        )
         return headers["Location"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
@@ -325,16 +413,26 @@ class _GCSWriter(_parallel.MultipartWriter):
             if state["done"] or (state["sent"] >= n and total is None):
                 return
             start = offset + state["sent"]
-            body = _parallel.MemoryBody(mv[state["sent"]:])
-            await self._b._attempt("PUT", handle, data=body, ok=(200, 201, 308), headers={
-                "Content-Range": f"bytes {start}-{offset + n - 1}/{size}" if start < offset + n else f"bytes */{size}",
-                "Content-Type": "application/octet-stream"})
+            body = _parallel.MemoryBody(mv[state["sent"] :])
+            await self._b._attempt(
+                "PUT",
+                handle,
+                data=body,
+                ok=(200, 201, 308),
+                headers={
+                    "Content-Range": f"bytes {start}-{offset + n - 1}/{size}"
+                    if start < offset + n
+                    else f"bytes */{size}",
+                    "Content-Type": "application/octet-stream",
+                },
+            )
 
         async def resync(e: BaseException) -> None:
             # ask the server how much it kept, so the retry re-sends only the rest of this chunk
             try:
-                status, headers, _ = await self._b._attempt("PUT", handle, data=b"", ok=(200, 201, 308),
-                                                            headers={"Content-Range": f"bytes */{size}"})
+                status, headers, _ = await self._b._attempt(
+                    "PUT", handle, data=b"", ok=(200, 201, 308), headers={"Content-Range": f"bytes */{size}"}
+                )
             except Exception:
                 return  # the retry re-sends the whole chunk
             if status in (200, 201):
@@ -351,7 +449,9 @@ class _GCSWriter(_parallel.MultipartWriter):
 
     async def abort_upload(self, handle: Any) -> None:
         try:
-            await self._b._request("DELETE", handle, ok=(200, 204, 499), uri=self.uri, what="cancel of resumable upload")
+            await self._b._request(
+                "DELETE", handle, ok=(200, 204, 499), uri=self.uri, what="cancel of resumable upload"
+            )
         except _HTTPStatus as e:
             if e.status not in (404, 405, 410, 501):  # already gone, or (emulator) cancel not supported
                 raise

@@ -15,7 +15,8 @@ import os
 import shutil
 import stat as _stat
 import uuid
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
@@ -48,8 +49,11 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except OSError as e:
-        full = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)"}
+        full = {
+            errno.ENOSPC: "no space left on device",
+            errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)",
+        }
         if e.errno in full:
             raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
         if e.errno == errno.EROFS:
@@ -67,8 +71,9 @@ def ensure_inside(backend: Backend, root: str, target: str) -> None:
     real_root = os.path.realpath(local_path(root))
     real = os.path.realpath(local_path(target))
     if os.path.commonpath([real_root, real]) != real_root:
-        raise AccessDeniedError(target, f"refusing to write outside {root} (the path leaves it through a "
-                                "symlink or '..')")
+        raise AccessDeniedError(
+            target, f"refusing to write outside {root} (the path leaves it through a symlink or '..')"
+        )
 
 
 def fsync_dir(path: str) -> None:
@@ -89,7 +94,7 @@ class LocalWriter(Writer):
             if mode == "create" and os.path.lexists(path):
                 raise AlreadyExistsError(uri)
             self._tmp = os.path.join(directory, f".{os.path.basename(path)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
-            self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)  # type: ignore[assignment]
+            self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)
 
     def write(self, data: Buffer) -> int:
         if self._f is None:
@@ -249,7 +254,7 @@ class LocalBackend(Backend):
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         with translate_os_errors(src), open(local_path(src), "rb") as fsrc:
             with self.open_writer(dst, mode=mode) as w:
-                shutil.copyfileobj(fsrc, w, length=self.part_size)  # type: ignore[misc]
+                shutil.copyfileobj(fsrc, w, length=self.part_size)
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:
@@ -264,7 +269,7 @@ def _preadinto(fd: int, mv: memoryview, offset: int) -> int:
     total = 0
     step = 1 << 30
     while total < len(mv):
-        n = os.preadv(fd, [mv[total: total + step]], offset + total)
+        n = os.preadv(fd, [mv[total : total + step]], offset + total)
         if n == 0:
             break
         total += n

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import AlreadyExistsError, NotFoundError
 from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode
@@ -53,7 +53,7 @@ class MemoryBackend(Backend):
         data = self._get(uri)[0]
         mv = memoryview(buf).cast("B")
         n = max(0, min(len(mv), len(data) - offset))
-        mv[:n] = memoryview(data)[offset: offset + n]
+        mv[:n] = memoryview(data)[offset : offset + n]
         self.bytes_read += n
         return n
 
@@ -96,7 +96,7 @@ class MemoryBackend(Backend):
         for k, (data, mtime, gen) in items:
             if not k.startswith(prefix):
                 continue
-            rest = k[len(prefix):]
+            rest = k[len(prefix) :]
             if not recursive and "/" in rest:
                 d = rest.split("/", 1)[0]
                 if d not in seen_dirs:

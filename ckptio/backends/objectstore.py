@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, Awaitable, Callable, ClassVar, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 from .. import retry as _retry
 from .. import uri as _uri
@@ -35,8 +36,10 @@ def check_versions(extra: str, minimums: Mapping[str, str]) -> None:
         except metadata.PackageNotFoundError:  # imported without installed metadata: nothing to compare
             continue
         if _release(found) < _release(minimum):
-            raise MissingDependencyError(f"ckptio's {extra} backend needs {dist}>={minimum}, but {dist} {found} is "
-                                         f"installed; run: pip install -U 'ckptio[{extra}]'")
+            raise MissingDependencyError(
+                f"ckptio's {extra} backend needs {dist}>={minimum}, but {dist} {found} is "
+                f"installed; run: pip install -U 'ckptio[{extra}]'"
+            )
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -54,14 +57,29 @@ class ObjectStoreBackend(Backend):
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
 
-    def __init__(self, *, part_size: int, concurrency: int, retries: int | None, max_attempts: int | None,
-                 deadline: float | None, timeout: float | None, stall_timeout: float | None, read_timeout: float,
-                 credential_provider: Any, max_buffer_bytes: int | str) -> None:
+    def __init__(
+        self,
+        *,
+        part_size: int,
+        concurrency: int,
+        retries: int | None,
+        max_attempts: int | None,
+        deadline: float | None,
+        timeout: float | None,
+        stall_timeout: float | None,
+        read_timeout: float,
+        credential_provider: Any,
+        max_buffer_bytes: int | str,
+    ) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
         self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
         self.policy = _retry.RetryPolicy.from_options(
-            retries=retries, max_attempts=max_attempts, deadline=deadline, timeout=timeout,
-            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout)
+            retries=retries,
+            max_attempts=max_attempts,
+            deadline=deadline,
+            timeout=timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else read_timeout,
+        )
         self.retries = self.policy.max_attempts - 1
         self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
 
@@ -91,8 +109,9 @@ class ObjectStoreBackend(Backend):
         """The object ``key`` as ``uri`` (NotFoundError if missing)."""
         raise NotImplementedError
 
-    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
-                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
+    def _list_page(
+        self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None, limit: int | None = None
+    ) -> tuple[list[Entry], list[str], str | None]:
         """One page of keys under ``prefix``: objects, common prefixes (with ``delimiter``) and the
         token of the next page (None: last page)."""
         raise NotImplementedError
@@ -101,8 +120,7 @@ class ObjectStoreBackend(Backend):
     def _split(self, uri: str, *, key_required: bool = True) -> tuple[str, str]:
         bucket, key = _uri.bucket_key(uri)
         if key_required and not key.strip("/"):
-            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} "
-                                  f"(expected {self.scheme}://BUCKET/KEY)")
+            raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected {self.scheme}://BUCKET/KEY)")
         return bucket, key
 
     def describe(self, e: BaseException, uri: str) -> str:
@@ -111,12 +129,23 @@ class ObjectStoreBackend(Backend):
         t = self.translate(e, uri)
         return t.strerror if isinstance(t, OSError) and t.strerror else str(t)
 
-    async def _retrying(self, uri: str, what: str, fn: Callable[[], Awaitable[Any]],
-                        on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+    async def _retrying(
+        self,
+        uri: str,
+        what: str,
+        fn: Callable[[], Awaitable[Any]],
+        on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+    ) -> Any:
         """``fn()`` (one request) under the retry policy."""
-        return await self.policy.run(fn, uri=uri, what=what, classify=self.classify,
-                                     describe=lambda e: self.describe(e, uri), refresh=self._refresher,
-                                     on_retry=on_retry)
+        return await self.policy.run(
+            fn,
+            uri=uri,
+            what=what,
+            classify=self.classify,
+            describe=lambda e: self.describe(e, uri),
+            refresh=self._refresher,
+            on_retry=on_retry,
+        )
 
     def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``coro_fn()`` on the IO loop; its errors come out translated."""
@@ -132,8 +161,8 @@ class ObjectStoreBackend(Backend):
 
         async def go() -> int:
             return await _parallel.parallel_readinto(
-                lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size,
-                self.concurrency)
+                lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency
+            )
 
         n = self._run(uri, go)
         if n == 0 and len(mv):
@@ -144,7 +173,10 @@ class ObjectStoreBackend(Backend):
         if end is None:
             end = self.stat(uri).size
         buf = bytearray(max(0, end - start))
-        n = self.readinto(uri, buf, start) if buf else (self.stat(uri) and 0)
+        if not buf:
+            self.stat(uri)  # an empty range of a missing object is still an error
+            return b""
+        n = self.readinto(uri, buf, start)
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:
@@ -172,8 +204,11 @@ class ObjectStoreBackend(Backend):
         token: str | None = None
         while True:
             objects, prefixes, token = self._list_page(uri, bucket, prefix, delimiter=not recursive, token=token)
-            entries = [ObjectInfo(f"{scheme}://{bucket}/{k}", size, mtime, version)
-                       for k, size, mtime, version in objects if k != prefix]
+            entries = [
+                ObjectInfo(f"{scheme}://{bucket}/{k}", size, mtime, version)
+                for k, size, mtime, version in objects
+                if k != prefix
+            ]
             entries += [ObjectInfo(f"{scheme}://{bucket}/{p.rstrip('/')}", 0, None, None, True) for p in prefixes]
             yield from sorted(entries, key=lambda i: i.uri)
             if not token:

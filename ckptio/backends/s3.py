@@ -43,12 +43,20 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 from .. import retry as _retry
 from .. import uri as _uri
-from ..errors import (AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, MissingDependencyError,
-                      NotFoundError, TransferError)
+from ..errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CkptioError,
+    CredentialsError,
+    MissingDependencyError,
+    NotFoundError,
+    TransferError,
+)
 from . import _parallel
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 from .objectstore import Entry, ObjectStoreBackend, check_versions
@@ -58,15 +66,24 @@ MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's
 check_versions("s3", MIN_VERSIONS)
 
 try:
-    import s3fs
     import aiohttp
-    from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
-                                     FlexibleChecksumError, HTTPClientError, IncompleteReadError, NoCredentialsError,
-                                     PartialCredentialsError, ResponseStreamingError)
+    import s3fs
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        FlexibleChecksumError,
+        HTTPClientError,
+        IncompleteReadError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ResponseStreamingError,
+    )
+    from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.parsers import ResponseParserError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
-        f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'") from _e
+        f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'"
+    ) from _e
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
@@ -75,29 +92,46 @@ MAX_PARTS = 10_000
 READ_PART_SIZE = 64 * 1024 * 1024
 UPLOAD_PART_SIZE = 8 * 1024 * 1024
 _INLINE_HASH_MAX = 64 * 1024  # smaller upload bodies are hashed on the IO loop itself
-CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
-                    "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
-                    "ckptio.configure), or anon=true for public buckets")
+CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
+    "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
+    "ckptio.configure), or anon=true for public buckets"
+)
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+}
 _DENIED = {"AccessDenied", "403", "AllAccessDisabled", "Forbidden"}
 # FlexibleChecksumError: the body did not match the checksum S3 sent with it (truncated or damaged in flight)
-_TRANSIENT_CLIENT = (ResponseStreamingError, BotoConnectionError, HTTPClientError, IncompleteReadError,
-                     FlexibleChecksumError,
-                     ResponseParserError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+_TRANSIENT_CLIENT = (
+    ResponseStreamingError,
+    BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    FlexibleChecksumError,
+    ResponseParserError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientConnectionError,
+)
 
 
-def _code(e: BaseException) -> tuple[str, int | None]:
-    return (str(e.response.get("Error", {}).get("Code", "")),  # type: ignore[attr-defined]
-            e.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))  # type: ignore[attr-defined]
+def _code(e: ClientError) -> tuple[str, int | None]:
+    """The S3 error code and the HTTP status of a botocore ClientError."""
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    return code, e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
 
 
 def classify(e: BaseException) -> str:
     """TRANSIENT / EXPIRED / PERMANENT for any error the S3 client raises (see :mod:`ckptio.retry`)."""
     if isinstance(e, ClientError):
-        return _retry.classify_status(*reversed(_code(e)))
+        code, status = _code(e)
+        return _retry.classify_status(status, code)
     if isinstance(e, _TRANSIENT_CLIENT):
         return _retry.TRANSIENT
     common = _retry.classify_common(e)
@@ -142,53 +176,98 @@ class S3Backend(ObjectStoreBackend):
     scheme = "s3"
     classify = staticmethod(classify)
 
-    def __init__(self, *, endpoint_url: str | None = None, region: str | None = None, profile: str | None = None,
-                 access_key_id: str | None = None, secret_access_key: str | None = None,
-                 session_token: str | None = None, credentials_file: str | None = None, anon: bool = False,
-                 part_size: int = READ_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY,
-                 retries: int | None = None, max_attempts: int | None = None, deadline: float | None = None,
-                 timeout: float | None = None, stall_timeout: float | None = None, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, credential_provider: Any = None,
-                 max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
-                 upload_part_size: int | str | None = None, checksum: str | None = None) -> None:
-        super().__init__(part_size=part_size, concurrency=concurrency, retries=retries, max_attempts=max_attempts,
-                         deadline=deadline, timeout=timeout, stall_timeout=stall_timeout, read_timeout=read_timeout,
-                         credential_provider=credential_provider, max_buffer_bytes=max_buffer_bytes)
-        self.upload_part_size = (_parallel.size_option("upload_part_size", upload_part_size) if upload_part_size
-                                 else min(self.part_size, UPLOAD_PART_SIZE))
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        credentials_file: str | None = None,
+        anon: bool = False,
+        part_size: int = READ_PART_SIZE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retries: int | None = None,
+        max_attempts: int | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        stall_timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        credential_provider: Any = None,
+        max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+        upload_part_size: int | str | None = None,
+        checksum: str | None = None,
+    ) -> None:
+        super().__init__(
+            part_size=part_size,
+            concurrency=concurrency,
+            retries=retries,
+            max_attempts=max_attempts,
+            deadline=deadline,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            read_timeout=read_timeout,
+            credential_provider=credential_provider,
+            max_buffer_bytes=max_buffer_bytes,
+        )
+        self.upload_part_size = (
+            _parallel.size_option("upload_part_size", upload_part_size)
+            if upload_part_size
+            else min(self.part_size, UPLOAD_PART_SIZE)
+        )
         if min(self.part_size, self.upload_part_size) < MIN_PART_SIZE:
-            raise ValueError(f"part_size must be >= 5 MiB for S3 multipart uploads, got "
-                             f"{min(self.part_size, self.upload_part_size)}")
+            raise ValueError(
+                f"part_size must be >= 5 MiB for S3 multipart uploads, got {min(self.part_size, self.upload_part_size)}"
+            )
         self.checksum = _checksum_option(checksum, profile)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
         creds = _load_credentials_file(credentials_file) if credentials_file else {}
         self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
-        self.region = (region or creds.get("region_name") or creds.get("region") or os.environ.get("AWS_REGION")
-                       or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        self.region = (
+            region
+            or creds.get("region_name")
+            or creds.get("region")
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1"
+        )
         self.anon = bool(anon)
         key = access_key_id or creds.get("aws_access_key_id") or creds.get("access_key_id")
         secret = secret_access_key or creds.get("aws_secret_access_key") or creds.get("secret_access_key")
         token = session_token or creds.get("aws_session_token") or creds.get("session_token")
         if bool(key) != bool(secret):
-            raise CredentialsError(credentials_file or "s3 options",
-                                   "S3 credentials need both an access key id and a secret access key")
+            raise CredentialsError(
+                credentials_file or "s3 options", "S3 credentials need both an access key id and a secret access key"
+            )
         if self._refresher.provider is not None and not self.anon:  # the provider is the credentials' source
             key, secret, token = self._credentials_from(self._refresher.provider())
         extra = {"profile": profile} if profile else {}
         self._fs = s3fs.S3FileSystem(
-            anon=self.anon, key=key, secret=secret, token=token, endpoint_url=self.endpoint_url,
-            client_kwargs={"region_name": self.region}, skip_instance_cache=True, use_listings_cache=False,
+            anon=self.anon,
+            key=key,
+            secret=secret,
+            token=token,
+            endpoint_url=self.endpoint_url,
+            client_kwargs={"region_name": self.region},
+            skip_instance_cache=True,
+            use_listings_cache=False,
             # botocore's retries are off: RetryPolicy owns them (read_timeout: no bytes for that long)
-            config_kwargs={"connect_timeout": float(connect_timeout),
-                           "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
-                           "retries": {"total_max_attempts": 1, "mode": "standard"},
-                           "max_pool_connections": max(10, 2 * self.concurrency),
-                           # the writer sends its own CRC32 and SHA-256 (hashed off the IO thread, see
-                           # _S3Writer._digests); botocore would hash every part again on the IO thread
-                           # (reads are still checked)
-                           "request_checksum_calculation": "when_required"},
-            **extra)
+            config_kwargs={
+                "connect_timeout": float(connect_timeout),
+                "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
+                "retries": {"total_max_attempts": 1, "mode": "standard"},
+                "max_pool_connections": max(10, 2 * self.concurrency),
+                # the writer sends its own CRC32 and SHA-256 (hashed off the IO thread, see
+                # _S3Writer._digests); botocore would hash every part again on the IO thread
+                # (reads are still checked)
+                "request_checksum_calculation": "when_required",
+            },
+            **extra,
+        )
         self._client: Any = None
 
     def __repr__(self) -> str:
@@ -209,7 +288,8 @@ class S3Backend(ObjectStoreBackend):
         """Make aiobotocore's aiohttp sessions leave retries to our policy (see ``no_hidden_retries``)."""
         hs = getattr(getattr(client, "_endpoint", None), "http_session", None)
         get = getattr(hs, "_get_session", None)
-        if get is not None and not getattr(hs, "_ckptio_owned", False):
+        if hs is not None and get is not None and not getattr(hs, "_ckptio_owned", False):
+
             async def get_session(*a: Any, **kw: Any) -> Any:
                 return _parallel.no_hidden_retries(await get(*a, **kw))
 
@@ -217,19 +297,25 @@ class S3Backend(ObjectStoreBackend):
         events = getattr(getattr(client, "meta", None), "events", None)
         if events is not None and _PREHASHED_SIGNER is not None:
             for op in ("UploadPart", "PutObject"):
-                events.register_first(f"choose-signer.s3.{op}", _choose_prehashed_signer,
-                                      unique_id=f"ckptio-prehashed-sha256-{op}")
+                events.register_first(
+                    f"choose-signer.s3.{op}", _choose_prehashed_signer, unique_id=f"ckptio-prehashed-sha256-{op}"
+                )
         return client
 
     @staticmethod
     def _credentials_from(creds: Any) -> tuple[str | None, str | None, str | None]:
         if not isinstance(creds, dict):
-            raise CredentialsError("s3 credential_provider", "the S3 credential_provider must return a dict with "
-                                   "access_key_id, secret_access_key and optionally session_token")
+            raise CredentialsError(
+                "s3 credential_provider",
+                "the S3 credential_provider must return a dict with "
+                "access_key_id, secret_access_key and optionally session_token",
+            )
         c = {str(k).lower(): v for k, v in creds.items()}
-        return (c.get("access_key_id") or c.get("aws_access_key_id"),
-                c.get("secret_access_key") or c.get("aws_secret_access_key"),
-                c.get("session_token") or c.get("aws_session_token") or c.get("token"))
+        return (
+            c.get("access_key_id") or c.get("aws_access_key_id"),
+            c.get("secret_access_key") or c.get("aws_secret_access_key"),
+            c.get("session_token") or c.get("aws_session_token") or c.get("token"),
+        )
 
     async def _apply_credentials(self, creds: Any) -> None:
         self._fs.key, self._fs.secret, self._fs.token = self._credentials_from(creds)
@@ -256,9 +342,15 @@ class S3Backend(ObjectStoreBackend):
             self._old_clients = [c for c in self._old_clients if c is not client]
             await self._close_client(client)
 
-    async def _op(self, uri: str, what: str, fn: Callable[[Any], Awaitable[Any]],
-                  on_retry: Callable[[BaseException], Awaitable[None]] | None = None) -> Any:
+    async def _op(
+        self,
+        uri: str,
+        what: str,
+        fn: Callable[[Any], Awaitable[Any]],
+        on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+    ) -> Any:
         """``fn(client)`` under the retry policy (one request, retried on transient errors)."""
+
         async def attempt() -> Any:
             client = await self._s3()
             self._in_flight[id(client)] = self._in_flight.get(id(client), 0) + 1
@@ -299,8 +391,9 @@ class S3Backend(ObjectStoreBackend):
         elif isinstance(e, (NoCredentialsError, PartialCredentialsError)):
             out = CredentialsError(uri, f"no S3 credentials found; {CREDENTIALS_HINT}")
         elif isinstance(e, (BotoConnectionError, OSError, asyncio.TimeoutError)):
-            out = TransferError(errno.EIO, f"cannot reach S3 endpoint {self.endpoint_url or 'aws'} for {uri}: "
-                                f"{type(e).__name__}", uri)
+            out = TransferError(
+                errno.EIO, f"cannot reach S3 endpoint {self.endpoint_url or 'aws'} for {uri}: {type(e).__name__}", uri
+            )
         elif isinstance(e, BotoCoreError):
             out = TransferError(errno.EIO, f"S3 client error for {uri}: {type(e).__name__}: {e}", uri)
         else:
@@ -346,8 +439,9 @@ class S3Backend(ObjectStoreBackend):
         return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 
     # ---- writes ----------------------------------------------------------------------------
-    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
-                    size_hint: int | None = None) -> Writer:
+    def open_writer(
+        self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True, size_hint: int | None = None
+    ) -> Writer:
         check_mode(mode)
         bucket, key = self._split(uri)
         part_size = self.upload_part_size
@@ -365,8 +459,9 @@ class S3Backend(ObjectStoreBackend):
         h = self._call(uri, "head_object", Bucket=bucket, Key=key)
         return ObjectInfo(uri, int(h["ContentLength"]), h["LastModified"].timestamp(), h.get("ETag"))
 
-    def _list_page(self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None,
-                   limit: int | None = None) -> tuple[list[Entry], list[str], str | None]:
+    def _list_page(
+        self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None, limit: int | None = None
+    ) -> tuple[list[Entry], list[str], str | None]:
         kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
         if delimiter:
             kw["Delimiter"] = "/"
@@ -375,10 +470,14 @@ class S3Backend(ObjectStoreBackend):
         if limit:
             kw["MaxKeys"] = limit
         r = self._call(uri, "list_objects_v2", **kw)
-        objects = [(o["Key"], int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag"))
-                   for o in r.get("Contents", [])]
-        return (objects, [p["Prefix"] for p in r.get("CommonPrefixes", [])],
-                r["NextContinuationToken"] if r.get("IsTruncated") else None)
+        objects = [
+            (o["Key"], int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag")) for o in r.get("Contents", [])
+        ]
+        return (
+            objects,
+            [p["Prefix"] for p in r.get("CommonPrefixes", [])],
+            r["NextContinuationToken"] if r.get("IsTruncated") else None,
+        )
 
     def delete(self, uri: str) -> None:
         bucket, key = self._split(uri)
@@ -389,12 +488,20 @@ class S3Backend(ObjectStoreBackend):
         bucket, _ = self._split(uri, key_required=False)
         keys = [_uri.bucket_key(i.uri)[1] for i in self.list(uri, recursive=True) if not i.is_dir]
         for i in range(0, len(keys), 1000):
-            r = self._call(uri, "delete_objects", Bucket=bucket,
-                           Delete={"Objects": [{"Key": k} for k in keys[i: i + 1000]], "Quiet": True})
+            r = self._call(
+                uri,
+                "delete_objects",
+                Bucket=bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
             if r.get("Errors"):
                 e = r["Errors"][0]
-                raise TransferError(errno.EIO, f"S3 could not delete {len(r['Errors'])} object(s) under {uri}, "
-                                    f"first: {e.get('Key')}: {e.get('Code')}", uri)
+                raise TransferError(
+                    errno.EIO,
+                    f"S3 could not delete {len(r['Errors'])} object(s) under {uri}, "
+                    f"first: {e.get('Key')}: {e.get('Code')}",
+                    uri,
+                )
 
     # ---- multipart uploads left by killed writers ---------------------------------------------
     def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
@@ -436,18 +543,25 @@ def _make_prehashed_signer() -> Any:
             # header that botocore added itself; the writer adds its CRC32 itself, so apply the same rule
             # (TLS + CRC32), or the IO loop would SHA-256 every part
             s3_config = getattr(request.context.get("client_config"), "s3", None) or {}
-            if s3_config.get("payload_signing_enabled") is None and request.url.startswith("https") \
-                    and request.context.get("has_streaming_input", False) \
-                    and any(k.lower().startswith("x-amz-checksum-") for k in request.headers):
+            if (
+                s3_config.get("payload_signing_enabled") is None
+                and request.url.startswith("https")
+                and request.context.get("has_streaming_input", False)
+                and any(k.lower().startswith("x-amz-checksum-") for k in request.headers)
+            ):
                 return False
             return bool(super()._should_sha256_sign_payload(request))
 
         def payload(self, request: Any) -> str:
             body = getattr(request.body, "__wrapped__", request.body)
             digest = getattr(body, "sha256", None)
-            if digest and isinstance(body, _parallel.MemoryBody) and body.tell() == 0 \
-                    and not self._is_streaming_checksum_payload(request) \
-                    and self._should_sha256_sign_payload(request):
+            if (
+                digest
+                and isinstance(body, _parallel.MemoryBody)
+                and body.tell() == 0
+                and not self._is_streaming_checksum_payload(request)
+                and self._should_sha256_sign_payload(request)
+            ):
                 return digest
             return super().payload(request)
 
@@ -459,15 +573,16 @@ _PREHASHED_SIGNER_NAME = "ckptio-s3v4-sha256"
 _PREHASHED_SIGNER = _make_prehashed_signer()
 
 
-def _choose_prehashed_signer(signing_name: str = "", signature_version: Any = None, context: Any = None,
-                             **kwargs: Any) -> str | None:
+def _choose_prehashed_signer(
+    signing_name: str = "", signature_version: Any = None, context: Any = None, **kwargs: Any
+) -> str | None:
     """choose-signer hook for this backend's clients: plain ``s3v4`` requests (not presigned URLs or
     POSTs, not S3 Express) use :data:`_PREHASHED_SIGNER`; everything else is left to botocore."""
     import botocore.handlers
+
     if not isinstance(signature_version, str) or signature_version.endswith(("-query", "-presign-post")):
         return None
-    chosen = botocore.handlers.set_operation_specific_signer(context=context or {}, signing_name=signing_name,
-                                                            **kwargs)
+    chosen = botocore.handlers.set_operation_specific_signer(context=context or {}, signing_name=signing_name, **kwargs)
     return _PREHASHED_SIGNER_NAME if chosen == "s3v4" else None
 
 
@@ -484,8 +599,9 @@ class _S3Writer(_parallel.MultipartWriter):
     def translate(self, exc: BaseException) -> BaseException:
         return self._b.translate(exc, self.uri)
 
-    async def _request(self, what: str, fn: Callable[[Any], Awaitable[Any]],
-                       committed: Callable[[], Awaitable[bool]] | None = None) -> Any:
+    async def _request(
+        self, what: str, fn: Callable[[Any], Awaitable[Any]], committed: Callable[[], Awaitable[bool]] | None = None
+    ) -> Any:
         """One request under the retry policy. If an attempt may have reached S3 (the connection
         broke, no answer) and a retry then fails its precondition, ``committed()`` checks whether
         that earlier attempt in fact succeeded, so a lost response never turns into a false error."""
@@ -498,8 +614,12 @@ class _S3Writer(_parallel.MultipartWriter):
         try:
             return await self._b._op(self.uri, what, fn, on_retry)
         except ClientError as e:
-            if ambiguous and committed is not None and _code(e)[0] in (_EXISTS | {"NoSuchUpload"}) \
-                    and await committed():
+            if (
+                ambiguous
+                and committed is not None
+                and _code(e)[0] in (_EXISTS | {"NoSuchUpload"})
+                and await committed()
+            ):
                 return None
             raise
 
@@ -513,8 +633,8 @@ class _S3Writer(_parallel.MultipartWriter):
     async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
         """Hashes of a body, computed once per part and reused by every attempt of it: the SHA-256
         when SigV4 signs the payload (plain http, or https without a CRC32), and the CRC32 S3 checks
-        the part against (given as request arguments, so botocore does not hash again). Large bodies are hashed on a worker
-        thread (both hashes release the GIL) so the event loop keeps sending other parts."""
+        the part against (given as request arguments, so botocore does not hash again). Large bodies are
+        hashed on a worker thread (both hashes release the GIL) so the event loop keeps sending other parts."""
         ep = self._b.endpoint_url
         https = not ep or ep.lower().startswith("https:")  # no endpoint: AWS, over https
         crc = self._b.checksum == "crc32"
@@ -525,19 +645,29 @@ class _S3Writer(_parallel.MultipartWriter):
 
         def run() -> tuple[str | None, dict[str, str]]:
             digest = hashlib.sha256(data).hexdigest() if sha else None
-            args = {"ChecksumAlgorithm": "CRC32",
-                    "ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()} if crc else {}
+            args = (
+                {
+                    "ChecksumAlgorithm": "CRC32",
+                    "ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode(),
+                }
+                if crc
+                else {}
+            )
             return digest, args
+
         if memoryview(data).nbytes <= _INLINE_HASH_MAX:  # cheaper than the hop to a thread
             return run()
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def put_single(self, data: Buffer) -> None:
         digest, crc = await self._digests(data)
-        await self._request("PUT", lambda s3: s3.put_object(Bucket=self._bucket, Key=self._key,
-                                                            Body=_parallel.MemoryBody(data, sha256=digest),
-                                                            **crc, **self._cond),
-                            lambda: self._etag_is(hashlib.md5(data).hexdigest()))
+        await self._request(
+            "PUT",
+            lambda s3: s3.put_object(
+                Bucket=self._bucket, Key=self._key, Body=_parallel.MemoryBody(data, sha256=digest), **crc, **self._cond
+            ),
+            lambda: self._etag_is(hashlib.md5(data).hexdigest()),
+        )
 
     async def begin(self) -> Any:
         if self._cond:  # fail before uploading gigabytes; the conditional complete stays authoritative
@@ -548,31 +678,43 @@ class _S3Writer(_parallel.MultipartWriter):
                 if e.response.get("Error", {}).get("Code") not in _NOT_FOUND:
                     raise
         algo = {"ChecksumAlgorithm": "CRC32"} if self._b.checksum == "crc32" else {}
-        r = await self._request("CreateMultipartUpload",
-                                lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key, **algo))
+        r = await self._request(
+            "CreateMultipartUpload", lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key, **algo)
+        )
         return r["UploadId"]
 
     async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
         n = memoryview(data).nbytes
         digest, crc = await self._digests(data)
-        r = await self._request(f"part {number} (bytes {offset}-{offset + n - 1})",
-                                lambda s3: s3.upload_part(Bucket=self._bucket, Key=self._key, UploadId=handle,
-                                                          PartNumber=number,
-                                                          Body=_parallel.MemoryBody(data, sha256=digest), **crc))
+        r = await self._request(
+            f"part {number} (bytes {offset}-{offset + n - 1})",
+            lambda s3: s3.upload_part(
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=handle,
+                PartNumber=number,
+                Body=_parallel.MemoryBody(data, sha256=digest),
+                **crc,
+            ),
+        )
         return {"PartNumber": number, "ETag": r["ETag"], **({"ChecksumCRC32": crc["ChecksumCRC32"]} if crc else {})}
 
     async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
         digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens)).hexdigest()
-        await self._request(f"CompleteMultipartUpload ({len(tokens)} parts)",
-                            lambda s3: s3.complete_multipart_upload(Bucket=self._bucket, Key=self._key,
-                                                                    UploadId=handle,
-                                                                    MultipartUpload={"Parts": tokens}, **self._cond),
-                            lambda: self._etag_is(f"{digest}-{len(tokens)}"))
+        await self._request(
+            f"CompleteMultipartUpload ({len(tokens)} parts)",
+            lambda s3: s3.complete_multipart_upload(
+                Bucket=self._bucket, Key=self._key, UploadId=handle, MultipartUpload={"Parts": tokens}, **self._cond
+            ),
+            lambda: self._etag_is(f"{digest}-{len(tokens)}"),
+        )
 
     async def abort_upload(self, handle: Any) -> None:
         try:
-            await self._request("AbortMultipartUpload", lambda s3: s3.abort_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=handle))
+            await self._request(
+                "AbortMultipartUpload",
+                lambda s3: s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle),
+            )
         except ClientError as e:
             if _code(e)[0] not in _NOT_FOUND:  # already gone (an earlier attempt's answer was lost)
                 raise

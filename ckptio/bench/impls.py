@@ -7,8 +7,9 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -94,10 +95,24 @@ def local_baselines() -> list[Impl]:
             tdcp.load(t, storage_reader=FileSystemReader(p))
         return t
 
-    out = [Impl("torch.save/load", True, ".pt", tsave, lambda r, p: torch.load(p, weights_only=True),
-                "torch.save + fsync; torch.load(weights_only=True)"),
-           Impl("raw write/read", True, ".raw", rsave, rload, "sequential write of the tensor bytes + fsync; "
-                "readinto fresh tensors")]
+    out = [
+        Impl(
+            "torch.save/load",
+            True,
+            ".pt",
+            tsave,
+            lambda r, p: torch.load(p, weights_only=True),
+            "torch.save + fsync; torch.load(weights_only=True)",
+        ),
+        Impl(
+            "raw write/read",
+            True,
+            ".raw",
+            rsave,
+            rload,
+            "sequential write of the tensor bytes + fsync; readinto fresh tensors",
+        ),
+    ]
     try:
         import safetensors.torch as st
 
@@ -105,8 +120,16 @@ def local_baselines() -> list[Impl]:
             st.save_file(s, p)
             fsync_path(p)
 
-        out.append(Impl("safetensors", True, ".safetensors", ssave, lambda r, p: st.load_file(p),
-                        "save_file + fsync; load_file (pages touched)"))
+        out.append(
+            Impl(
+                "safetensors",
+                True,
+                ".safetensors",
+                ssave,
+                lambda r, p: st.load_file(p),
+                "save_file + fsync; load_file (pages touched)",
+            )
+        )
     except ImportError:
         pass
     out.append(Impl("torch DCP FileSystemWriter", True, "", dsave, dload, "thread_count=2, sync_files=True"))
@@ -129,9 +152,17 @@ def memory_baselines() -> list[Impl]:
     def msave(s: dict, u: str) -> None:
         store[u] = pack(s)
 
-    return [Impl("torch.save/load BytesIO", True, ".pt", tsave, tload),
-            Impl("raw memcpy", True, ".raw", msave, lambda r, u: unpack(r, store.pop(u)),
-                 "copy of the tensor bytes into one buffer and back")]
+    return [
+        Impl("torch.save/load BytesIO", True, ".pt", tsave, tload),
+        Impl(
+            "raw memcpy",
+            True,
+            ".raw",
+            msave,
+            lambda r, u: unpack(r, store.pop(u)),
+            "copy of the tensor bytes into one buffer and back",
+        ),
+    ]
 
 
 def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl]:
@@ -175,12 +206,20 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
         return t
 
     lib = type(fs).__module__.split(".")[0]
-    return [Impl(f"raw {lib}", True, ".raw", rsave, rload, f"{lib} open('wb') of the tensor bytes; cat_file"),
-            Impl(f"torch.save via {lib}", True, ".pt", tsave, tload, f"torch.save/torch.load on a {lib} file"),
-            Impl("torch DCP FsspecWriter", True, "", dsave, dload, "thread_count=2")]
+    return [
+        Impl(f"raw {lib}", True, ".raw", rsave, rload, f"{lib} open('wb') of the tensor bytes; cat_file"),
+        Impl(f"torch.save via {lib}", True, ".pt", tsave, tload, f"torch.save/torch.load on a {lib} file"),
+        Impl("torch DCP FsspecWriter", True, "", dsave, dload, "thread_count=2"),
+    ]
 
 
 def backend_raw_baseline() -> Impl:
     """For user URIs: the storage's own speed for the same bytes, through ckptio's backend (no serialization)."""
-    return Impl("raw put/get", True, ".raw", lambda s, u: ckptio.put(pack(s), u),
-                lambda r, u: unpack(r, ckptio.get(u)), "one ckptio.put/get of the tensor bytes")
+    return Impl(
+        "raw put/get",
+        True,
+        ".raw",
+        lambda s, u: ckptio.put(pack(s), u),
+        lambda r, u: unpack(r, ckptio.get(u)),
+        "one ckptio.put/get of the tensor bytes",
+    )

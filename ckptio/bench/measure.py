@@ -5,14 +5,16 @@ and size, interleaved. The method is in benchmarks/README.md of the source repos
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ckptio
 from ckptio import uri as _uri
@@ -45,7 +47,7 @@ class RSSPeak:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self._rss())
 
-    def __enter__(self) -> "RSSPeak":
+    def __enter__(self) -> RSSPeak:
         self.start = self.peak = self._rss()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -125,14 +127,29 @@ class Record:
 
     def as_dict(self) -> dict[str, Any]:
         med = statistics.median(self.seconds) if self.seconds else None
-        return {"backend": self.backend, "impl": self.impl, "baseline": self.baseline, "size_bytes": self.size,
-                "op": self.op, "seconds": self.seconds, "median_seconds": med,
-                "gb_per_s": self.size / med / 1e9 if med else None, "rss_extra_bytes": self.rss_extra,
-                "median_rss_extra_bytes": int(statistics.median(self.rss_extra)) if self.rss_extra else None}
+        return {
+            "backend": self.backend,
+            "impl": self.impl,
+            "baseline": self.baseline,
+            "size_bytes": self.size,
+            "op": self.op,
+            "seconds": self.seconds,
+            "median_seconds": med,
+            "gb_per_s": self.size / med / 1e9 if med else None,
+            "rss_extra_bytes": self.rss_extra,
+            "median_rss_extra_bytes": int(statistics.median(self.rss_extra)) if self.rss_extra else None,
+        }
 
 
-def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, log: Callable[[str], None],
-               remote_max: int | None, cell_budget: float | None = None) -> tuple[list[Record], list[dict[str, Any]]]:
+def run_matrix(
+    targets: list[Target],
+    sizes: list[int],
+    repeats: int,
+    bar: Bar,
+    log: Callable[[str], None],
+    remote_max: int | None,
+    cell_budget: float | None = None,
+) -> tuple[list[Record], list[dict[str, Any]]]:
     """Every implementation on every target and size, interleaved, ``repeats`` times.
 
     A cell whose first run (save + loads) takes longer than ``cell_budget`` seconds is measured
@@ -141,14 +158,24 @@ def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, 
     records: dict[tuple, Record] = {}
     skipped: list[dict[str, Any]] = []
     run_id = uuid.uuid4().hex[:8]
-    plan = [(t, s) for s in sizes for t in targets if not (remote_max and t.local_dir is None and t.name != "memory"
-                                                           and s > remote_max)]
+    plan = [
+        (t, s)
+        for s in sizes
+        for t in targets
+        if not (remote_max and t.local_dir is None and t.name != "memory" and s > remote_max)
+    ]
     for t in targets:
         for s in sizes:
             if (t, s) not in plan:
-                skipped.append({"backend": t.name, "impl": "*", "size_bytes": s,
-                                "reason": f"sizes above {human_bytes(remote_max or 0)} are not run on remote storage "
-                                          f"(pass --sizes to force)"})
+                skipped.append(
+                    {
+                        "backend": t.name,
+                        "impl": "*",
+                        "size_bytes": s,
+                        "reason": f"sizes above {human_bytes(remote_max or 0)} are not run on remote storage "
+                        f"(pass --sizes to force)",
+                    }
+                )
     total = sum(s * repeats * (3 if t.local_dir else 2) * len(t.impls) for t, s in plan)
     bar(0, total)
     done = 0
@@ -174,8 +201,10 @@ def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, 
                     bar.set_description(f"{target.name} {impl.name} r{r + 1}/{repeats}")
                     t_cell = time.perf_counter()
                     try:
-                        dt, extra, _ = measure(lambda: impl.save(state, uri))
-                        rec = records.setdefault((*key, "save"), Record(target.name, impl.name, impl.baseline, size_b, "save"))
+                        dt, extra, _ = measure(functools.partial(impl.save, state, uri))
+                        rec = records.setdefault(
+                            (*key, "save"), Record(target.name, impl.name, impl.baseline, size_b, "save")
+                        )
                         rec.seconds.append(dt)
                         rec.rss_extra.append(extra)
                         done += size
@@ -184,11 +213,13 @@ def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, 
                         if target.local_dir:
                             loads = ["load_cold", "load"] if evict_local(uri) else ["load"]
                         for op in loads:
-                            dt, extra, out = measure(lambda: impl.load(state, uri))
+                            dt, extra, out = measure(functools.partial(impl.load, state, uri))
                             if r == 0 and op == loads[0] and not same(state, out):
                                 raise AssertionError(f"{impl.name} on {target.name} did not return the saved tensors")
                             del out
-                            rec = records.setdefault((*key, op), Record(target.name, impl.name, impl.baseline, size_b, op))
+                            rec = records.setdefault(
+                                (*key, op), Record(target.name, impl.name, impl.baseline, size_b, op)
+                            )
                             rec.seconds.append(dt)
                             rec.rss_extra.append(extra)
                             done += size
@@ -198,9 +229,15 @@ def run_matrix(targets: list[Target], sizes: list[int], repeats: int, bar: Bar, 
                         spent = time.perf_counter() - t_cell
                         if r == 0 and repeats > 1 and cell_budget and spent > cell_budget:
                             capped.add(key)
-                            skipped.append({"backend": target.name, "impl": impl.name, "size_bytes": size_b,
-                                            "reason": f"measured once, not {repeats} times: the first run took "
-                                                      f"{spent:.0f}s (> --cell-budget {cell_budget:g}s)"})
+                            skipped.append(
+                                {
+                                    "backend": target.name,
+                                    "impl": impl.name,
+                                    "size_bytes": size_b,
+                                    "reason": f"measured once, not {repeats} times: the first run took "
+                                    f"{spent:.0f}s (> --cell-budget {cell_budget:g}s)",
+                                }
+                            )
                     except Exception as e:  # noqa: BLE001 - a broken cell is reported, the rest still runs
                         broken.add(key)
                         msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]

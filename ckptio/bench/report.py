@@ -20,10 +20,23 @@ def ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["baseline"] or not r["median_seconds"]:
             continue
         for b in records:
-            if (b["baseline"] and b["backend"] == r["backend"] and b["size_bytes"] == r["size_bytes"]
-                    and b["op"] == r["op"] and b["median_seconds"]):
-                out.append({"backend": r["backend"], "size_bytes": r["size_bytes"], "op": r["op"], "impl": r["impl"],
-                            "baseline": b["impl"], "ratio": b["median_seconds"] / r["median_seconds"]})
+            if (
+                b["baseline"]
+                and b["backend"] == r["backend"]
+                and b["size_bytes"] == r["size_bytes"]
+                and b["op"] == r["op"]
+                and b["median_seconds"]
+            ):
+                out.append(
+                    {
+                        "backend": r["backend"],
+                        "size_bytes": r["size_bytes"],
+                        "op": r["op"],
+                        "impl": r["impl"],
+                        "baseline": b["impl"],
+                        "ratio": b["median_seconds"] / r["median_seconds"],
+                    }
+                )
     return out
 
 
@@ -35,8 +48,19 @@ def machine() -> dict[str, Any]:
     import importlib.metadata as md
 
     versions = {}
-    for pkg in ("torch", "ckptio", "numpy", "fsspec", "s3fs", "gcsfs", "safetensors", "moto", "gcp-storage-emulator",
-                "xxhash", "matplotlib"):
+    for pkg in (
+        "torch",
+        "ckptio",
+        "numpy",
+        "fsspec",
+        "s3fs",
+        "gcsfs",
+        "safetensors",
+        "moto",
+        "gcp-storage-emulator",
+        "xxhash",
+        "matplotlib",
+    ):
         with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
     mem = None
@@ -48,9 +72,16 @@ def machine() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else None, "memory_bytes": mem, "torch_threads": torch.get_num_threads(), "versions": versions}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": mem,
+        "torch_threads": torch.get_num_threads(),
+        "versions": versions,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +99,10 @@ def table(doc: dict[str, Any]) -> str:
         for r in recs:
             if r["size_bytes"] == size:
                 rows.setdefault((r["backend"], r["impl"]), {"baseline": r["baseline"]})[r["op"]] = r
-        lines.append(f"\n== {human_bytes(size)} of fp32 tensors; GB/s, median of {doc['settings']['repeats']}; "
-                     f"* = baseline; RSS+ = extra peak memory (MiB) save/load ==")
+        lines.append(
+            f"\n== {human_bytes(size)} of fp32 tensors; GB/s, median of {doc['settings']['repeats']}; "
+            f"* = baseline; RSS+ = extra peak memory (MiB) save/load =="
+        )
         w = max([len(i) for _, i in rows] + [14]) + 2
         lines.append(f"{'backend':<10}{'implementation':<{w}}{'save':>8}{'load':>8}{'load cold':>11}{'RSS+':>13}")
         backends = list(dict.fromkeys(b for b, _ in rows))
@@ -94,14 +127,23 @@ def table(doc: dict[str, Any]) -> str:
             if not mine:
                 continue
             cw = [max(len(x), 16) + 2 for x in bases]
-            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw)))
+            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw, strict=True)))
             for impl in mine:
                 cells = []
                 for base in bases:
-                    vals = [next((f"{x['ratio']:.2f}" for x in rs if x["backend"] == b and x["impl"] == impl
-                                  and x["baseline"] == base and x["op"] == op), None) for op, _ in OP_COLUMNS]
+                    vals = [
+                        next(
+                            (
+                                f"{x['ratio']:.2f}"
+                                for x in rs
+                                if x["backend"] == b and x["impl"] == impl and x["baseline"] == base and x["op"] == op
+                            ),
+                            None,
+                        )
+                        for op, _ in OP_COLUMNS
+                    ]
                     cells.append("/".join(v for v in vals if v is not None) or "-")
-                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw)))
+                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw, strict=True)))
     if doc["skipped"]:
         lines.append("\nnot measured:")
         for s in doc["skipped"]:
@@ -125,7 +167,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
     size = max(r["size_bytes"] for r in recs if r["size_bytes"] in {x["size_bytes"] for x in recs if x["op"] == "save"})
     backends = list(dict.fromkeys(r["backend"] for r in recs if r["size_bytes"] == size))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.6 * len(backends) + 4), 5.2), squeeze=False)
-    for ax, op in zip(axes[0], ("save", "load")):
+    for ax, op in zip(axes[0], ("save", "load"), strict=True):
         x = 0.0
         ticks, labels = [], []
         for b in backends:
@@ -133,8 +175,14 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
             start = x
             for r in rows:
                 color = "#b0b0b0" if r["baseline"] else "#1f77b4"
-                ax.bar(x, r["gb_per_s"] or 1e-4, width=0.8, color=color, edgecolor="black",
-                       hatch="//" if r["baseline"] else None)
+                ax.bar(
+                    x,
+                    r["gb_per_s"] or 1e-4,
+                    width=0.8,
+                    color=color,
+                    edgecolor="black",
+                    hatch="//" if r["baseline"] else None,
+                )
                 ax.text(x, (r["gb_per_s"] or 1e-4) * 1.08, r["impl"], rotation=90, ha="center", va="bottom", fontsize=7)
                 x += 1
             if rows:
@@ -150,9 +198,13 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
         ax.set_ylim(lo, hi * 30)  # room for the labels above the bars
     from matplotlib.patches import Patch
 
-    fig.legend(handles=[Patch(facecolor="#1f77b4", edgecolor="black", label="ckptio"),
-                        Patch(facecolor="#b0b0b0", edgecolor="black", hatch="//", label="baseline")],
-               loc="upper right")
+    fig.legend(
+        handles=[
+            Patch(facecolor="#1f77b4", edgecolor="black", label="ckptio"),
+            Patch(facecolor="#b0b0b0", edgecolor="black", hatch="//", label="baseline"),
+        ],
+        loc="upper right",
+    )
     fig.suptitle("ckptio checkpoint throughput (higher is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

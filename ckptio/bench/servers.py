@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import MissingDependencyError
 
-_running: list["Server"] = []
+_running: list[Server] = []
 
 
 def free_port() -> int:
@@ -53,13 +53,16 @@ class Server:
     def env(self) -> dict[str, str]:
         return dict(os.environ)
 
-    def start(self, timeout: float = 30.0) -> "Server":
+    def start(self, timeout: float = 30.0) -> Server:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if missing:
-            raise MissingDependencyError(f"{self.name} needs the Python module(s) {', '.join(missing)}, which are "
-                                         f"not installed: pip install 'ckptio[bench]'")
-        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            raise MissingDependencyError(
+                f"{self.name} needs the Python module(s) {', '.join(missing)}, which are "
+                f"not installed: pip install 'ckptio[bench]'"
+            )
+        self.proc = subprocess.Popen(
+            self.command(), env=self.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         _running.append(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -92,7 +95,7 @@ class Server:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -122,8 +125,18 @@ class GCSEmulator(Server):
     requires = ("gcp_storage_emulator",)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
-                str(self.port), "--in-memory", "--quiet"]
+        return [
+            sys.executable,
+            "-m",
+            "gcp_storage_emulator",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--in-memory",
+            "--quiet",
+        ]
 
 
 @atexit.register
@@ -138,6 +151,10 @@ def make_s3_bucket(endpoint: str, bucket: str) -> None:
 
 
 def make_gcs_bucket(endpoint: str, bucket: str) -> None:
-    req = urllib.request.Request(f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": bucket}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test",
+        data=json.dumps({"name": bucket}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     urllib.request.urlopen(req, timeout=10).close()

@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import os
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import ckptio
 from ckptio import uri as _uri
@@ -46,8 +46,9 @@ def has_dcp() -> bool:
 
 
 @contextlib.contextmanager
-def embedded_targets(names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False
-                     ) -> Iterator[list[Target]]:
+def embedded_targets(
+    names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False
+) -> Iterator[list[Target]]:
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
@@ -57,8 +58,12 @@ def embedded_targets(names: list[str], tmp: str, log: Callable[[str], None], qui
                 os.makedirs(d, exist_ok=True)
                 notes = []
                 if importlib.util.find_spec("safetensors") is None:
-                    notes.append({"impl": "safetensors", "reason": f"baseline left out: the safetensors package is "
-                                  f"not installed ({BENCH_HINT})"})
+                    notes.append(
+                        {
+                            "impl": "safetensors",
+                            "reason": f"baseline left out: the safetensors package is not installed ({BENCH_HINT})",
+                        }
+                    )
                 targets.append(Target("local", d, mine + local_baselines(), local_dir=d, notes=notes))
             elif name == "memory":
                 targets.append(Target("memory", f"memory://bench-{uuid.uuid4().hex[:8]}", mine + memory_baselines()))
@@ -86,8 +91,11 @@ def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -
             make_s3_bucket(srv.url, bucket)
             log(f"S3 API server (moto) on {srv.url}")
             ckptio.configure(backends={"s3": {"endpoint_url": srv.url, **S3_CREDS}})
-            opts = {"key": S3_CREDS["access_key_id"], "secret": S3_CREDS["secret_access_key"],
-                    "client_kwargs": {"endpoint_url": srv.url, "region_name": "us-east-1"}}
+            opts = {
+                "key": S3_CREDS["access_key_id"],
+                "secret": S3_CREDS["secret_access_key"],
+                "client_kwargs": {"endpoint_url": srv.url, "region_name": "us-east-1"},
+            }
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
             yield Target("s3", f"s3://{bucket}", mine + fsspec_baselines(fs, "s3", opts))
     else:
@@ -106,9 +114,14 @@ def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -
             impls, notes = mine + fsspec_baselines(fs, "gs", opts), []
             if quick:  # the emulator has no moveTo API: gcsfs renames by copy + delete, ~30 s for 32 MiB here
                 impls = [i for i in impls if i.name != "torch DCP FsspecWriter"]
-                notes.append({"impl": "torch DCP FsspecWriter", "reason": "left out of --quick: the GCS emulator "
-                              "has no rename (moveTo) API, so gcsfs falls back to copy + delete and one save takes "
-                              "tens of seconds; --full or --sizes includes it"})
+                notes.append(
+                    {
+                        "impl": "torch DCP FsspecWriter",
+                        "reason": "left out of --quick: the GCS emulator "
+                        "has no rename (moveTo) API, so gcsfs falls back to copy + delete and one save takes "
+                        "tens of seconds; --full or --sizes includes it",
+                    }
+                )
             yield Target("gcs", f"gs://{bucket}", impls, notes=notes)
 
 

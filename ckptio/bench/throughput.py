@@ -20,15 +20,16 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-from ckptio.config import parse_size  # noqa: E402
-from ckptio.progress import Bar, human_bytes  # noqa: E402
+from ckptio.config import parse_size
+from ckptio.progress import Bar, human_bytes
 
-from .measure import run_matrix  # noqa: E402
-from .report import chart, machine, ratios, table  # noqa: E402
-from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets  # noqa: E402
+from .measure import run_matrix
+from .report import chart, machine, ratios, table
+from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets
 
 QUICK_SIZES = ["32MiB"]
 FULL_SIZES = ["256MiB", "1GiB"]
@@ -37,21 +38,39 @@ DEFAULT_OUT = "ckptio-bench-results"  # relative to the working directory
 
 
 def parse_args(argv: list[str] | None, default_out: str = DEFAULT_OUT) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="ckptio bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="ckptio bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, slow cells measured once "
-                   "(the default)")
-    g.add_argument("--full", action="store_true", help=f"sizes {','.join(FULL_SIZES)} (remote capped at "
-                                                        f"{human_bytes(FULL_REMOTE_MAX)})")
-    ap.add_argument("--sizes", help="comma-separated sizes, e.g. 8MiB,256MiB (with --quick: the quick run at "
-                    "these sizes)")
-    ap.add_argument("--backends", help=f"comma-separated subset of {','.join(EMBEDDED)} (default: all; with --uri: local)")
-    ap.add_argument("--uri", action="append", default=[], help="also measure this URI (repeatable; alias schemes "
-                    "and settings from your ckptio.toml apply); objects are written under URI/bench-<id>/ and removed")
+    g.add_argument(
+        "--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, slow cells measured once (the default)"
+    )
+    g.add_argument(
+        "--full",
+        action="store_true",
+        help=f"sizes {','.join(FULL_SIZES)} (remote capped at {human_bytes(FULL_REMOTE_MAX)})",
+    )
+    ap.add_argument(
+        "--sizes", help="comma-separated sizes, e.g. 8MiB,256MiB (with --quick: the quick run at these sizes)"
+    )
+    ap.add_argument(
+        "--backends", help=f"comma-separated subset of {','.join(EMBEDDED)} (default: all; with --uri: local)"
+    )
+    ap.add_argument(
+        "--uri",
+        action="append",
+        default=[],
+        help="also measure this URI (repeatable; alias schemes "
+        "and settings from your ckptio.toml apply); objects are written under URI/bench-<id>/ and removed",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is reported (default 3)")
-    ap.add_argument("--cell-budget", type=float, default=None, help="a cell whose first run takes longer than this "
-                    "many seconds is measured once (default: 10 with --quick, unlimited otherwise)")
+    ap.add_argument(
+        "--cell-budget",
+        type=float,
+        default=None,
+        help="a cell whose first run takes longer than this "
+        "many seconds is measured once (default: 10 with --quick, unlimited otherwise)",
+    )
     ap.add_argument("--out", default=default_out, help=f"directory for JSON and PNG (default {default_out})")
     ap.add_argument("--name", help="file name stem (default throughput-<timestamp>)")
     ap.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
@@ -71,8 +90,11 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
     quick = args.quick or not (args.full or args.sizes)
     sizes = [parse_size(s) for s in (args.sizes.split(",") if args.sizes else FULL_SIZES if args.full else QUICK_SIZES)]
     remote_max = FULL_REMOTE_MAX if args.full else None
-    names = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else (
-        ["local"] if args.uri else list(EMBEDDED))
+    names = (
+        [b.strip() for b in args.backends.split(",") if b.strip()]
+        if args.backends
+        else (["local"] if args.uri else list(EMBEDDED))
+    )
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -82,32 +104,51 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
     stem = args.name or f"throughput-{stamp}"
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ckptio-bench-") as tmp, \
-            Bar(0, "bench", enabled=False if args.quiet else None) as bar, \
-            embedded_targets(names, tmp, log, quick=quick) as targets:
+    with (
+        tempfile.TemporaryDirectory(prefix="ckptio-bench-") as tmp,
+        Bar(0, "bench", enabled=False if args.quiet else None) as bar,
+        embedded_targets(names, tmp, log, quick=quick) as targets,
+    ):
         missing = [{"backend": t.name, "size_bytes": 0, **n} for t in targets for n in t.notes]
         targets = [t for t in targets if t.impls] + user_targets(args.uri)
         if not has_format(".fpk"):
-            missing.append({"backend": "*", "impl": "ckptio .fpk", "size_bytes": 0,
-                            "reason": "ckptio.fastpickle is not available in this installation"})
+            missing.append(
+                {
+                    "backend": "*",
+                    "impl": "ckptio .fpk",
+                    "size_bytes": 0,
+                    "reason": "ckptio.fastpickle is not available in this installation",
+                }
+            )
         if not has_dcp():
-            missing.append({"backend": "*", "impl": "ckptio DCP", "size_bytes": 0,
-                            "reason": "ckptio.dcp is not available in this installation"})
+            missing.append(
+                {
+                    "backend": "*",
+                    "impl": "ckptio DCP",
+                    "size_bytes": 0,
+                    "reason": "ckptio.dcp is not available in this installation",
+                }
+            )
         budget = args.cell_budget if args.cell_budget is not None else (10.0 if quick else None)
         records, skipped = run_matrix(targets, sizes, args.repeats, bar, log, remote_max, budget)
     results = [r.as_dict() for r in records]
-    doc = {
+    doc: dict[str, Any] = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "settings": {"sizes": sizes, "repeats": args.repeats, "cell_budget_seconds": budget, "backends": names,
-                     "uris": args.uri,
-                     "wall_seconds": None,
-                     "method": "interleaved (every implementation once per repeat), median of repeats; every load "
-                               "faults in every page of every tensor; local saves include fsync for every "
-                               "implementation; 'load_cold' evicts the files from the page cache "
-                               "(posix_fadvise DONTNEED) first; RSS+ is the peak RSS above the start of the "
-                               "operation, sampled every 3 ms"},
+        "settings": {
+            "sizes": sizes,
+            "repeats": args.repeats,
+            "cell_budget_seconds": budget,
+            "backends": names,
+            "uris": args.uri,
+            "wall_seconds": None,
+            "method": "interleaved (every implementation once per repeat), median of repeats; every load "
+            "faults in every page of every tensor; local saves include fsync for every "
+            "implementation; 'load_cold' evicts the files from the page cache "
+            "(posix_fadvise DONTNEED) first; RSS+ is the peak RSS above the start of the "
+            "operation, sampled every 3 ms",
+        },
         "results": results,
         "ratios": ratios(results),
         "skipped": missing + skipped,
@@ -127,4 +168,3 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
         why = "--no-chart was given" if args.no_chart else f"matplotlib is not installed: {BENCH_HINT}"
         print(f"chart:   {doc['outputs']['png'] or f'(not written: {why})'}")
     return 0
-

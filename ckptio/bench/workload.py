@@ -10,15 +10,22 @@ import torch
 
 
 def make_state(size: int) -> dict[str, torch.Tensor]:
-    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) of ~``size`` bytes."""
+    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) of
+    ~``size`` bytes."""
     layers = 8 if size >= 8 * 2**20 else 2
     h = max(8, round((size / (4 * 12 * layers)) ** 0.5 / 8) * 8)
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
     for i in range(layers):
         p = f"layers.{i}."
-        for name, shape in (("attn.qkv.weight", (3 * h, h)), ("attn.out.weight", (h, h)), ("mlp.up.weight", (4 * h, h)),
-                            ("mlp.down.weight", (h, 4 * h)), ("norm1.weight", (h,)), ("norm2.weight", (h,))):
+        for name, shape in (
+            ("attn.qkv.weight", (3 * h, h)),
+            ("attn.out.weight", (h, h)),
+            ("mlp.up.weight", (4 * h, h)),
+            ("mlp.down.weight", (h, 4 * h)),
+            ("norm1.weight", (h,)),
+            ("norm2.weight", (h,)),
+        ):
             state[p + name] = torch.randn(shape, generator=g)
     return state
 
@@ -46,7 +53,8 @@ def same(a: dict[str, torch.Tensor], b: Any) -> bool:
 
 
 def u8(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def pack(state: dict[str, torch.Tensor]) -> bytearray:
@@ -54,7 +62,7 @@ def pack(state: dict[str, torch.Tensor]) -> bytearray:
     buf, pos = bytearray(nbytes(state)), 0
     for t in state.values():
         mv = u8(t)
-        buf[pos: pos + len(mv)] = mv
+        buf[pos : pos + len(mv)] = mv
         pos += len(mv)
     return buf
 
@@ -65,7 +73,7 @@ def unpack(ref: dict[str, torch.Tensor], data: Any) -> dict[str, torch.Tensor]:
     for k, v in ref.items():
         t = torch.empty_like(v)
         mv = u8(t)
-        mv[:] = data[pos: pos + len(mv)]
+        mv[:] = data[pos : pos + len(mv)]
         pos += len(mv)
         out[k] = t
     return out

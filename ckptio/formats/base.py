@@ -8,9 +8,10 @@ from a file object.
 from __future__ import annotations
 
 import abc
+import io
 from typing import IO, Any, ClassVar
 
-from ..backends.base import Backend, WriteMode
+from ..backends.base import Backend, WriteMode, Writer
 from ..errors import FormatError
 
 
@@ -54,26 +55,30 @@ class StreamFormat(Format):
 
     text: ClassVar[bool] = False  # True: dump_file/load_file get text (str) streams
 
-    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
-             **kwargs: Any) -> None:
+    def dump(
+        self,
+        obj: Any,
+        backend: Backend,
+        uri: str,
+        *,
+        mode: WriteMode = "overwrite",
+        durable: bool = True,
+        **kwargs: Any,
+    ) -> None:
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
             if self.text:
-                import io
-
-                t = io.TextIOWrapper(w, encoding="utf-8", write_through=True)  # type: ignore[arg-type]
+                t = io.TextIOWrapper(_RawWriter(w), encoding="utf-8", write_through=True)
                 self.dump_file(obj, t, **kwargs)
                 t.flush()
                 t.detach()
             else:
-                self.dump_file(obj, w, **kwargs)
+                self.dump_file(obj, w, **kwargs)  # type: ignore[arg-type]  # a Writer is a binary file-like, not an IO
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
         f = backend.open_reader(uri)
         try:
             if self.text:
-                import io
-
-                return self.load_file(io.TextIOWrapper(f, encoding="utf-8"), **kwargs)  # type: ignore[arg-type]
+                return self.load_file(io.TextIOWrapper(f, encoding="utf-8"), **kwargs)
             return self.load_file(f, **kwargs)
         except FormatError as e:
             if uri in str(e):
@@ -81,3 +86,22 @@ class StreamFormat(Format):
             raise type(e)(f"{uri}: {e}") from e
         finally:
             f.close()
+
+
+class _RawWriter(io.RawIOBase):
+    """A :class:`Writer` as the raw binary stream ``io.TextIOWrapper`` needs (a Writer is not one: it
+    has no ``readable``, ``seekable`` or ``closed``). Closing it leaves the writer to its ``with`` block."""
+
+    def __init__(self, w: Writer) -> None:
+        super().__init__()
+        self._w = w
+
+    @property
+    def name(self) -> str:
+        return self._w.uri
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self._w.write(b)

@@ -47,13 +47,13 @@ from ..errors import FormatError
 _HINT = "if you trust the file, load it with allow_pickle=True (plain pickle, which runs code from the file)"
 
 _TYPES: dict[tuple[str, str], Any] = {
-    **{("builtins", t.__name__): t for t in (set, frozenset, complex, slice, list, dict, tuple, int, float, str,
-                                             bool)},
+    **{("builtins", t.__name__): t for t in (set, frozenset, complex, slice, list, dict, tuple, int, float, str, bool)},
     ("builtins", "Ellipsis"): Ellipsis,
-    **{("collections", t.__name__): t for t in (collections.OrderedDict, collections.defaultdict,
-                                                collections.deque)},
-    **{("datetime", t.__name__): t for t in (datetime.date, datetime.time, datetime.datetime, datetime.timedelta,
-                                             datetime.timezone)},
+    **{("collections", t.__name__): t for t in (collections.OrderedDict, collections.defaultdict, collections.deque)},
+    **{
+        ("datetime", t.__name__): t
+        for t in (datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone)
+    },
     ("decimal", "Decimal"): decimal.Decimal,
 }
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE (Python >= 3.10)
@@ -65,8 +65,24 @@ _DTYPE_CODE = re.compile(r"[A-Za-z?][A-Za-z0-9]{0,15}\Z")
 _DATETIME_UNIT = re.compile(r"[A-Za-z\u03bc]{1,7}\Z")
 _NATIVE = "<" if sys.byteorder == "little" else ">"
 _ALIGNED_STRUCT = 0x80  # NPY_ALIGNED_STRUCT in a pickled dtype's flags
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None), bytearray, decimal.Decimal, datetime.date,
-                    datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone})
+_ATOMS = frozenset(
+    {
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        complex,
+        type(None),
+        bytearray,
+        decimal.Decimal,
+        datetime.date,
+        datetime.time,
+        datetime.datetime,
+        datetime.timedelta,
+        datetime.timezone,
+    }
+)
 
 
 def load(f: IO[bytes], **kwargs: Any) -> Any:
@@ -84,17 +100,23 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
         raise
     except RecursionError:
         raise FormatError("the pickle nests too deeply to load") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            ArithmeticError) as e:  # ArithmeticError: OverflowError, decimal.InvalidOperation
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        ArithmeticError,
+    ) as e:  # ArithmeticError: OverflowError, decimal.InvalidOperation
         raise FormatError(f"not a readable pickle of plain data ({type(e).__name__}: {e})") from e
 
 
 class _Checks:
     """The checks, for pickle's C unpickler (:class:`_Unpickler`) and its Python one (:class:`_PyUnpickler`)."""
 
-    def __init__(self, f: IO[bytes], **kwargs: Any) -> None:
-        super().__init__(f, **kwargs)
-        self.made_stand_ins = False
+    made_stand_ins = False  # set on the instance when a load made one
 
     def find_class(self, module: str, name: str) -> Any:
         import _compat_pickle
@@ -106,30 +128,40 @@ class _Checks:
         if obj is not None and (not isinstance(obj, type) or obj.__flags__ & _IMMUTABLE_TYPE):
             return obj
         # the checked functions are bound methods: a BUILD opcode cannot replace their defaults or code
-        special = {("_codecs", "encode"): self._encode, ("builtins", "bytes"): self._bytes,
-                   ("builtins", "bytearray"): self._bytearray, ("numpy", "ndarray"): NDARRAY,
-                   ("numpy", "dtype"): self._dtype}.get((module, name))
+        special = {
+            ("_codecs", "encode"): self._encode,
+            ("builtins", "bytes"): self._bytes,
+            ("builtins", "bytearray"): self._bytearray,
+            ("numpy", "ndarray"): NDARRAY,
+            ("numpy", "dtype"): self._dtype,
+        }.get((module, name))
         if special is None and module in _NP_MODULES:
             special = {"_reconstruct": self._reconstruct, "scalar": self._scalar}.get(name)
         if special is None and module in _NP_NUMERIC and name == "_frombuffer":
             special = self._frombuffer
         if special is None:
-            raise FormatError(f"refusing to unpickle {module}.{name}: loading a pickle runs no code by default, "
-                              f"and only plain data is admitted (containers, numbers, strings, bytes, datetime, "
-                              f"numpy arrays); {_HINT}")
+            raise FormatError(
+                f"refusing to unpickle {module}.{name}: loading a pickle runs no code by default, "
+                f"and only plain data is admitted (containers, numbers, strings, bytes, datetime, "
+                f"numpy arrays); {_HINT}"
+            )
         return special
 
     def persistent_load(self, pid: Any) -> Any:
-        raise FormatError(f"refusing to unpickle a persistent reference ({type(pid).__name__}): plain pickles of "
-                          f"data have none; {_HINT}")
+        raise FormatError(
+            f"refusing to unpickle a persistent reference ({type(pid).__name__}): plain pickles of "
+            f"data have none; {_HINT}"
+        )
 
     # ---- checked stand-ins for builtins that could allocate or run codecs -----------------------------
     def _encode(self, text: Any, encoding: Any = "utf-8") -> bytes:
         if type(text) is str and encoding == "latin1":  # what pickle writes: the fast path
             return text.encode("latin1")
         if type(text) is not str or not isinstance(encoding, str) or encoding.lower() not in _ENCODINGS:
-            raise FormatError(f"refusing _codecs.encode({type(text).__name__}, {encoding!r}): pickles encode "
-                              f"bytes as latin-1 text only; {_HINT}")
+            raise FormatError(
+                f"refusing _codecs.encode({type(text).__name__}, {encoding!r}): pickles encode "
+                f"bytes as latin-1 text only; {_HINT}"
+            )
         return text.encode(encoding)
 
     def _bytes(self, *args: Any) -> bytes:
@@ -139,16 +171,18 @@ class _Checks:
         return bytearray(*_data_args("bytearray", args))
 
     # ---- numpy -----------------------------------------------------------------------------------
-    def _dtype(self, code: Any, align: Any = False, copy: Any = True) -> "DtypeStandIn":
+    def _dtype(self, code: Any, align: Any = False, copy: Any = True) -> DtypeStandIn:
         if not isinstance(code, str) or not _DTYPE_CODE.match(code) or type(align) is not bool:
             raise FormatError(f"refusing numpy.dtype({code!r}, {align!r}): not a pickled dtype's type code")
         self.made_stand_ins = True
         return DtypeStandIn(code, align)
 
-    def _reconstruct(self, subtype: Any, shape: Any = (0,), typecode: Any = b"b") -> "ArrayStandIn":
+    def _reconstruct(self, subtype: Any, shape: Any = (0,), typecode: Any = b"b") -> ArrayStandIn:
         if subtype is not NDARRAY:
-            raise FormatError(f"refusing numpy _reconstruct of {_what(subtype)}: only numpy.ndarray is admitted "
-                              f"(no subclass); {_HINT}")
+            raise FormatError(
+                f"refusing numpy _reconstruct of {_what(subtype)}: only numpy.ndarray is admitted "
+                f"(no subclass); {_HINT}"
+            )
         self.made_stand_ins = True
         return ArrayStandIn()
 
@@ -178,10 +212,11 @@ class _Unpickler(_Checks, pickle.Unpickler):
     pass
 
 
-class _PyUnpickler(_Checks, pickle._Unpickler):  # type: ignore[name-defined]
+class _PyUnpickler(_Checks, pickle._Unpickler):
     def get_extension(self, code: int) -> None:
-        raise FormatError(f"refusing to unpickle copyreg extension code {code}: plain pickles of data have none; "
-                          f"{_HINT}")
+        raise FormatError(
+            f"refusing to unpickle copyreg extension code {code}: plain pickles of data have none; {_HINT}"
+        )
 
 
 NDARRAY = object()  # numpy.ndarray: only _reconstruct's subtype; no attributes, and not a type (NEWOBJ refuses it)
@@ -240,8 +275,14 @@ def _what(obj: Any) -> str:
 
 
 def _data_args(name: str, args: tuple) -> tuple:
-    if len(args) > 2 or (args and type(args[0]) not in (bytes, bytearray, list, str)) or (len(args) == 2 and (
-            type(args[0]) is not str or not isinstance(args[1], str) or args[1].lower() not in _ENCODINGS)):
+    if (
+        len(args) > 2
+        or (args and type(args[0]) not in (bytes, bytearray, list, str))
+        or (
+            len(args) == 2
+            and (type(args[0]) is not str or not isinstance(args[1], str) or args[1].lower() not in _ENCODINGS)
+        )
+    ):
         raise FormatError(f"refusing {name}{tuple(_what(a) for a in args)}: only bytes data or latin-1 text")
     return args
 
@@ -348,8 +389,9 @@ def _build_array(state: Any) -> Any:
                 flat[i] = v
             return arr
     elif type(data) is not bytes or len(data) != n * dt.itemsize:
-        raise FormatError(f"pickled numpy array of {dt} and shape {shape} needs {n * dt.itemsize} bytes of data, "
-                          f"got {_what(data)}")
+        raise FormatError(
+            f"pickled numpy array of {dt} and shape {shape} needs {n * dt.itemsize} bytes of data, got {_what(data)}"
+        )
     arr = np.empty(0, dtype=np.int8)
     arr.__setstate__((1, shape, dt, bool(fortran), data))  # numpy's own code, given a dtype built by numpy
     return arr
@@ -393,7 +435,7 @@ def _swap_stand_ins(obj: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     elif t is tuple or t is frozenset or t is slice:
         old = (obj.start, obj.stop, obj.step) if t is slice else obj
         items = [_swap_stand_ins(v, memo) for v in old]
-        if any(a is not b for a, b in zip(items, old)):
+        if any(a is not b for a, b in zip(items, old, strict=True)):
             new = slice(*items) if t is slice else t(items)
             memo[id(obj)] = (obj, new)
             return new

@@ -38,12 +38,14 @@ directory ending in ``.safetensors`` (no ``..``, no absolute path, no URI).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import struct
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable, Mapping
+from typing import IO, Any
 
 import torch
 
@@ -53,9 +55,23 @@ from ..errors import FormatError, IntegrityError
 
 # fastpickle's sources, ranged/mapped payload readers and writer sink: one implementation of parallel
 # reads into tensor memory, private mappings and gathered writes for both formats
-from ..fastpickle import (  # noqa: I001
-    GATHER, MAX_IOV, WRITE_CHUNK, TensorInfo, _Meta, _Sink, _Source, _map_payloads, _open_source, _read_payloads,
-    _sink_for, _source_for, _tensor_factory, _with_source, _write_device, _writer_for,
+from ..fastpickle import (
+    GATHER,
+    MAX_IOV,
+    WRITE_CHUNK,
+    TensorInfo,
+    _map_payloads,
+    _Meta,
+    _open_source,
+    _read_payloads,
+    _Sink,
+    _sink_for,
+    _Source,
+    _source_for,
+    _tensor_factory,
+    _with_source,
+    _write_device,
+    _writer_for,
 )
 from .base import Format
 
@@ -70,12 +86,28 @@ INDEX_SUFFIX = ".safetensors.index.json"
 # safetensors dtype -> (bits per element, torch dtype name or None). In the order of the package's
 # Dtype enum: save_file writes tensors by descending position in it, then by key.
 _DTYPE_TABLE = (
-    ("BOOL", 8, "bool"), ("F4", 4, "float4_e2m1fn_x2"), ("F6_E2M3", 6, None), ("F6_E3M2", 6, None),
-    ("U8", 8, "uint8"), ("I8", 8, "int8"), ("F8_E5M2", 8, "float8_e5m2"), ("F8_E4M3", 8, "float8_e4m3fn"),
-    ("F8_E8M0", 8, "float8_e8m0fnu"), ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"), ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
-    ("I16", 16, "int16"), ("U16", 16, "uint16"), ("F16", 16, "float16"), ("BF16", 16, "bfloat16"),
-    ("I32", 32, "int32"), ("U32", 32, "uint32"), ("F32", 32, "float32"), ("C64", 64, "complex64"),
-    ("F64", 64, "float64"), ("I64", 64, "int64"), ("U64", 64, "uint64"),
+    ("BOOL", 8, "bool"),
+    ("F4", 4, "float4_e2m1fn_x2"),
+    ("F6_E2M3", 6, None),
+    ("F6_E3M2", 6, None),
+    ("U8", 8, "uint8"),
+    ("I8", 8, "int8"),
+    ("F8_E5M2", 8, "float8_e5m2"),
+    ("F8_E4M3", 8, "float8_e4m3fn"),
+    ("F8_E8M0", 8, "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
+    ("I16", 16, "int16"),
+    ("U16", 16, "uint16"),
+    ("F16", 16, "float16"),
+    ("BF16", 16, "bfloat16"),
+    ("I32", 32, "int32"),
+    ("U32", 32, "uint32"),
+    ("F32", 32, "float32"),
+    ("C64", 64, "complex64"),
+    ("F64", 64, "float64"),
+    ("I64", 64, "int64"),
+    ("U64", 64, "uint64"),
 )
 _BITS = {code: bits for code, bits, _ in _DTYPE_TABLE}
 _RANK = {code: i for i, (code, _, _) in enumerate(_DTYPE_TABLE)}
@@ -158,6 +190,7 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
     data_start = 8 + len(raw)
     entries: list[TensorEntry] = []
     for key, info in doc.items():
+
         def bad(what: str, key: str = key) -> FormatError:
             return FormatError(f"{name}: tensor {key!r}: {what}")
 
@@ -170,21 +203,29 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
             raise bad("shape must be a list of at most 64 non-negative integers")
         if math.prod(max(d, 1) for d in shape) >= 1 << 63:  # an empty tensor too: torch's strides and numel overflow
             raise bad(f"shape {shape} is too large (more than 2**63 elements, not counting empty dimensions)")
-        if (type(offsets) is not list or len(offsets) != 2 or not all(_is_uint(o) for o in offsets)
-                or offsets[0] > offsets[1]):
+        if (
+            type(offsets) is not list
+            or len(offsets) != 2
+            or not all(_is_uint(o) for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
             raise bad("data_offsets must be [begin, end] with 0 <= begin <= end")
         bits = math.prod(shape) * _BITS[dtype]
         if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-            raise bad(f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but shape {shape} of {dtype} "
-                      f"needs {bits / 8:g}")
+            raise bad(
+                f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but shape {shape} of {dtype} "
+                f"needs {bits / 8:g}"
+            )
         entries.append(TensorEntry(key, dtype, tuple(shape), data_start + offsets[0], offsets[1] - offsets[0], name))
     entries.sort(key=lambda e: (e.offset, e.nbytes))
     pos = data_start
     for e in entries:
         if e.offset != pos:
             what = "overlaps the tensor before it" if e.offset < pos else "leaves a gap after the tensor before it"
-            raise FormatError(f"{name}: tensor {e.key!r}: data_offsets {[e.offset - data_start, e.offset - data_start + e.nbytes]} "
-                              f"{what} (tensors must cover the data exactly)")
+            raise FormatError(
+                f"{name}: tensor {e.key!r}: data_offsets {[e.offset - data_start, e.offset - data_start + e.nbytes]} "
+                f"{what} (tensors must cover the data exactly)"
+            )
         pos += e.nbytes
     if pos > file_size:
         raise IntegrityError(f"{name}: truncated: the tensors end at byte {pos}, the file has {file_size}")
@@ -203,9 +244,11 @@ def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry], bytes
     if n > MAX_HEADER:
         raise FormatError(f"{name}: header length {n} exceeds the {MAX_HEADER}-byte limit (not a safetensors file?)")
     if 8 + n > size:
-        raise IntegrityError(f"{name}: header length {n} runs past the end of the file ({size} bytes): truncated "
-                             f"or not a safetensors file")
-    raw = first[8: 8 + n]
+        raise IntegrityError(
+            f"{name}: header length {n} runs past the end of the file ({size} bytes): truncated "
+            f"or not a safetensors file"
+        )
+    raw = first[8 : 8 + n]
     if len(raw) < n:
         raw += src.read(len(first), 8 + n - len(first))
     return (*parse_header(raw, name, size), first)
@@ -213,11 +256,18 @@ def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry], bytes
 
 def _shard_uri(index: str, root: str, key: str, shard: Any) -> str:
     parts = shard.split("/") if type(shard) is str else []
-    if (not parts or not shard.endswith(".safetensors") or shard.startswith("~") or any(c in shard for c in ":\\\x00")
-            or any(p in ("", ".", "..") for p in parts)):
-        raise FormatError(f"{index}: tensor {key!r} is mapped to the shard {str(shard)[:200]!r}; a shard must be a "
-                          f"relative path below the index's directory ending in .safetensors (no '..', absolute path "
-                          f"or URI)")
+    if (
+        not parts
+        or not shard.endswith(".safetensors")
+        or shard.startswith("~")
+        or any(c in shard for c in ":\\\x00")
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise FormatError(
+            f"{index}: tensor {key!r} is mapped to the shard {str(shard)[:200]!r}; a shard must be a "
+            f"relative path below the index's directory ending in .safetensors (no '..', absolute path "
+            f"or URI)"
+        )
     return _uri.join_path(root, *parts)
 
 
@@ -230,8 +280,10 @@ def _read_index(backend: Backend, uri: str) -> tuple[dict[str, Any], dict[str, s
     weight_map = doc.get("weight_map") if type(doc) is dict else None
     metadata = doc.get("metadata") if type(doc) is dict else None
     if type(weight_map) is not dict or (metadata is not None and type(metadata) is not dict):
-        raise FormatError(f"{uri}: not a safetensors shard index (needs a \"weight_map\" object, and \"metadata\" "
-                          f"if present must be an object)")
+        raise FormatError(
+            f'{uri}: not a safetensors shard index (needs a "weight_map" object, and "metadata" '
+            f"if present must be an object)"
+        )
     root = _uri.parent(uri)
     shards: dict[str, str] = {}
     out = {}
@@ -248,12 +300,15 @@ def _read_index(backend: Backend, uri: str) -> tuple[dict[str, Any], dict[str, s
 def _torch_layout(e: TensorEntry) -> tuple[str, tuple[int, ...]]:
     name = _TORCH_NAME.get(e.dtype)
     if name is None:
-        raise FormatError(f"{e.file}: tensor {e.key!r} has dtype {e.dtype}, which this torch ({torch.__version__}) "
-                          f"cannot hold")
+        raise FormatError(
+            f"{e.file}: tensor {e.key!r} has dtype {e.dtype}, which this torch ({torch.__version__}) cannot hold"
+        )
     shape = e.shape
     if e.dtype == "F4":  # torch packs two 4-bit values in one float4_e2m1fn_x2 element
         if not shape or shape[-1] % 2:
-            raise FormatError(f"{e.file}: tensor {e.key!r}: an F4 tensor needs an even last dimension, got {list(shape)}")
+            raise FormatError(
+                f"{e.file}: tensor {e.key!r}: an F4 tensor needs an even last dimension, got {list(shape)}"
+            )
         shape = (*shape[:-1], shape[-1] // 2)
     return name, shape
 
@@ -272,19 +327,29 @@ def _read_data(src: _Source, entries: list[TensorEntry], head: bytes) -> dict[in
     gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
     start = min((e.offset for e in entries), default=src.size)
     buf = torch.empty(src.size - start, dtype=torch.uint8)
-    mv = memoryview(buf.numpy())
+    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     have = max(0, min(len(head) - start, len(mv)))
-    mv[:have] = head[start: start + have]  # what the header's read brought along
+    mv[:have] = head[start : start + have]  # what the header's read brought along
     got = have + (src.backend.readinto(src.name, mv[have:], start + have) if have < len(mv) else 0)  # type: ignore[attr-defined]
     if got != len(mv):
         raise IntegrityError(f"{src.name}: truncated while reading: bytes [{start}, {src.size}) returned only {got}")
     arr = buf.numpy()
-    return {i: torch.frombuffer(arr, dtype=torch.uint8, count=e.nbytes, offset=e.offset - start)
-            for i, e in enumerate(entries) if e.nbytes}
+    return {
+        i: torch.frombuffer(arr, dtype=torch.uint8, count=e.nbytes, offset=e.offset - start)
+        for i, e in enumerate(entries)
+        if e.nbytes
+    }
 
 
-def _load_source(src: _Source, *, keys: Iterable[str] | None = None, map_location: Any = None,
-                 mmap: bool | None = None, index: str | None = None, whole: bool = False) -> dict[str, torch.Tensor]:
+def _load_source(
+    src: _Source,
+    *,
+    keys: Iterable[str] | None = None,
+    map_location: Any = None,
+    mmap: bool | None = None,
+    index: str | None = None,
+    whole: bool = False,
+) -> dict[str, torch.Tensor]:
     """``{key: tensor}`` from one file; ``index``: the keys come from that shard index; ``whole``: they
     are (about) all of the file's."""
     mapped = src.fd is not None if mmap is None else mmap
@@ -303,8 +368,11 @@ def _load_source(src: _Source, *, keys: Iterable[str] | None = None, map_locatio
     for i, e in enumerate(entries):
         name, shape = _torch_layout(e)
         storages.append((e.offset, e.nbytes, 0, "cpu"))
-        infos.append(TensorInfo(i, e.key, "torch", name, shape, _strides(shape), 0, False, False, i, e.offset,
-                                e.nbytes, 0, "cpu"))
+        infos.append(
+            TensorInfo(
+                i, e.key, "torch", name, shape, _strides(shape), 0, False, False, i, e.offset, e.nbytes, 0, "cpu"
+            )
+        )
     meta = _Meta(src.name, src.size, 0, storages, infos, {}, b"")
     # empty tensors are not read: at the offset of the next tensor, they would break the coalescing of ranges
     idxs = [i for i, e in enumerate(entries) if e.nbytes]
@@ -338,8 +406,12 @@ def _load_index(backend: Backend, uri: str, keys: Iterable[str] | None, **kw: An
         by_shard.setdefault(weight_map[k], []).append(k)
     out: dict[str, torch.Tensor] = {}
     for shard, ks in by_shard.items():
-        out.update(_with_source(_source_for(backend, shard),
-                                lambda src, ks=ks: _load_source(src, keys=ks, index=uri, whole=keys is None, **kw)))
+        out.update(
+            _with_source(
+                _source_for(backend, shard),
+                functools.partial(_load_source, keys=ks, index=uri, whole=keys is None, **kw),
+            )
+        )
     return out if keys is None else {k: out[k] for k in wanted}
 
 
@@ -361,9 +433,11 @@ def _prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[
             hint = " (flatten nested dicts first, e.g. {'a.b': tensor})" if isinstance(t, Mapping) else ""
             raise TypeError(f"key {key!r}: safetensors stores tensors only, got {type(t).__name__}{hint}")
         if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested or isinstance(t, dtensor):
-            raise TypeError(f"key {key!r}: safetensors stores dense tensors with data, got a {t.layout} "
-                            f"{'quantized ' if t.is_quantized else ''}{'meta ' if t.is_meta else ''}"
-                            f"{type(t).__name__} (convert it first, e.g. .to_dense() / .full_tensor())")
+            raise TypeError(
+                f"key {key!r}: safetensors stores dense tensors with data, got a {t.layout} "
+                f"{'quantized ' if t.is_quantized else ''}{'meta ' if t.is_meta else ''}"
+                f"{type(t).__name__} (convert it first, e.g. .to_dense() / .full_tensor())"
+            )
         code = _CODE_OF.get(t.dtype)
         if code is None:
             raise TypeError(f"key {key!r}: dtype {t.dtype} has no safetensors equivalent")
@@ -378,8 +452,9 @@ def _prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[
             raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
         for k, v in metadata.items():
             if type(k) is not str or type(v) is not str:
-                raise TypeError(f"metadata[{k!r}]: safetensors metadata maps str to str, got "
-                                f"{type(k).__name__}: {type(v).__name__}")
+                raise TypeError(
+                    f"metadata[{k!r}]: safetensors metadata maps str to str, got {type(k).__name__}: {type(v).__name__}"
+                )
     items.sort(key=lambda it: (-_RANK[it[1]], it[0]))
     header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
     pos = 0
@@ -408,14 +483,18 @@ def _write(header: bytes, tensors: list[torch.Tensor], out: _Sink) -> None:
             out.writev(batch, batched)
             batch, batched = [], 0
         if t.device.type != "cpu":  # through fastpickle's reused (pinned) staging buffer
-            _write_device(torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                t.untyped_storage(), t.storage_offset() * t.element_size(), (n,)), out.write)
+            _write_device(
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,)
+                ),
+                out.write,
+            )
             continue
         mv = memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
         if n >= GATHER:
             step = WRITE_CHUNK if out.fd is not None else n
             for i in range(0, n, step):
-                out.write(mv[i: i + step])
+                out.write(mv[i : i + step])
             continue
         batch.append(mv)
         batched += n
@@ -441,37 +520,65 @@ class SafetensorsFormat(Format):
     extensions = (".safetensors", INDEX_SUFFIX)
     reads_through_cache = True  # shards are found next to the index, not next to a cache entry
 
-    def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True,
-             metadata: Mapping[str, str] | None = None) -> None:
+    def dump(  # type: ignore[override]  # its own keywords only: an unknown one is a TypeError, not ignored
+        self,
+        obj: Any,
+        backend: Backend,
+        uri: str,
+        *,
+        mode: WriteMode = "overwrite",
+        durable: bool = True,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         if uri.lower().endswith(INDEX_SUFFIX):
-            raise ValueError(f"{uri}: writing sharded safetensors is not supported; dump each shard to a "
-                             f".safetensors file")
+            raise ValueError(
+                f"{uri}: writing sharded safetensors is not supported; dump each shard to a .safetensors file"
+            )
         header, tensors = _prepare(obj, metadata)  # fails before anything is created
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
             _write(header, tensors, _sink_for(w, durable and getattr(backend, "durable", True)))
 
-    def load(self, backend: Backend, uri: str, *, keys: Iterable[str] | None = None, map_location: Any = None,
-             mmap: bool | None = None, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    def load(  # type: ignore[override]  # its own keywords only, as dump
+        self,
+        backend: Backend,
+        uri: str,
+        *,
+        keys: Iterable[str] | None = None,
+        map_location: Any = None,
+        mmap: bool | None = None,
+        allow_pickle: bool = False,
+    ) -> dict[str, torch.Tensor]:
         if uri.lower().endswith(INDEX_SUFFIX):
             return _load_index(backend, uri, keys, map_location=map_location, mmap=mmap)
-        return _with_source(_source_for(backend, uri), lambda src: _load_source(
-            src, keys=keys, map_location=map_location, mmap=mmap))
+        return _with_source(
+            _source_for(backend, uri), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
+        )
 
     def dump_file(self, obj: Any, f: IO, *, metadata: Mapping[str, str] | None = None, **kw: Any) -> None:
         header, tensors = _prepare(obj, metadata)
         _write(header, tensors, _Sink(_writer_for(f.write)))
 
-    def load_file(self, f: IO, *, keys: Iterable[str] | None = None, map_location: Any = None,
-                  mmap: bool | None = None, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-        return _with_source(_open_source(f, {}), lambda src: _load_source(
-            src, keys=keys, map_location=map_location, mmap=mmap))
+    def load_file(  # type: ignore[override]  # its own keywords only, as dump
+        self,
+        f: IO,
+        *,
+        keys: Iterable[str] | None = None,
+        map_location: Any = None,
+        mmap: bool | None = None,
+        allow_pickle: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        return _with_source(
+            _open_source(f, {}), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
+        )
 
     def inspect(self, backend: Backend, uri: str) -> Inspection:
         """The header(s), validated; no tensor bytes are read."""
         if not uri.lower().endswith(INDEX_SUFFIX):
+
             def one(src: _Source) -> Inspection:
                 metadata, entries, _ = _read_header(src)
                 return Inspection(uri, src.size, metadata, entries, [uri])
+
             return _with_source(_source_for(backend, uri), one)
         metadata, weight_map = _read_index(backend, uri)
         out = Inspection(uri, backend.stat(uri).size, metadata)
@@ -489,5 +596,9 @@ class SafetensorsFormat(Format):
     def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
         """Everything safetensors can check: the header(s), offsets, sizes and the shard index."""
         insp = self.inspect(backend, uri)
-        return {"checked": len(insp.files), "unchecked": 0, "tensors": len(insp.tensors),
-                "what": "headers, offsets and sizes of every file (safetensors stores no checksums)"}
+        return {
+            "checked": len(insp.files),
+            "unchecked": 0,
+            "tensors": len(insp.tensors),
+            "what": "headers, offsets and sizes of every file (safetensors stores no checksums)",
+        }

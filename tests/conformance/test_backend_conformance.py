@@ -119,7 +119,7 @@ def test_list_one_level_and_recursive(root):
     top = join_path(r, "t")
     one = {(os.path.basename(i.uri.rstrip("/")), i.is_dir) for i in b.list(top)}
     assert one == {("a.txt", False), ("sub", True)}
-    rec = sorted(i.uri[len(top):].lstrip("/").replace(os.sep, "/") for i in b.list(top, recursive=True))
+    rec = sorted(i.uri[len(top) :].lstrip("/").replace(os.sep, "/") for i in b.list(top, recursive=True))
     assert rec == ["a.txt", "sub/b.txt", "sub/deeper/c.txt"]
     sizes = {os.path.basename(i.uri): i.size for i in b.list(top, recursive=True)}
     assert sizes["c.txt"] == len(b"sub/deeper/c.txt")
@@ -168,8 +168,13 @@ def test_get_local_path(root):
 @pytest.mark.parametrize("op", ["read", "stat", "read_range", "readinto", "open_reader"])
 def test_missing_object_is_file_not_found_naming_uri(root, op):
     b, u = root[0], j(root, "no", "such.bin")
-    call = {"read": lambda: b.read(u), "stat": lambda: b.stat(u), "read_range": lambda: b.read_range(u, 0, 10),
-            "readinto": lambda: b.readinto(u, bytearray(10)), "open_reader": lambda: b.open_reader(u).read()}[op]
+    call = {
+        "read": lambda: b.read(u),
+        "stat": lambda: b.stat(u),
+        "read_range": lambda: b.read_range(u, 0, 10),
+        "readinto": lambda: b.readinto(u, bytearray(10)),
+        "open_reader": lambda: b.open_reader(u).read(),
+    }[op]
     with pytest.raises(FileNotFoundError) as ei:
         call()
     assert u in str(ei.value)
@@ -194,10 +199,10 @@ def test_large_object_multipart_roundtrip(any_uri):
     b.write(u1, data)
     with b.open_writer(u2) as w:
         for i in range(0, len(data), 3 * MiB):
-            w.write(data[i: i + 3 * MiB])
+            w.write(data[i : i + 3 * MiB])
     for u in (u1, u2):
         assert b.stat(u).size == len(data)
         buf = bytearray(len(data))
         assert b.readinto(u, buf) == len(data)
         assert buf == data
-    assert b.read_range(u1, 12 * MiB - 7, 17 * MiB + 3) == data[12 * MiB - 7: 17 * MiB + 3]
+    assert b.read_range(u1, 12 * MiB - 7, 17 * MiB + 3) == data[12 * MiB - 7 : 17 * MiB + 3]

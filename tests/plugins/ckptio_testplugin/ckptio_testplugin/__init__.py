@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import contextlib
+from collections.abc import Iterator
 
 from ckptio.backends.base import ObjectInfo
 from ckptio.backends.memory import MemoryBackend
@@ -51,7 +50,7 @@ class TestPlugBackend(MemoryBackend):
 
     def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
         for info in super().list("memory://" + self._k(uri), recursive=recursive):
-            rest = info.uri.split("://", 1)[1][len("testplug/"):]
+            rest = info.uri.split("://", 1)[1][len("testplug/") :]
             yield ObjectInfo(f"testplug://{rest}", info.size, info.mtime, info.version, info.is_dir)
 
     def delete(self, uri: str) -> None:
