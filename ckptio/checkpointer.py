@@ -726,8 +726,9 @@ class Checkpointer:
         The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
         Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its
         format and file names are checked), ``pt`` files load with ``weights_only``, ``fpk`` files
-        unpickle nothing. For a checkpoint you trust, ``allow_pickle=True`` loads pickled objects in
-        ``fpk`` files and ``pt`` files with ``weights_only=False``.
+        unpickle nothing, ``dcp`` non-tensor items load only if they are plain data
+        (:mod:`ckptio.dcp_checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
+        objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
         self.wait()
         s, d, fmt, name = self._on_rank0(self._resolve_target, step)
@@ -741,7 +742,7 @@ class Checkpointer:
             raise KeyError(f"keys {unknown} are not in the state given to load()")
         res = LoadResult(s, d)
         if fmt == "dcp":
-            source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts}, cache)
+            source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts}, cache, allow_pickle)
         else:
             from .io import load as _load
 
@@ -775,7 +776,8 @@ class Checkpointer:
         log.info("restored step %d from %s", s, d)
         return s
 
-    def _read_dcp(self, d: str, state: dict[str, Any], cache: Any = None) -> tuple[dict[str, Any], list[str]]:
+    def _read_dcp(self, d: str, state: dict[str, Any], cache: Any = None,
+                  allow_pickle: bool = False) -> tuple[dict[str, Any], list[str]]:
         """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
         into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -788,7 +790,10 @@ class Checkpointer:
         opts = dict(self.load_options)
         if cache is not None:
             opts["cache"] = cache
-        md = dcp.StorageReader(d, **opts).read_metadata()
+        if allow_pickle:
+            opts["allow_pickle"] = True
+        reader = dcp.StorageReader(d, **opts)
+        md = reader.read_metadata()
         template = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
         flat, mappings = flatten_state_dict(template)
         tree: dict[str, Any] = {}
@@ -798,10 +803,15 @@ class Checkpointer:
                     not isinstance(value, torch.Tensor) or value.shape != meta.size)):
                 continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
             set_element(tree, mappings[fqn], value)
+        new = {}
         for fqn, meta in md.state_dict_metadata.items():
             path = (md.planner_data or {}).get(fqn)
-            if not path or path[0] not in state or (fqn in flat and tree_has(tree, path)):
-                continue
+            if path and path[0] in state and not (fqn in flat and tree_has(tree, path)):
+                new[fqn] = path
+        reader.set_up_storage_reader(md, True)
+        reader.check_tensors(f for f in new if isinstance(md.state_dict_metadata[f], TensorStorageMetadata))
+        for fqn, path in new.items():
+            meta = md.state_dict_metadata[fqn]
             value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(
                 meta, TensorStorageMetadata) else None
             set_element(tree, path, value)

@@ -463,6 +463,8 @@ def verify_dcp(uri: str) -> dict[str, Any]:
         return _jsonable(dcp.verify(uri)) or {}
     import xxhash
 
+    from .dcp_checks import entry_problem
+
     backend, root = resolve(uri)
     meta = _dcp_metadata(uri)
     sizes: dict[str, int] = {}
@@ -470,6 +472,10 @@ def verify_dcp(uri: str) -> dict[str, Any]:
     default_block = getattr(dcp, "CHECKSUM_BLOCK", 8 << 20)
     for idx, sinfo in (meta.storage_data or {}).items():
         obj = _uri.join_path(root, sinfo.relative_path)
+        info = getattr(sinfo, "ckptio", None)
+        why = entry_problem(sinfo, isinstance(info, dict) and "data" in info, default_block)
+        if why is not None:  # checked before anything is sized from it
+            raise FormatError(f"{obj}: item {idx.fqn!r} {why}: the checkpoint's .metadata is corrupt or crafted")
         if obj not in sizes:
             sizes[obj] = backend.stat(obj).size
         if sinfo.offset + sinfo.length > sizes[obj]:
@@ -477,8 +483,7 @@ def verify_dcp(uri: str) -> dict[str, Any]:
                 f"{obj}: truncated: item {idx.fqn!r} ends at byte {sinfo.offset + sinfo.length}, "
                 f"the object has {sizes[obj]}"
             )
-        info = getattr(sinfo, "ckptio", None) or {}
-        hashes = info.get("xxh3")
+        hashes = (info or {}).get("xxh3")
         if not hashes:  # written by torch's own writers: each item is a torch.save zip with CRC32s
             if getattr(sinfo, "transform_descriptors", None):
                 unchecked += 1

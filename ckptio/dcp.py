@@ -25,6 +25,13 @@ checkpoint (no empty, ``.`` or ``..`` segment, no leading ``/``, backslash, NUL 
 not a ``.metadata``; on local disk it must not leave the directory through a symlink), else
 reading, verifying or replacing it stops with a :class:`FormatError` naming the entry.
 
+The reader runs no code from the data objects either and allocates nothing from a number in
+``.metadata`` before checking it against the stored bytes (:mod:`ckptio.dcp_checks` gives the
+rules and the reasoning): a non-tensor item, which the planner unpickles with
+``torch.load(weights_only=False)``, must first load with ``torch.load(weights_only=True)`` (or be a
+plain ``io.BytesIO``) unless ``allow_pickle=True``; every storage entry a load reads must lie inside
+its data object (one ``stat`` per object) without overlapping another.
+
 Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zip CRC fields are
 zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a
 known offset, so a load reads only the tensor bytes it needs. Every item's
@@ -84,6 +91,7 @@ from . import uri as _uri
 from .backends.base import Backend, BytesReader
 from .backends.local import LocalBackend, ensure_inside
 from .context import resolve
+from .dcp_checks import box_problem, entry_problem, pickle_problem, tensor_problem, zip_problem
 from .errors import (AccessDeniedError, AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError,
                      IntegrityError)
 
@@ -738,14 +746,20 @@ class StorageReader(_AtURI, _storage.StorageReader):
     ``verify``) are fetched, in ``part_size`` pieces, ``thread_count`` at a time (default: the
     backend's ``concurrency``, at least 4), straight into
     the destination tensors when they match the stored layout. ``verify=False`` skips checksums.
+    Non-tensor items reach the planner (whose ``load_bytes`` unpickles them) only when they are
+    plain data, else a :class:`FormatError` names the item; ``allow_pickle=True`` skips that check
+    for checkpoints you trust. Offsets and sizes from ``.metadata`` are checked against the stored
+    data before anything is allocated (see :mod:`ckptio.dcp_checks`).
     """
 
     def __init__(self, uri: str | os.PathLike, *, verify: bool = True, thread_count: int | None = None,
-                 part_size: int | None = None, concurrency: int | None = None, **backend_options: Any) -> None:
+                 part_size: int | None = None, concurrency: int | None = None, allow_pickle: bool = False,
+                 **backend_options: Any) -> None:
         super().__init__()
         if thread_count is not None and int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
         self.verify = bool(verify)
+        self.allow_pickle = bool(allow_pickle)
         self._options = _backend_options(part_size, concurrency, backend_options)
         self._set_uri(uri)
         # ranged requests in flight; by default as many as the backend runs per object (at least 4)
@@ -756,10 +770,14 @@ class StorageReader(_AtURI, _storage.StorageReader):
         self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
         self._meta_uri = self._path(METADATA_NAME)
         self._objects: dict[str, str] = {}  # data object name in the metadata -> URI, checked to be inside
+        self._sizes: dict[str, int] = {}  # data object URI -> its size (one stat each)
+        self._metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         self._objects = {}
+        self._sizes = {}
+        self._metadata = None
         self._metadata_error = None
         if checkpoint_id:
             self._set_uri(checkpoint_id)
@@ -798,7 +816,71 @@ class StorageReader(_AtURI, _storage.StorageReader):
             raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
         self._objects = _data_objects(metadata, self.backend, self.root, self._meta_uri)
         self.storage_data = metadata.storage_data
+        self._metadata, self._sizes = metadata, {}
         self.rank = kwargs.get("rank")
+
+    # ---- checks before anything is allocated (see ckptio.dcp_checks) -------------------------
+    def _malformed(self, index: MetadataIndex, why: str, obj: str | None = None) -> FormatError:
+        where = obj or self._meta_uri
+        return FormatError(f"{where}: item {index.fqn!r} (offset {list(index.offset or [])}) {why}: the "
+                           f"checkpoint's {METADATA_NAME} is corrupt or crafted; nothing was loaded")
+
+    def _check_entries(self, entries: dict[MetadataIndex, bool]) -> None:
+        """Check the storage entries ``entries`` (index -> holds a tensor) before any of them is read.
+
+        Each must be sound (:func:`entry_problem`), lie inside its data object (one ``stat`` per
+        object) and overlap no other entry of the batch: a crafted ``.metadata`` can then make a
+        load allocate no more than the data objects hold.
+        """
+        by_object: dict[str, list[tuple[int, int, MetadataIndex]]] = {}
+        for index, tensor in entries.items():
+            sinfo = self.storage_data.get(index)
+            if sinfo is None:
+                raise self._malformed(index, "has no storage entry")
+            why = entry_problem(sinfo, tensor, CHECKSUM_BLOCK)
+            if why is not None:
+                raise self._malformed(index, why, self._objects.get(sinfo.relative_path))
+            by_object.setdefault(self._objects[sinfo.relative_path], []).append(
+                (sinfo.offset, sinfo.offset + sinfo.length, index))
+        for obj, spans in by_object.items():
+            if obj not in self._sizes:
+                self._sizes[obj] = self.backend.stat(obj).size
+            size, end, last = self._sizes[obj], 0, None
+            for start, stop, index in sorted(spans, key=lambda s: s[:2]):
+                if stop > size:
+                    raise IntegrityError(f"{obj} is truncated, or the checkpoint's {METADATA_NAME} is corrupt or "
+                                         f"crafted: item {index.fqn!r} has bytes [{start}, {stop}), past its end "
+                                         f"({size} bytes); nothing was loaded")
+                if start < end and last is not None:
+                    raise self._malformed(index, f"has bytes [{start}, {stop}), which overlap those of item "
+                                                 f"{last.fqn!r}", obj)
+                if stop > end:
+                    end, last = stop, index
+
+    def _check_plan(self, plan: LoadPlan) -> None:
+        self._check_entries({req.storage_index: req.type != LoadItemType.BYTE_IO for req in plan.items})
+        for req in plan.items:
+            sinfo = self.storage_data[req.storage_index]
+            info = getattr(sinfo, _INFO_ATTR, None)
+            if req.type != LoadItemType.BYTE_IO and info is not None and not getattr(
+                    sinfo, "transform_descriptors", None):
+                why = box_problem(info["shape"], tuple(req.storage_offsets), tuple(req.lengths))
+                if why is not None:
+                    raise self._malformed(req.storage_index, f"is read at {why}", self._objects[sinfo.relative_path])
+
+    def check_tensors(self, fqns: Iterable[str]) -> None:
+        """Refuse, with a :class:`FormatError`, any tensor in ``fqns`` whose size in the metadata is not
+        backed by stored bytes; call it (after ``set_up_storage_reader``) before allocating such
+        tensors from the metadata, as the Checkpointer does for entries its state lacks."""
+        if self._metadata is None:
+            raise RuntimeError("check_tensors needs set_up_storage_reader first")
+        entries: dict[MetadataIndex, bool] = {}
+        for fqn in fqns:
+            why, indices = tensor_problem(fqn, self._metadata.state_dict_metadata.get(fqn), self.storage_data)
+            if why is not None:
+                raise self._malformed(MetadataIndex(fqn), why)
+            entries.update(dict.fromkeys(indices, True))
+        self._check_entries(entries)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -814,6 +896,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
         temp_in_flight = 0
         small: dict[str, list[tuple[int, int, memoryview, _Unit]]] = {}
 
+        self._check_plan(plan)
         with cf.ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptio-dcp-read") as pool:
 
             def fetch(unit: _Unit, obj: str, start: int, target: memoryview) -> None:
@@ -914,7 +997,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
 
             def finish_bytes() -> None:
                 check(memoryview(buf), 0)
-                planner.load_bytes(req, io.BytesIO(buf))
+                self._load_bytes(req, planner, buf, obj)
 
             unit.finish = finish_bytes
             fetch(unit, obj, sinfo.offset, memoryview(buf))
@@ -959,6 +1042,15 @@ class StorageReader(_AtURI, _storage.StorageReader):
             fetch(unit, obj, base + lo, memoryview(target.numpy()))
         return unit
 
+    def _load_bytes(self, req: ReadItem, planner: LoadPlanner, data: Any, obj: str) -> None:
+        """Hand the non-tensor item ``data`` to the planner, which unpickles it: refused unless it is plain data."""
+        why = None if self.allow_pickle else zip_problem(data) or pickle_problem(data)
+        if why is not None:
+            raise FormatError(f"checkpoint {self.uri!r}: the non-tensor item {req.storage_index.fqn!r} ({obj}) {why}; "
+                              f"ckptio unpickles only plain data by default (other pickles can run code from the "
+                              f"file). If you trust the checkpoint, load it with allow_pickle=True")
+        planner.load_bytes(req, io.BytesIO(data))
+
     def _plan_foreign(self, req: ReadItem, planner: LoadPlanner, sinfo: Any, obj: str, fetch: Callable) -> _Unit:
         """An item written by torch's writers: one ranged read of the item, then torch's own decoding."""
         buf = torch.empty(sinfo.length, dtype=torch.uint8)
@@ -973,10 +1065,15 @@ class StorageReader(_AtURI, _storage.StorageReader):
                 if not stream.seekable():
                     stream = io.BytesIO(stream.read())
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stream.read()))
+                self._load_bytes(req, planner, stream.read(), obj)
                 return
             from torch.distributed._shard._utils import narrow_tensor_by_index
+            why = zip_problem(buf.numpy()) if not descriptors else None
+            if why is not None:
+                raise FormatError(f"{obj}: item {req.storage_index.fqn!r} {why}; refusing to load it")
             t = torch.load(stream, map_location="cpu", weights_only=True)
+            if not isinstance(t, torch.Tensor):
+                raise FormatError(f"{obj}: item {req.storage_index.fqn!r} holds a {type(t).__name__}, not a tensor")
             t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
             _copy_into(planner, req, planner.resolve_tensor(req).detach(), t,
                        f"{obj}, item {req.storage_index.fqn!r}")

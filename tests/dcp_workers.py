@@ -1,8 +1,9 @@
 """Child-process code for the DCP tests: spawned gloo ranks, save-then-SIGKILL scripts and racing saves.
 
 Kept out of the test modules so children import only this (not pytest fixtures). Run as a
-script for the crash tests: ``python dcp_workers.py crash POINT URI [OVERWRITE]``, and for the
-race tests: ``python dcp_workers.py race SYNC_DIR JSON_ARGS`` (see :func:`race`).
+script for the crash tests: ``python dcp_workers.py crash POINT URI [OVERWRITE]``, for the
+race tests: ``python dcp_workers.py race SYNC_DIR JSON_ARGS`` (see :func:`race`), and for crafted
+checkpoints: ``python dcp_workers.py load_capped JSON_ARGS`` (see :func:`load_capped`).
 """
 
 from __future__ import annotations
@@ -296,8 +297,56 @@ def race(sync: str, args: dict) -> None:
         f.write(outcome)
 
 
+def load_capped(args: dict) -> None:
+    """Load (crafted) checkpoints with the address space capped; print what happened to each as one JSON line.
+
+    ``args``: ``jobs``, each with ``uri``, ``state`` (a ``torch.save`` file holding the state dict to
+    load into), ``kind`` (``ckptio``: ``ckptio.dcp.load``; ``torch``: torch's ``dcp.load`` with
+    ckptio's reader; ``checkpointer``: ``Checkpointer(root).load(step=uri)``; ``verify``: what
+    ``ckptio verify`` runs) and ``options`` for it; ``backends``; ``headroom``: bytes of address space allowed beyond what the process uses once
+    set up, so that a huge allocation fails here instead of exhausting the machine.
+    """
+    import resource
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+    import ckptio.dcp as cd
+    from ckptio import cli
+    from ckptio.checkpointer import Checkpointer
+
+    _configure(args.get("backends"))
+    jobs = args["jobs"]
+    for job in jobs:
+        job["state"] = torch.load(job["state"], weights_only=False)  # the test's own files
+        ckptio.exists(job["uri"])  # set up backends (clients, threads) before the cap
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * resource.getpagesize()
+    limit = used + args.get("headroom", 2 << 30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    outcomes = []
+    for job in jobs:
+        state, uri, opts = job["state"], job["uri"], job.get("options", {})
+        try:
+            if job["kind"] == "ckptio":
+                cd.load(state, uri, **opts)
+            elif job["kind"] == "torch":
+                dcp.load(state, storage_reader=cd.StorageReader(uri, **opts))
+            elif job["kind"] == "verify":
+                cli.verify_dcp(uri)
+            else:
+                Checkpointer(job["root"]).load(state, step=uri, **opts)
+            outcomes.append({"outcome": "ok", "types": []})
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            outcomes.append({"outcome": f"{type(e).__name__}: {e}", "types": [t.__name__ for t in type(e).__mro__]})
+        del state, job["state"]
+    print(json.dumps(outcomes), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "crash":
+    if sys.argv[1] == "load_capped":
+        load_capped(json.loads(sys.argv[2]))
+    elif sys.argv[1] == "crash":
         crash(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "overwrite")
     elif sys.argv[1] == "race":
         race(sys.argv[2], json.loads(sys.argv[3]))

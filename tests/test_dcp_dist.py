@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -61,12 +62,15 @@ def test_one_ranks_ckptio_error_reaches_every_rank_intact(tmp_path):
     with class, errno and URI; not a TypeError from unpickling."""
     uri = str(tmp_path / "ckpt")
     run_ranks(W.refused_rank, 2, uri, str(tmp_path))
-    meta, lost = os.path.join(uri, ".metadata"), os.path.join(uri, "__1_0.distcp")
+    meta = os.path.join(uri, ".metadata")
+    lost = re.compile(re.escape(os.path.join(uri, "__1_")) + r"\d+\.[0-9a-f]{16}\.distcp")  # rank 1's objects
     for text in results(str(tmp_path), 2):
         seen = json.loads(text)
         assert "crash" not in seen, seen.get("crash")
         exists = {"type": "AlreadyExistsError", "errno": errno.EEXIST, "uri": meta}
-        missing = {"type": "NotFoundError", "errno": errno.ENOENT, "uri": lost}
+        missing = {"type": "NotFoundError", "errno": errno.ENOENT}
+        assert lost.fullmatch(seen["ckptio_load"]["uri"]), seen["ckptio_load"]
+        assert lost.fullmatch(seen["torch_load"]["failures"]["1"]["uri"]), seen["torch_load"]
         assert seen["torch_save"]["type"] == "CheckpointException"
         assert list(seen["torch_save"]["failures"]) == ["0"]
         assert exists.items() <= seen["torch_save"]["failures"]["0"].items()
