@@ -66,8 +66,15 @@ from . import uri as _uri
 from .context import resolve
 from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
 
-__all__ = ["Checkpointer", "CheckpointWarning", "CheckpointInfo", "LoadResult", "RNGState", "MARKER_NAME",
-           "POINTER_NAME"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointWarning",
+    "CheckpointInfo",
+    "LoadResult",
+    "RNGState",
+    "MARKER_NAME",
+    "POINTER_NAME",
+]
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -142,8 +149,13 @@ class RNGState:
         except ImportError:
             return sd
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        sd["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        sd["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
         return sd
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -156,8 +168,15 @@ class RNGState:
             import numpy as np
 
             n = sd["numpy"]
-            np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]), int(n["has_gauss"]),
-                                 float(n["cached_gaussian"])))
+            np.random.set_state(
+                (
+                    n["name"],
+                    n["keys"].numpy().astype(np.uint32),
+                    int(n["pos"]),
+                    int(n["has_gauss"]),
+                    float(n["cached_gaussian"]),
+                )
+            )
 
 
 def _py_rng_flat() -> tuple:
@@ -286,13 +305,18 @@ def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
     step directory with that format's extension; the file is then read as that format, whatever its
     name.
     """
+
     def bad(key: str, why: str) -> FormatError:
-        return FormatError(f"{marker}: key {key!r} {why}; ckptio never writes such a commit marker (it was edited "
-                           f"or damaged), so nothing was loaded")
+        return FormatError(
+            f"{marker}: key {key!r} {why}; ckptio never writes such a commit marker (it was edited "
+            f"or damaged), so nothing was loaded"
+        )
 
     if not isinstance(m, dict):
-        raise FormatError(f"{marker}: holds a JSON {type(m).__name__}, not an object; ckptio never writes such a "
-                          f"commit marker (it was edited or damaged), so nothing was loaded")
+        raise FormatError(
+            f"{marker}: holds a JSON {type(m).__name__}, not an object; ckptio never writes such a "
+            f"commit marker (it was edited or damaged), so nothing was loaded"
+        )
     fmt = m.get("format")
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise bad("format", f"is {fmt!r}, not one of {list(FORMATS)}")
@@ -330,12 +354,25 @@ class Checkpointer:
     ``load`` runs no code from the files by default (see :meth:`load`'s ``allow_pickle``).
     """
 
-    def __init__(self, root_uri: str | os.PathLike, *, format: str = "dcp", keep_last: int | None = None,
-                 keep_every: int | None = None, keep_best: int | None = None, best_metric: str | None = None,
-                 best_mode: str = "min", async_save: bool = False, process_group: Any = None,
-                 timeout: float = 600.0, weights_only: bool = True, save_options: Mapping[str, Any] | None = None,
-                 load_options: Mapping[str, Any] | None = None, background_nice: int | None = 10,
-                 stale_after: float | None = STALE_AFTER) -> None:
+    def __init__(
+        self,
+        root_uri: str | os.PathLike,
+        *,
+        format: str = "dcp",
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = False,
+        process_group: Any = None,
+        timeout: float = 600.0,
+        weights_only: bool = True,
+        save_options: Mapping[str, Any] | None = None,
+        load_options: Mapping[str, Any] | None = None,
+        background_nice: int | None = 10,
+        stale_after: float | None = STALE_AFTER,
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every), ("keep_best", keep_best)):
@@ -373,8 +410,11 @@ class Checkpointer:
 
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            self._pg = process_group if process_group is not None else dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.timeout))
+            self._pg = (
+                process_group
+                if process_group is not None
+                else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            )
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
@@ -428,8 +468,11 @@ class Checkpointer:
             return None
         name = _uri.basename(text)
         if not _is_step_name(name):
-            warnings.warn(f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
-                          CheckpointWarning, stacklevel=3)
+            warnings.warn(
+                f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
             return None
         self._names.setdefault(int(name), name)
         return int(name)
@@ -443,11 +486,18 @@ class Checkpointer:
         why = "is missing" if ptr is None else f"names step {ptr}, which is not a complete checkpoint"
         if not steps:
             if ptr is not None:
-                warnings.warn(f"{self.root_uri}: the latest pointer {why} and no complete checkpoint exists",
-                              CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"{self.root_uri}: the latest pointer {why} and no complete checkpoint exists",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             return None
-        warnings.warn(f"{self.root_uri}: the latest pointer {why}; using the newest complete checkpoint, "
-                      f"step {steps[-1]} ({self.uri(steps[-1])})", CheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"{self.root_uri}: the latest pointer {why}; using the newest complete checkpoint, "
+            f"step {steps[-1]} ({self.uri(steps[-1])})",
+            CheckpointWarning,
+            stacklevel=2,
+        )
         return steps[-1]
 
     def manifest(self, step: int) -> dict[str, Any]:
@@ -459,7 +509,8 @@ class Checkpointer:
             except FileNotFoundError:
                 if self._backend.isdir(self._dir(step)):
                     raise IncompleteCheckpointError(
-                        f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})") from None
+                        f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})"
+                    ) from None
                 raise NotFoundError(self.uri(step), "no checkpoint for this step") from None
             m = _parse_manifest(data, self._user_uri(step, MARKER_NAME))
             self._manifests[step] = m
@@ -500,8 +551,11 @@ class Checkpointer:
         if not isinstance(state, Mapping) or not state:
             raise TypeError("state must be a non-empty mapping of part name -> state")
         if self.keep_best is not None and (metrics is None or self.best_metric not in metrics):
-            warnings.warn(f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         self.wait()
         sd = {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
@@ -510,8 +564,12 @@ class Checkpointer:
             return
         staged = self._stager.stage(sd)
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptio-checkpointer",
-                                               initializer=_lower_priority, initargs=(self.background_nice,))
+            self._pool = cf.ThreadPoolExecutor(
+                1,
+                thread_name_prefix="ckptio-checkpointer",
+                initializer=_lower_priority,
+                initargs=(self.background_nice,),
+            )
         self._future = self._pool.submit(self._persist, step, staged, metrics)
         self._future.add_done_callback(functools.partial(_report_background_failure, self.uri(step)))
 
@@ -541,8 +599,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._on_rank0(self._prepare, step)
         files = self._write_data(step, sd)
-        manifest = {"step": step, "format": self.format, "files": files, "parts": sorted(map(str, sd)),
-                    "metrics": metrics, "time": time.time(), "world_size": self._world}
+        manifest = {
+            "step": step,
+            "format": self.format,
+            "files": files,
+            "parts": sorted(map(str, sd)),
+            "metrics": metrics,
+            "time": time.time(),
+            "world_size": self._world,
+        }
         self._on_rank0(self._commit, step, manifest)
         log.info("saved checkpoint %s in %.2fs", self.uri(step), time.perf_counter() - t0)
 
@@ -551,7 +616,7 @@ class Checkpointer:
         prefix = self._root.rstrip("/") + "/"
 
         def ours(uri: str) -> bool:  # the pointer, or something in a step directory
-            rel = uri[len(prefix):] if uri.startswith(prefix) else ""
+            rel = uri[len(prefix) :] if uri.startswith(prefix) else ""
             return rel == POINTER_NAME or ("/" in rel and _is_step_name(rel.split("/", 1)[0]))
 
         cutoff = time.time() - (self.stale_after or 0.0)
@@ -560,14 +625,21 @@ class Checkpointer:
             for w in stale:
                 self._backend.abort_pending_write(w)
         except PermissionError as e:
-            warnings.warn(f"{self.root_uri}: cannot discard the unfinished writes of killed saves ({e}); they stay "
-                          "until removed otherwise (S3: grant s3:ListBucketMultipartUploads and "
-                          "s3:AbortMultipartUpload, or add a lifecycle rule); stale_after=None skips this",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"{self.root_uri}: cannot discard the unfinished writes of killed saves ({e}); they stay "
+                "until removed otherwise (S3: grant s3:ListBucketMultipartUploads and "
+                "s3:AbortMultipartUpload, or add a lifecycle rule); stale_after=None skips this",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         else:
             if stale:
-                log.info("discarded %d unfinished write(s) of killed saves under %s: %s", len(stale), self.root_uri,
-                         ", ".join(sorted({w.uri for w in stale})))
+                log.info(
+                    "discarded %d unfinished write(s) of killed saves under %s: %s",
+                    len(stale),
+                    self.root_uri,
+                    ", ".join(sorted({w.uri for w in stale})),
+                )
         self._swept = True
 
     def _prepare(self, step: int) -> None:
@@ -577,10 +649,12 @@ class Checkpointer:
         self._manifests.pop(step, None)
         if self._committed(step):
             if self._pointer() == step:
-                raise AlreadyExistsError(self.uri(step), "this step is the latest checkpoint; delete it first to "
-                                                          "save it again")
-            warnings.warn(f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning,
-                          stacklevel=2)
+                raise AlreadyExistsError(
+                    self.uri(step), "this step is the latest checkpoint; delete it first to save it again"
+                )
+            warnings.warn(
+                f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning, stacklevel=2
+            )
             self._backend.delete(_uri.join_path(d, MARKER_NAME))  # uncommit before touching its data
         if self.format == "dcp":
             from . import dcp
@@ -609,8 +683,9 @@ class Checkpointer:
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self._backend.write(_uri.join_path(self._dir(step), MARKER_NAME), data, mode="create")
         self._manifests[step] = manifest
-        self._backend.write(_uri.join_path(self._root, POINTER_NAME), (self._name(step) + "\n").encode(),
-                            mode="overwrite")
+        self._backend.write(
+            _uri.join_path(self._root, POINTER_NAME), (self._name(step) + "\n").encode(), mode="overwrite"
+        )
         self._cleanup(step)
 
     # ---- retention -----------------------------------------------------------------------------
@@ -619,7 +694,7 @@ class Checkpointer:
             return set(steps)
         keep = {latest}
         if self.keep_last is not None:
-            keep.update(sorted(steps)[-self.keep_last:])
+            keep.update(sorted(steps)[-self.keep_last :])
         if self.keep_every is not None:
             keep.update(s for s in steps if s % self.keep_every == 0)
         if self.keep_best is not None:
@@ -701,20 +776,30 @@ class Checkpointer:
             backend, d = resolve(u)
             if backend.isfile(_uri.join_path(d, MARKER_NAME)):
                 marker = _uri.join_path(u, MARKER_NAME)
-                s, fmt, name = _check_manifest(_parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker),
-                                               marker)
+                s, fmt, name = _check_manifest(
+                    _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker), marker
+                )
                 return s, u, fmt, name
             if backend.isfile(_uri.join_path(d, ".metadata")):
                 return 0, u, "dcp", None
             for fmt, name in _DATA_FILE.items():
                 if d.endswith(name[5:]) and backend.isfile(d):
                     return 0, _uri.parent(u), fmt, _uri.basename(u)
-            raise IncompleteCheckpointError(f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP "
-                                            f".metadata, not a .pt/.fpk file)")
+            raise IncompleteCheckpointError(
+                f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
+            )
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
-    def load(self, state: dict[str, Any], *, step: Any = "latest", keys: Iterable[str] | None = None,
-             strict: bool = True, cache: Any = None, allow_pickle: bool = False) -> int | None:
+    def load(
+        self,
+        state: dict[str, Any],
+        *,
+        step: Any = "latest",
+        keys: Iterable[str] | None = None,
+        strict: bool = True,
+        cache: Any = None,
+        allow_pickle: bool = False,
+    ) -> int | None:
         """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
 
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
@@ -768,16 +853,19 @@ class Checkpointer:
             res.unexpected_keys += [k for k in ckpt_parts if k not in state]
         self.last_load = res
         if res.missing_keys or res.unexpected_keys:
-            msg = (f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
-                   f"unexpected keys {res.unexpected_keys}")
+            msg = (
+                f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
+                f"unexpected keys {res.unexpected_keys}"
+            )
             if strict:
                 raise KeyError(msg + " (pass strict=False to restore what matches)")
             warnings.warn(msg, CheckpointWarning, stacklevel=2)
         log.info("restored step %d from %s", s, d)
         return s
 
-    def _read_dcp(self, d: str, state: dict[str, Any], cache: Any = None,
-                  allow_pickle: bool = False) -> tuple[dict[str, Any], list[str]]:
+    def _read_dcp(
+        self, d: str, state: dict[str, Any], cache: Any = None, allow_pickle: bool = False
+    ) -> tuple[dict[str, Any], list[str]]:
         """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
         into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -799,8 +887,10 @@ class Checkpointer:
         tree: dict[str, Any] = {}
         for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
             meta = md.state_dict_metadata.get(fqn)
-            if meta is None or (isinstance(meta, TensorStorageMetadata) and (
-                    not isinstance(value, torch.Tensor) or value.shape != meta.size)):
+            if meta is None or (
+                isinstance(meta, TensorStorageMetadata)
+                and (not isinstance(value, torch.Tensor) or value.shape != meta.size)
+            ):
                 continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
             set_element(tree, mappings[fqn], value)
         new = {}
@@ -812,8 +902,9 @@ class Checkpointer:
         reader.check_tensors(f for f in new if isinstance(md.state_dict_metadata[f], TensorStorageMetadata))
         for fqn, path in new.items():
             meta = md.state_dict_metadata[fqn]
-            value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(
-                meta, TensorStorageMetadata) else None
+            value = (
+                torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+            )
             set_element(tree, path, value)
         for k in tree:
             _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)

@@ -92,11 +92,27 @@ from .backends.base import Backend, BytesReader
 from .backends.local import LocalBackend, ensure_inside
 from .context import resolve
 from .dcp_checks import box_problem, entry_problem, pickle_problem, tensor_problem, zip_problem
-from .errors import (AccessDeniedError, AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError,
-                     IntegrityError)
+from .errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CkptioError,
+    FormatError,
+    IncompleteCheckpointError,
+    IntegrityError,
+)
 
-__all__ = ["StorageWriter", "StorageReader", "save", "load", "async_save", "is_complete", "discard", "loads_metadata",
-           "surface_error", "METADATA_NAME"]
+__all__ = [
+    "StorageWriter",
+    "StorageReader",
+    "save",
+    "load",
+    "async_save",
+    "is_complete",
+    "discard",
+    "loads_metadata",
+    "surface_error",
+    "METADATA_NAME",
+]
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -168,9 +184,18 @@ def _delete_objects(backend: Backend, uris: Iterable[str]) -> list[str]:
 # ``torch.serialization._get_layout(name)``), the path torch keeps as checkpoint_id, and containers.
 # ckptio's per-item ``ckptio`` attribute holds only plain dicts, lists, ints and strings.
 _METADATA_CLASSES: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch": frozenset({"Size"}),
     "torch.serialization": frozenset({"_get_layout"}),
@@ -190,8 +215,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # dtypes pickle as the global torch.<name>
-        raise FormatError(f"{self._uri}: DCP metadata refers to {module}.{name}, which DCP metadata never "
-                          f"contains; refusing to unpickle it (the file may be crafted to run code)")
+        raise FormatError(
+            f"{self._uri}: DCP metadata refers to {module}.{name}, which DCP metadata never "
+            f"contains; refusing to unpickle it (the file may be crafted to run code)"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise FormatError(f"{self._uri}: DCP metadata holds a persistent reference; refusing to unpickle it")
@@ -255,9 +282,11 @@ def _data_objects(metadata: Metadata, backend: Backend, root: str, meta_uri: str
             except AccessDeniedError:
                 why = "leaves the checkpoint through a symlink"
         if why is not None:
-            raise FormatError(f"{meta_uri}: the storage entry of item {getattr(index, 'fqn', index)!r} names the data "
-                              f"object {name!r}, which {why}; refusing to use it (only names inside the checkpoint "
-                              f"are followed: the metadata is corrupt or crafted)")
+            raise FormatError(
+                f"{meta_uri}: the storage entry of item {getattr(index, 'fqn', index)!r} names the data "
+                f"object {name!r}, which {why}; refusing to use it (only names inside the checkpoint "
+                f"are followed: the metadata is corrupt or crafted)"
+            )
         out[name] = _uri.join_path(root, name)
     return out
 
@@ -291,7 +320,7 @@ def _block_hashes(mv: memoryview, start: int, block: int) -> list[int]:
         raise ValueError("checksum ranges must start on a block boundary")
     if not len(mv):
         return [xxhash.xxh3_64_intdigest(b"")]
-    return [xxhash.xxh3_64_intdigest(mv[i: i + block]) for i in range(0, len(mv), block)]
+    return [xxhash.xxh3_64_intdigest(mv[i : i + block]) for i in range(0, len(mv), block)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +420,9 @@ class _ZipFraming:
         pad = (-(pos + fixed + 4)) % _ALIGN  # "FB" padding field, like torch, aligns the data
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         s32 = _U32 if big else size
-        hdr = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, 0, s32, s32, len(name), len(extra))
+        hdr = struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, 45 if big else 20, 0, 0, 0, 0x21, 0, s32, s32, len(name), len(extra)
+        )
         return hdr + name + extra, big
 
     @staticmethod
@@ -406,8 +437,26 @@ class _ZipFraming:
             off32 = _U32
             vals.append(pos)
         extra = struct.pack("<HH" + "Q" * len(vals), 1, 8 * len(vals), *vals) if vals else b""
-        hdr = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if vals else 20, 0, 0, 0, 0x21, 0, s32, s32,
-                          len(name), len(extra), 0, 0, 0, 0, off32)
+        hdr = struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            45,
+            45 if vals else 20,
+            0,
+            0,
+            0,
+            0x21,
+            0,
+            s32,
+            s32,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            off32,
+        )
         return hdr + name + extra + b"".join(fields)
 
 
@@ -452,7 +501,7 @@ def _tensor_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[memoryview]:
     row = max(1, t[0].numel() * t.element_size())
     step = max(1, max_bytes // row)
     for i in range(0, t.shape[0], step):
-        yield memoryview(_uint8(t[i: i + step].to("cpu").contiguous()).numpy())
+        yield memoryview(_uint8(t[i : i + step].to("cpu").contiguous()).numpy())
 
 
 class _AtURI:
@@ -502,9 +551,19 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
     10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments are backend options (as for :func:`ckptio.resolve`).
     """
 
-    def __init__(self, uri: str | os.PathLike, *, thread_count: int = 4, part_size: int | None = None,
-                 concurrency: int | None = None, overwrite: bool = False, checksums: bool = True,
-                 durable: bool = True, max_buffer_bytes: int | None = None, **backend_options: Any) -> None:
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        thread_count: int = 4,
+        part_size: int | None = None,
+        concurrency: int | None = None,
+        overwrite: bool = False,
+        checksums: bool = True,
+        durable: bool = True,
+        max_buffer_bytes: int | None = None,
+        **backend_options: Any,
+    ) -> None:
         super().__init__()
         self.max_buffer_bytes = max_buffer_bytes
         if int(thread_count) < 1:
@@ -548,11 +607,16 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
         if self.backend.isfile(meta):
             if not self.overwrite:
                 raise AlreadyExistsError(
-                    meta, f"a complete checkpoint already exists at {self.uri!r}; pass overwrite=True to replace it")
+                    meta, f"a complete checkpoint already exists at {self.uri!r}; pass overwrite=True to replace it"
+                )
             self._replaced = _uncommit(self.backend, self.root, meta)  # deleted after the commit attempt
         attempt = uuid.uuid4().hex[:16]  # this save's data object names: no other save writes or deletes them
-        return [dataclasses.replace(p, storage_data=_Prefix(
-            p.storage_data.prefix if p.storage_data is not None else f"__{i}_", attempt)) for i, p in enumerate(plans)]
+        return [
+            dataclasses.replace(
+                p, storage_data=_Prefix(p.storage_data.prefix if p.storage_data is not None else f"__{i}_", attempt)
+            )
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         groups = _split(plan.items, self.thread_count)
@@ -614,8 +678,9 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                 self._write_backend, _ = resolve(self.uri, **{**self._options, "concurrency": concurrency})
         return workers
 
-    def _write_object(self, name: str, items: list[WriteItem], planner: SavePlanner,
-                      cancel: threading.Event) -> list[WriteResult]:
+    def _write_object(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, cancel: threading.Event
+    ) -> list[WriteResult]:
         uri = self._path(name)
         results: list[WriteResult] = []
         item: WriteItem | None = None
@@ -650,7 +715,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                                 pos = 0
                                 while pos < len(mv):
                                     take = min(len(mv) - pos, CHECKSUM_BLOCK - filled)
-                                    h.update(mv[pos: pos + take])
+                                    h.update(mv[pos : pos + take])
                                     pos, filled = pos + take, filled + take
                                     if filled == CHECKSUM_BLOCK:
                                         hashes.append(h.intdigest())
@@ -660,8 +725,12 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                             hashes.append(h.intdigest())
                         w.write(z.tail)
                         length = z.total
-                        info.update(data=z.data_offset, nbytes=nbytes, dtype=str(t.dtype).removeprefix("torch."),
-                                    shape=list(t.shape))
+                        info.update(
+                            data=z.data_offset,
+                            nbytes=nbytes,
+                            dtype=str(t.dtype).removeprefix("torch."),
+                            shape=list(t.shape),
+                        )
                         if self.checksums:
                             info["xxh3"], info["block"] = hashes, CHECKSUM_BLOCK
                     sinfo = _StorageInfo(name, offset, length)
@@ -687,15 +756,19 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
             self.backend.write(meta, data, mode="create", durable=True)  # the commit
         except FileExistsError as e:
             err = AlreadyExistsError(
-                meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded")
+                meta, f"another save committed {self.uri!r} while this one was writing; this save is discarded"
+            )
             failed = _delete_objects(self.backend, [*sorted(own), *replaced])
             if failed:
                 _note(err, f"ckptio.dcp: could not delete data objects nothing refers to: {'; '.join(failed)}")
             raise err from e
         failed = _delete_objects(self.backend, replaced)
         if failed:
-            warnings.warn(f"ckptio.dcp: saved {self.uri!r}, but could not delete data objects of the checkpoint it "
-                          f"replaced: {'; '.join(failed)}", stacklevel=2)
+            warnings.warn(
+                f"ckptio.dcp: saved {self.uri!r}, but could not delete data objects of the checkpoint it "
+                f"replaced: {'; '.join(failed)}",
+                stacklevel=2,
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,8 +789,9 @@ class _Unit:
 def _copy_into(planner: LoadPlanner, req: ReadItem, dest: torch.Tensor, src: torch.Tensor, where: str) -> None:
     """Copy a stored tensor into the planner's destination and commit it, refusing a shape mismatch."""
     if dest.size() != src.size():
-        raise IntegrityError(f"{where}: stored shape {tuple(src.shape)} does not match the destination "
-                             f"{tuple(dest.shape)}")
+        raise IntegrityError(
+            f"{where}: stored shape {tuple(src.shape)} does not match the destination {tuple(dest.shape)}"
+        )
     dest.copy_(src)
     planner.commit_tensor(req, dest)
 
@@ -752,9 +826,17 @@ class StorageReader(_AtURI, _storage.StorageReader):
     data before anything is allocated (see :mod:`ckptio.dcp_checks`).
     """
 
-    def __init__(self, uri: str | os.PathLike, *, verify: bool = True, thread_count: int | None = None,
-                 part_size: int | None = None, concurrency: int | None = None, allow_pickle: bool = False,
-                 **backend_options: Any) -> None:
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        verify: bool = True,
+        thread_count: int | None = None,
+        part_size: int | None = None,
+        concurrency: int | None = None,
+        allow_pickle: bool = False,
+        **backend_options: Any,
+    ) -> None:
         super().__init__()
         if thread_count is not None and int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
@@ -804,7 +886,8 @@ class StorageReader(_AtURI, _storage.StorageReader):
             if self.backend.isdir(self.root):
                 raise IncompleteCheckpointError(
                     f"checkpoint {self.uri!r} is incomplete: it has no {_uri.basename(meta)} (the save was "
-                    f"interrupted or is still running)") from None
+                    f"interrupted or is still running)"
+                ) from None
             raise
         metadata = loads_metadata(data, meta)
         _data_objects(metadata, self.backend, self.root, meta)  # refuse names outside the checkpoint up front
@@ -822,8 +905,10 @@ class StorageReader(_AtURI, _storage.StorageReader):
     # ---- checks before anything is allocated (see ckptio.dcp_checks) -------------------------
     def _malformed(self, index: MetadataIndex, why: str, obj: str | None = None) -> FormatError:
         where = obj or self._meta_uri
-        return FormatError(f"{where}: item {index.fqn!r} (offset {list(index.offset or [])}) {why}: the "
-                           f"checkpoint's {METADATA_NAME} is corrupt or crafted; nothing was loaded")
+        return FormatError(
+            f"{where}: item {index.fqn!r} (offset {list(index.offset or [])}) {why}: the "
+            f"checkpoint's {METADATA_NAME} is corrupt or crafted; nothing was loaded"
+        )
 
     def _check_entries(self, entries: dict[MetadataIndex, bool]) -> None:
         """Check the storage entries ``entries`` (index -> holds a tensor) before any of them is read.
@@ -841,19 +926,23 @@ class StorageReader(_AtURI, _storage.StorageReader):
             if why is not None:
                 raise self._malformed(index, why, self._objects.get(sinfo.relative_path))
             by_object.setdefault(self._objects[sinfo.relative_path], []).append(
-                (sinfo.offset, sinfo.offset + sinfo.length, index))
+                (sinfo.offset, sinfo.offset + sinfo.length, index)
+            )
         for obj, spans in by_object.items():
             if obj not in self._sizes:
                 self._sizes[obj] = self.backend.stat(obj).size
             size, end, last = self._sizes[obj], 0, None
             for start, stop, index in sorted(spans, key=lambda s: s[:2]):
                 if stop > size:
-                    raise IntegrityError(f"{obj} is truncated, or the checkpoint's {METADATA_NAME} is corrupt or "
-                                         f"crafted: item {index.fqn!r} has bytes [{start}, {stop}), past its end "
-                                         f"({size} bytes); nothing was loaded")
+                    raise IntegrityError(
+                        f"{obj} is truncated, or the checkpoint's {METADATA_NAME} is corrupt or "
+                        f"crafted: item {index.fqn!r} has bytes [{start}, {stop}), past its end "
+                        f"({size} bytes); nothing was loaded"
+                    )
                 if start < end and last is not None:
-                    raise self._malformed(index, f"has bytes [{start}, {stop}), which overlap those of item "
-                                                 f"{last.fqn!r}", obj)
+                    raise self._malformed(
+                        index, f"has bytes [{start}, {stop}), which overlap those of item {last.fqn!r}", obj
+                    )
                 if stop > end:
                     end, last = stop, index
 
@@ -862,8 +951,11 @@ class StorageReader(_AtURI, _storage.StorageReader):
         for req in plan.items:
             sinfo = self.storage_data[req.storage_index]
             info = getattr(sinfo, _INFO_ATTR, None)
-            if req.type != LoadItemType.BYTE_IO and info is not None and not getattr(
-                    sinfo, "transform_descriptors", None):
+            if (
+                req.type != LoadItemType.BYTE_IO
+                and info is not None
+                and not getattr(sinfo, "transform_descriptors", None)
+            ):
                 why = box_problem(info["shape"], tuple(req.storage_offsets), tuple(req.lengths))
                 if why is not None:
                     raise self._malformed(req.storage_index, f"is read at {why}", self._objects[sinfo.relative_path])
@@ -905,7 +997,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
                     small.setdefault(obj, []).append((start, start + n, target, unit))
                     return
                 for off in range(0, n, piece):
-                    unit.futures.append(pool.submit(self._read_exact, obj, start + off, target[off: off + piece]))
+                    unit.futures.append(pool.submit(self._read_exact, obj, start + off, target[off : off + piece]))
 
             def drain(limit: int) -> None:
                 nonlocal temp_in_flight
@@ -942,8 +1034,9 @@ class StorageReader(_AtURI, _storage.StorageReader):
     def _read_exact(self, obj: str, start: int, target: memoryview) -> None:
         n = self.backend.readinto(obj, target, start)
         if n != len(target):
-            raise IntegrityError(f"data object {obj} is truncated: wanted bytes [{start}, {start + len(target)}), "
-                                 f"got {n}")
+            raise IntegrityError(
+                f"data object {obj} is truncated: wanted bytes [{start}, {start + len(target)}), got {n}"
+            )
 
     def _submit_small(self, pool: cf.ThreadPoolExecutor, small: dict[str, list]) -> None:
         """Coalesce nearby small ranges of each object into single reads, then scatter into their targets."""
@@ -951,7 +1044,11 @@ class StorageReader(_AtURI, _storage.StorageReader):
             ranges.sort(key=lambda r: r[0])
             groups: list[list] = []
             for r in ranges:
-                if groups and r[0] - groups[-1][-1][1] <= _COALESCE_GAP and r[1] - groups[-1][0][0] <= 4 * _COALESCE_MAX:
+                if (
+                    groups
+                    and r[0] - groups[-1][-1][1] <= _COALESCE_GAP
+                    and r[1] - groups[-1][0][0] <= 4 * _COALESCE_MAX
+                ):
                     groups[-1].append(r)
                 else:
                     groups.append([r])
@@ -968,7 +1065,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
         buf = bytearray(stop - start)
         self._read_exact(obj, start, memoryview(buf))
         for a, b, t in parts:
-            t[:] = buf[a - start: b - start]
+            t[:] = buf[a - start : b - start]
 
     def _plan_item(self, req: ReadItem, planner: LoadPlanner, fetch: Callable) -> _Unit:
         sinfo = self.storage_data[req.storage_index]
@@ -989,7 +1086,8 @@ class StorageReader(_AtURI, _storage.StorageReader):
                 if hashes[first + i] != h:
                     raise IntegrityError(
                         f"checksum mismatch in {obj}, {what}, bytes [{start + i * block}, "
-                        f"{min(start + (i + 1) * block, start + len(mv))}) of its data: the checkpoint is corrupt")
+                        f"{min(start + (i + 1) * block, start + len(mv))}) of its data: the checkpoint is corrupt"
+                    )
 
         if req.type == LoadItemType.BYTE_IO:
             buf = bytearray(sinfo.length)
@@ -1014,8 +1112,15 @@ class StorageReader(_AtURI, _storage.StorageReader):
         lo, hi = a, b
         if hashes is not None:  # widen to whole checksum blocks
             lo, hi = (a // block) * block, min(nbytes, -(-b // block) * block)
-        direct = (lo == a and hi == b and span is not None and dest.is_cpu and dest.is_contiguous()
-                  and dest.dtype == dtype and dest.numel() * esize == b - a)
+        direct = (
+            lo == a
+            and hi == b
+            and span is not None
+            and dest.is_cpu
+            and dest.is_contiguous()
+            and dest.dtype == dtype
+            and dest.numel() * esize == b - a
+        )
         if direct:
             target = _uint8(dest)
             unit = _Unit(req, obj, lambda: None)
@@ -1028,7 +1133,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
             if direct:
                 planner.commit_tensor(req, dest)
                 return
-            raw = target[a - lo: b - lo].view(dtype)
+            raw = target[a - lo : b - lo].view(dtype)
             if span is not None:
                 src = raw.view(tuple(req.lengths))
             else:
@@ -1046,9 +1151,11 @@ class StorageReader(_AtURI, _storage.StorageReader):
         """Hand the non-tensor item ``data`` to the planner, which unpickles it: refused unless it is plain data."""
         why = None if self.allow_pickle else zip_problem(data) or pickle_problem(data)
         if why is not None:
-            raise FormatError(f"checkpoint {self.uri!r}: the non-tensor item {req.storage_index.fqn!r} ({obj}) {why}; "
-                              f"ckptio unpickles only plain data by default (other pickles can run code from the "
-                              f"file). If you trust the checkpoint, load it with allow_pickle=True")
+            raise FormatError(
+                f"checkpoint {self.uri!r}: the non-tensor item {req.storage_index.fqn!r} ({obj}) {why}; "
+                f"ckptio unpickles only plain data by default (other pickles can run code from the "
+                f"file). If you trust the checkpoint, load it with allow_pickle=True"
+            )
         planner.load_bytes(req, io.BytesIO(data))
 
     def _plan_foreign(self, req: ReadItem, planner: LoadPlanner, sinfo: Any, obj: str, fetch: Callable) -> _Unit:
@@ -1061,6 +1168,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
             descriptors = getattr(sinfo, "transform_descriptors", None)
             if descriptors:
                 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
                 stream = _StorageReaderTransforms().transform_load_stream(req, descriptors, stream)
                 if not stream.seekable():
                     stream = io.BytesIO(stream.read())
@@ -1068,6 +1176,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
                 self._load_bytes(req, planner, stream.read(), obj)
                 return
             from torch.distributed._shard._utils import narrow_tensor_by_index
+
             why = zip_problem(buf.numpy()) if not descriptors else None
             if why is not None:
                 raise FormatError(f"{obj}: item {req.storage_index.fqn!r} {why}; refusing to load it")
@@ -1075,8 +1184,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
             if not isinstance(t, torch.Tensor):
                 raise FormatError(f"{obj}: item {req.storage_index.fqn!r} holds a {type(t).__name__}, not a tensor")
             t = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-            _copy_into(planner, req, planner.resolve_tensor(req).detach(), t,
-                       f"{obj}, item {req.storage_index.fqn!r}")
+            _copy_into(planner, req, planner.resolve_tensor(req).detach(), t, f"{obj}, item {req.storage_index.fqn!r}")
 
         unit.finish = finish
         fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))
@@ -1091,8 +1199,9 @@ class StorageReader(_AtURI, _storage.StorageReader):
 # keep that behaviour; the functions below (and Checkpointer) raise the underlying error instead.
 
 
-def surface_error(exc: CheckpointException, action: str, uri: str | os.PathLike,
-                  metadata_error: BaseException | None = None) -> BaseException:
+def surface_error(
+    exc: CheckpointException, action: str, uri: str | os.PathLike, metadata_error: BaseException | None = None
+) -> BaseException:
     """The exception to raise instead of torch's ``CheckpointException`` ``exc`` (kept as its ``__cause__``).
 
     The failure of the lowest failed rank that is a ckptio error or an ``OSError`` (or a
@@ -1134,8 +1243,14 @@ def _surfaced(fut: cf.Future, uri: str | os.PathLike) -> cf.Future:
     return out
 
 
-def save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
-         process_group: Any = None, **options: Any) -> Metadata:
+def save(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike,
+    *,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+    **options: Any,
+) -> Metadata:
     """``torch.distributed.checkpoint.save`` to ``uri`` with a :class:`StorageWriter` built from ``options``.
 
     Failures raise the failed rank's ckptio error or ``OSError`` (see :func:`surface_error`), not
@@ -1150,15 +1265,22 @@ def save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePla
         raise surface_error(e, "save", uri) from e
 
 
-def async_save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: SavePlanner | None = None,
-               process_group: Any = None, **options: Any):
+def async_save(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike,
+    *,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+    **options: Any,
+):
     """``torch.distributed.checkpoint.async_save`` to ``uri``; returns torch's future (or its
     ``AsyncSaveResponse``) whose upload fails with the errors :func:`save` raises."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        res = dcp.async_save(state_dict, storage_writer=StorageWriter(uri, **options), planner=planner,
-                             process_group=process_group)
+        res = dcp.async_save(
+            state_dict, storage_writer=StorageWriter(uri, **options), planner=planner, process_group=process_group
+        )
     except CheckpointException as e:
         raise surface_error(e, "save", uri) from e
     if isinstance(res, cf.Future):
@@ -1166,8 +1288,14 @@ def async_save(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: S
     return dataclasses.replace(res, upload_completion=_surfaced(res.upload_completion, uri))
 
 
-def load(state_dict: dict[str, Any], uri: str | os.PathLike, *, planner: LoadPlanner | None = None,
-         process_group: Any = None, **options: Any) -> None:
+def load(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike,
+    *,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    **options: Any,
+) -> None:
     """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place).
 
     Failures raise as for :func:`save` (a missing ``.metadata``: :class:`IncompleteCheckpointError`).

@@ -196,8 +196,9 @@ def entry_problem(sinfo: Any, tensor: bool, default_block: int) -> str | None:
             return f"has tensor bytes [{start}, {start + nbytes}) outside its {sinfo.length}-byte item"
         covered = nbytes
     hashes, block = info.get("xxh3"), info.get("block", default_block)
-    if hashes is not None and not (type(block) is int and block > 0 and isinstance(hashes, list)
-                                   and len(hashes) == max(1, -(-covered // block))):
+    if hashes is not None and not (
+        type(block) is int and block > 0 and isinstance(hashes, list) and len(hashes) == max(1, -(-covered // block))
+    ):
         return f"has checksums that do not match its size ({covered} bytes in blocks of {block!r})"
     return None
 

@@ -45,8 +45,13 @@ def _init(rank: int, world: int, port: int):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     return init_device_mesh("cpu", (world,))
 
 
@@ -56,8 +61,9 @@ def _sharded(mesh, state: dict[str, torch.Tensor]):
     return {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in state.items()}
 
 
-def save_rank(rank: int, world: int, port: int, uri: str, backends: dict | None, fail_rank: int | None,
-              result_dir: str) -> None:
+def save_rank(
+    rank: int, world: int, port: int, uri: str, backends: dict | None, fail_rank: int | None, result_dir: str
+) -> None:
     """Save ``full_state(1)`` sharded over ``world`` ranks; with ``fail_rank``, that rank's second data object fails."""
     import torch.distributed as dist
 
@@ -118,8 +124,13 @@ def _describe(e: BaseException) -> dict:
     failures = getattr(e, "failures", None)
     if failures is not None:
         return {"type": type(e).__name__, "failures": {str(r): _describe(x) for r, (x, _tb) in failures.items()}}
-    return {"type": type(e).__name__, "errno": getattr(e, "errno", None), "uri": getattr(e, "uri", None),
-            "str": str(e), "notes": getattr(e, "__notes__", [])}
+    return {
+        "type": type(e).__name__,
+        "errno": getattr(e, "errno", None),
+        "uri": getattr(e, "uri", None),
+        "str": str(e),
+        "notes": getattr(e, "__notes__", []),
+    }
 
 
 def refused_rank(rank: int, world: int, port: int, uri: str, result_dir: str) -> None:
@@ -187,6 +198,7 @@ def _fail_on_object(prefix: str) -> None:
 
 # ---- crash scripts: save, SIGKILL ourselves at POINT -----------------------------------------
 
+
 def big_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"t{i}": torch.randn(64, 1024, generator=g) for i in range(8)}  # 8 x 256 KiB
@@ -230,6 +242,7 @@ def crash(point: str, uri: str, overwrite: bool) -> None:
 
 
 # ---- racing saves: two processes save to one URI ---------------------------------------------
+
 
 def _wait_for(path: str, timeout: float = 60.0, pause: float = 0.001) -> None:
     deadline = time.monotonic() + timeout

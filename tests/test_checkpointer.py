@@ -210,15 +210,22 @@ def test_delete(memory_uri):
 
 # ---- retention -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, losses, expect", [
-    ({}, None, list(range(1, 11))),
-    ({"keep_last": 2}, None, [9, 10]),
-    ({"keep_every": 4}, None, [4, 8, 10]),
-    ({"keep_last": 2, "keep_every": 3}, None, [3, 6, 9, 10]),
-    ({"keep_best": 2, "best_metric": "loss"}, [5, 1, 7, 2, 9, 9, 9, 9, 9, 9], [2, 4, 10]),
-    ({"keep_best": 1, "best_metric": "acc", "best_mode": "max", "keep_last": 1}, [5, 1, 7, 2, 9, 3, 1, 1, 1, 1],
-     [5, 10]),
-])
+
+@pytest.mark.parametrize(
+    "kw, losses, expect",
+    [
+        ({}, None, list(range(1, 11))),
+        ({"keep_last": 2}, None, [9, 10]),
+        ({"keep_every": 4}, None, [4, 8, 10]),
+        ({"keep_last": 2, "keep_every": 3}, None, [3, 6, 9, 10]),
+        ({"keep_best": 2, "best_metric": "loss"}, [5, 1, 7, 2, 9, 9, 9, 9, 9, 9], [2, 4, 10]),
+        (
+            {"keep_best": 1, "best_metric": "acc", "best_mode": "max", "keep_last": 1},
+            [5, 1, 7, 2, 9, 3, 1, 1, 1, 1],
+            [5, 10],
+        ),
+    ],
+)
 def test_retention(kw, losses, expect, memory_uri):
     root = memory_uri + "/run"
     sibling = memory_uri + "/run-2"  # a neighbouring run whose prefix starts with ours
@@ -258,6 +265,7 @@ def test_validation():
 
 # ---- async -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_async_snapshot_is_taken_at_save_time(fmt, memory_uri):
     model, optim, sched = make_trainer(0)
@@ -284,7 +292,7 @@ def test_async_staging_buffers_are_reused(memory_uri):
     w = torch.randn(64, 64)
     ck.save(1, {"w": w})
     ck.wait()
-    buf = ck._stager._bufs[("w", )]
+    buf = ck._stager._bufs[("w",)]
     ck.save(2, {"w": w})
     assert ck._stager._bufs[("w",)] is buf and ck._stager.nbytes == w.numel() * 4
     ck.save(3, {"u": torch.randn(8)})  # the old buffers are dropped: memory stays bounded
@@ -331,9 +339,11 @@ def test_failed_background_save_is_reported_even_if_the_program_just_ends(tmp_pa
     import subprocess
     import sys
 
-    code = ("import torch, ckptio\n"
-            f"ck = ckptio.Checkpointer({str(tmp_path / 'ck')!r}, format='fpk', async_save=True)\n"
-            "ck.save(1, {'m': {'w': torch.ones(3)}, 't': {'o': object()}})\n")
+    code = (
+        "import torch, ckptio\n"
+        f"ck = ckptio.Checkpointer({str(tmp_path / 'ck')!r}, format='fpk', async_save=True)\n"
+        "ck.save(1, {'m': {'w': torch.ones(3)}, 't': {'o': object()}})\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "background save" in r.stderr and "failed" in r.stderr, r.stderr
 

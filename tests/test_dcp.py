@@ -137,6 +137,7 @@ def test_async_save_with_dcp_directly(tmp_path):
 
 # ---- interop with torch's own FileSystemWriter / FileSystemReader --------------------------------
 
+
 def test_torch_reader_loads_ckptio_checkpoint(tmp_path):
     sd = sample()
     cd.save(sd, str(tmp_path / "c"), thread_count=2)
@@ -148,8 +149,9 @@ def test_torch_reader_loads_ckptio_checkpoint(tmp_path):
 @pytest.mark.parametrize("single_file", [True, False])
 def test_ckptio_loads_torch_checkpoint(tmp_path, single_file):
     sd = sample()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "c"), thread_count=2,
-                                                     single_file_per_rank=single_file))
+    dcp.save(
+        sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "c"), thread_count=2, single_file_per_rank=single_file)
+    )
     assert cd.is_complete(str(tmp_path / "c"))
     out = blank(sd)
     cd.load(out, str(tmp_path / "c"))
@@ -176,8 +178,22 @@ def test_metadata_unpickles_without_ckptio(tmp_path):
 
 # ---- the tensor framing is a torch.save archive ----------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
-                                   torch.uint8, torch.int32, torch.int64, torch.bool, torch.complex64])
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    ],
+)
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (4, 5), (2, 0, 3)])
 def test_framing_loads_with_torch_load(dtype, shape):
     t = torch.randn(shape).mul(7).to(dtype) if not dtype.is_complex else torch.randn(shape, dtype=dtype)
@@ -206,8 +222,9 @@ def test_framing_zip64_for_large_tensors(tmp_path):
 # ckptio.dcp.save/load raise the failed rank's own error (torch's CheckpointException is its cause);
 # torch's dcp.save/load with ckptio's StorageWriter/Reader keep raising CheckpointException.
 
+
 def _failure(exc: CheckpointException) -> BaseException:
-    (err, _tb), = exc.failures.values()
+    ((err, _tb),) = exc.failures.values()
     return err
 
 
@@ -304,6 +321,7 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
 
 # ---- integrity -----------------------------------------------------------------------------------
 
+
 def test_corruption_names_object_and_item(tmp_path):
     uri = str(tmp_path / "c")
     sd = {"a": torch.randn(1000), "b": torch.randn(1000)}
@@ -343,6 +361,7 @@ def test_truncated_object(tmp_path):
 
 
 # ---- partial loads read only what they need --------------------------------------------------------
+
 
 def test_partial_load_reads_only_needed_bytes():
     uri = f"memory://dcp-{uuid.uuid4().hex}/c"
@@ -400,6 +419,7 @@ def test_async_save_failure_surfaces_ckptio_error(tmp_path):
 
 # ---- the .metadata pickle is read by a restricted unpickler -------------------------------------
 
+
 class _Evil:
     def __init__(self, cmd: str) -> None:
         self.cmd = cmd
@@ -415,8 +435,11 @@ def test_crafted_metadata_runs_nothing(tmp_path):
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
     md.planner_data = {"x": _Evil(f"touch {marker}")}  # hidden deep inside legitimate metadata
     (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
-    for attempt in (lambda: cd.load({"x": torch.zeros(3)}, uri), lambda: cd.StorageReader(uri).read_metadata(),
-                    lambda: cd.loads_metadata((tmp_path / "c" / ".metadata").read_bytes(), "m")):
+    for attempt in (
+        lambda: cd.load({"x": torch.zeros(3)}, uri),
+        lambda: cd.StorageReader(uri).read_metadata(),
+        lambda: cd.loads_metadata((tmp_path / "c" / ".metadata").read_bytes(), "m"),
+    ):
         with pytest.raises(FormatError, match=r"\.metadata.*posix\.system|m: .*posix\.system"):
             attempt()
     with pytest.raises(CheckpointException, match="system"):

@@ -19,8 +19,10 @@ from ckptio import cli
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import FormatError
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 
 SECRET = b"SECRET-BYTES-OUTSIDE-THE-CHECKPOINT" * 64  # 2240 bytes: larger than any item below
 BAD_NAMES = {

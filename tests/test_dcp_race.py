@@ -25,21 +25,30 @@ from ckptio import cli
 from ckptio.checkpointer import MARKER_NAME, Checkpointer
 from conftest import S3_TEST_OPTIONS
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_workers.py")
 TIMEOUT = 180
 
 
-def race(sync: str, uri: str, kind: str, roles: tuple[str, str], backends: dict | None,
-         overwrite: bool = False) -> dict[int, str]:
+def race(
+    sync: str, uri: str, kind: str, roles: tuple[str, str], backends: dict | None, overwrite: bool = False
+) -> dict[int, str]:
     """Run two racers (seeds 1 and 2) and return each one's outcome."""
     os.makedirs(sync)
     procs = []
     for seed, role in zip((1, 2), roles):
         args = {"kind": kind, "uri": uri, "seed": seed, "role": role, "overwrite": overwrite, "backends": backends}
-        procs.append(subprocess.Popen([sys.executable, WORKER, "race", sync, json.dumps(args)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, "race", sync, json.dumps(args)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         deadline = time.monotonic() + TIMEOUT
         while not all(os.path.exists(os.path.join(sync, f"ready-{s}")) for s in (1, 2)):
@@ -79,14 +88,17 @@ def check_outcome(outcomes: dict[int, str], uri: str, kind: str, atomic_create: 
     assert all(o == "ok" or o.startswith("AlreadyExistsError") for o in outcomes.values()), outcomes
     assert len(winners) == 1 or (winners and not atomic_create), outcomes
     got, ckpt = committed(uri, kind)
-    exact = [s for s in (winners if atomic_create else outcomes)
-             if all(torch.equal(got[k], v) for k, v in W.big_state(s).items())]
+    exact = [
+        s
+        for s in (winners if atomic_create else outcomes)
+        if all(torch.equal(got[k], v) for k, v in W.big_state(s).items())
+    ]
     assert exact, f"the committed checkpoint is not the state of a save that returned: {outcomes}"
     assert cli.verify_dcp(ckpt)["checked"] == len(got)
     if atomic_create:
         md = cd.loads_metadata(ckptio.get(f"{ckpt}/.metadata"))
         referenced = {s.relative_path for s in md.storage_data.values()}
-        left = {u[len(ckpt) + 1:] for u in ckptio.ls(ckpt, recursive=True)}
+        left = {u[len(ckpt) + 1 :] for u in ckptio.ls(ckpt, recursive=True)}
         extra = {MARKER_NAME} if kind == "checkpointer" else set()
         assert left == referenced | {".metadata"} | extra, "the losing save's data objects were not removed"
 
@@ -111,8 +123,14 @@ def test_concurrent_saves_s3(tmp_path, s3_uri, s3_endpoint, kind):
 
 @pytest.mark.parametrize("kind", ["dcp", "checkpointer"])
 def test_concurrent_saves_gcs(tmp_path, gcs_uri, gcs_endpoint, kind):
-    run_trials(tmp_path, f"{gcs_uri}/ckpt", kind, {"gcs": {"endpoint_url": gcs_endpoint, "anon": True,
-                                                           "project": "test"}}, free=1, atomic_create=False)
+    run_trials(
+        tmp_path,
+        f"{gcs_uri}/ckpt",
+        kind,
+        {"gcs": {"endpoint_url": gcs_endpoint, "anon": True, "project": "test"}},
+        free=1,
+        atomic_create=False,
+    )
 
 
 def test_concurrent_overwrites_local(tmp_path):

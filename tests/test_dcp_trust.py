@@ -40,8 +40,10 @@ import ckptio.dcp as cd
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import FormatError
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_workers.py")
 KINDS = ["ckptio", "torch", "checkpointer"]
 
@@ -64,16 +66,20 @@ def load_in_child(tmp_path, jobs: list[dict], backends: dict | None = None) -> l
         job["state"] = path
         job.setdefault("root", str(tmp_path / "ckroot"))
     args = json.dumps({"jobs": jobs, "backends": backends})
-    proc = subprocess.run([sys.executable, WORKER, "load_capped", args], capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, WORKER, "load_capped", args], capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def assert_refused(result: dict, *parts: str) -> None:
     # torch's own dcp.load wraps the reader's error in a CheckpointException that quotes it
-    assert "FormatError" in result["types"] or "ckptio.errors.FormatError" in result["outcome"] \
-        or "ckptio.errors.IntegrityError" in result["outcome"], result
+    assert (
+        "FormatError" in result["types"]
+        or "ckptio.errors.FormatError" in result["outcome"]
+        or "ckptio.errors.IntegrityError" in result["outcome"]
+    ), result
     for part in parts:
         assert part in result["outcome"], (part, result)
 
@@ -90,6 +96,7 @@ def entry(md, fqn: str):
 
 def replace_item(uri: str, fqn: str, data: bytes) -> None:
     """Point the storage entry of ``fqn`` at ``data``, appended to its data object (checksums updated)."""
+
     def edit(md):
         s = entry(md, fqn)
         obj = f"{uri}/{s.relative_path}"
@@ -98,6 +105,7 @@ def replace_item(uri: str, fqn: str, data: bytes) -> None:
         s.offset, s.length = len(old), len(data)
         if getattr(s, "ckptio", None) is not None:
             s.ckptio.update(xxh3=[xxhash.xxh3_64_intdigest(data)], block=max(len(data), 1))
+
     edit_metadata(uri, edit)
 
 
@@ -111,6 +119,7 @@ def stored_zip(pkl: bytes, method: int = zipfile.ZIP_STORED, **more: bytes) -> b
 
 
 # ---- non-tensor items: no code runs -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("where,writer", [("local", "ckptio"), ("local", "torch"), ("s3", "ckptio")])
 def test_bytes_item_payload_runs_nothing(tmp_path, request, where, writer):
@@ -139,8 +148,10 @@ def test_allow_pickle_loads_trusted_objects(tmp_path):
     uri, marker = str(tmp_path / "ckpt"), str(tmp_path / "RAN")
     cd.save({"m": {"x": torch.ones(2), "obj": Evil(marker)}}, uri)
     blank = {"m": {"x": torch.zeros(2), "obj": None}}
-    jobs = [{"uri": uri, "state": blank, "kind": kind, "options": {"allow_pickle": True}}
-            for kind in ("ckptio", "checkpointer")]
+    jobs = [
+        {"uri": uri, "state": blank, "kind": kind, "options": {"allow_pickle": True}}
+        for kind in ("ckptio", "checkpointer")
+    ]
     assert [r["outcome"] for r in load_in_child(tmp_path, jobs)] == ["ok", "ok"]
     assert os.path.exists(marker)  # the opt-in reaches the planner's plain unpickle
 
@@ -160,8 +171,10 @@ CRAFTED_ITEMS = {  # bytes a non-tensor item is replaced with -> what the refusa
     # the C unpickler sizes its memo by the largest index: 32 GiB for these 8 bytes
     "memo_index": (lambda marker: stored_zip(b"\x80\x02Nr\xff\xff\xff\x7f."), "memo entry at index 2147483647"),
     # torch's zip reader allocates the size a record's header claims
-    "deflated_record": (lambda marker: _inflated(stored_zip(pickle.dumps(0, 2), zipfile.ZIP_DEFLATED)),
-                        "compressed zip record"),
+    "deflated_record": (
+        lambda marker: _inflated(stored_zip(pickle.dumps(0, 2), zipfile.ZIP_DEFLATED)),
+        "compressed zip record",
+    ),
 }
 
 
@@ -170,7 +183,7 @@ def _inflated(archive: bytes) -> bytes:
     raw = bytearray(archive)
     for sig, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
         i = raw.find(sig)
-        raw[i + at: i + at + 4] = (0xE0000000).to_bytes(4, "little")
+        raw[i + at : i + at + 4] = (0xE0000000).to_bytes(4, "little")
     return bytes(raw)
 
 
@@ -188,6 +201,7 @@ def test_crafted_bytes_items_are_refused(tmp_path, case):
 
 # ---- sizes from .metadata: checked against what is stored before anything is allocated ----------
 
+
 def _set(fqn: str, **fields):
     def edit(md):
         s = entry(md, fqn)
@@ -196,14 +210,14 @@ def _set(fqn: str, **fields):
                 s.ckptio[k[5:]] = v
             else:
                 setattr(s, k, v)
+
     return edit
 
 
 CRAFTED_SIZES = {  # writer, item, edit, what the error says
     "torch_tensor_length": ("torch", "m.w", _set("m.w", length=1 << 40), "past its end"),
     "bytes_length": ("ckptio", "m.step", _set("m.step", length=1 << 40, info_block=1 << 40), "past its end"),
-    "tensor_nbytes": ("ckptio", "m.w", _set("m.w", info_shape=[1 << 20, 1 << 20], info_nbytes=1 << 42),
-                      "outside its"),
+    "tensor_nbytes": ("ckptio", "m.w", _set("m.w", info_shape=[1 << 20, 1 << 20], info_nbytes=1 << 42), "outside its"),
     "negative_offset": ("ckptio", "m.w", _set("m.w", offset=-64), "offset -64"),
     "float_length": ("ckptio", "m.step", _set("m.step", length=1e12), "length 1000000000000.0"),
     "str_length": ("torch", "m.step", _set("m.step", length="64"), "length '64'"),
@@ -267,6 +281,7 @@ def test_overlapping_items_are_refused(tmp_path):
         for n in names:
             md.state_dict_metadata[f"m.{n}"] = BytesStorageMetadata()
             md.storage_data[MetadataIndex(f"m.{n}")] = sinfo
+
     edit_metadata(uri, edit)
     (result,) = load_in_child(tmp_path, [{"uri": uri, "state": {"m": dict.fromkeys(names)}, "kind": "ckptio"}])
     assert_refused(result, "overlap")
@@ -280,9 +295,11 @@ def test_checkpointer_allocates_only_stored_tensors(tmp_path):
     def edit(md):
         huge = torch.Size([1 << 38])
         md.state_dict_metadata["m.ghost"] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.float32), huge, [ChunkStorageMetadata(torch.Size([0]), huge)])
+            TensorProperties(dtype=torch.float32), huge, [ChunkStorageMetadata(torch.Size([0]), huge)]
+        )
         md.planner_data["m.ghost"] = ("m", "ghost")
         md.storage_data[MetadataIndex("m.ghost", (0,))] = entry(md, "m.x")
+
     edit_metadata(uri, edit)
     (result,) = load_in_child(tmp_path, [{"uri": uri, "state": {"m": {"x": torch.zeros(2)}}, "kind": "checkpointer"}])
     assert_refused(result, "'m.ghost'", "stored in 8 bytes")
@@ -290,14 +307,29 @@ def test_checkpointer_allocates_only_stored_tensors(tmp_path):
 
 # ---- what DCP users save keeps loading by default -----------------------------------------------
 
+
 def plain_state() -> dict:
     return {
         "x": torch.arange(6.0),
-        "step": 7, "lr": 0.1, "name": "run-7", "flag": True, "nothing": None, "cplx": 1 + 2j, "raw": b"\x00\x01",
-        "ids": [1, 2, 3], "cfg": {"a": {"b": [1.5, "x", None]}}, "betas": (0.9, 0.99),
-        "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "device": torch.device("cpu"),
-        "rng": torch.get_rng_state(), "py_rng": random.Random(1).getstate(), "od": collections.OrderedDict(a=1),
-        "set": {1, 2}, "counter": collections.Counter("aab"), "blob": io.BytesIO(b"raw bytes \x00\xff"),
+        "step": 7,
+        "lr": 0.1,
+        "name": "run-7",
+        "flag": True,
+        "nothing": None,
+        "cplx": 1 + 2j,
+        "raw": b"\x00\x01",
+        "ids": [1, 2, 3],
+        "cfg": {"a": {"b": [1.5, "x", None]}},
+        "betas": (0.9, 0.99),
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "rng": torch.get_rng_state(),
+        "py_rng": random.Random(1).getstate(),
+        "od": collections.OrderedDict(a=1),
+        "set": {1, 2},
+        "counter": collections.Counter("aab"),
+        "blob": io.BytesIO(b"raw bytes \x00\xff"),
     }
 
 
@@ -334,8 +366,10 @@ def test_model_and_optimizer_round_trip(tmp_path, writer):
         step = "latest"
     else:
         step = str(tmp_path / "torch-ckpt")
-        dcp.save({"model": model.state_dict(), "optim": optim.state_dict(), "extra": {"epoch": 2}},
-                 storage_writer=dcp.FileSystemWriter(step))
+        dcp.save(
+            {"model": model.state_dict(), "optim": optim.state_dict(), "extra": {"epoch": 2}},
+            storage_writer=dcp.FileSystemWriter(step),
+        )
     model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optim2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     extra: dict = {"epoch": None}
