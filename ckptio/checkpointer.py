@@ -56,9 +56,10 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -589,7 +590,7 @@ class Checkpointer:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -894,7 +895,7 @@ class Checkpointer:
                 continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
             set_element(tree, mappings[fqn], value)
         new = {}
-        for fqn, meta in md.state_dict_metadata.items():
+        for fqn in md.state_dict_metadata:
             path = (md.planner_data or {}).get(fqn)
             if path and path[0] in state and not (fqn in flat and tree_has(tree, path)):
                 new[fqn] = path

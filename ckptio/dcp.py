@@ -66,7 +66,8 @@ import struct
 import threading
 import uuid
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import xxhash
@@ -548,7 +549,8 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
     size and parallel parts per object); ``overwrite`` allows replacing a committed checkpoint;
     ``checksums=False`` skips recording checksums; ``durable=False`` skips fsync on local
     storage; ``max_buffer_bytes`` caps upload buffers on object stores (default max(64 MiB,
-    10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments are backend options (as for :func:`ckptio.resolve`).
+    10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments
+    are backend options (as for :func:`ckptio.resolve`).
     """
 
     def __init__(
@@ -1138,7 +1140,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
                 src = raw.view(tuple(req.lengths))
             else:
                 src = raw.view(shape)
-                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                     src = src.narrow(d, o, n)
             _copy_into(planner, req, dest, src, f"{obj}, {what}")
 

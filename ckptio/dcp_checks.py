@@ -44,8 +44,8 @@ inside its data object (one ``stat`` per object), must not overlap another entry
 object, and, when ckptio wrote it, a torch dtype, a shape whose size is its ``nbytes``, tensor
 bytes inside the item and one checksum per block (:func:`entry_problem`); a read of part of a
 tensor must lie inside the stored shape (:func:`box_problem`); a tensor the Checkpointer creates
-from the metadata must be backed by the stored bytes of its chunks (:func:`tensor_problem`). Anything handed to ``torch.load``
-(torch-written tensors, non-tensor items) must be a zip whose records are stored uncompressed and
+from the metadata must be backed by the stored bytes of its chunks (:func:`tensor_problem`).
+Anything handed to ``torch.load`` (torch-written tensors, non-tensor items) must be a zip whose records are stored uncompressed and
 fit in the item together (:func:`zip_problem`): torch allocates each record's size as its zip
 header states it. Items with torch's stream transforms (``transform_descriptors``, e.g. zstd) are
 decompressed by torch's extension and not bounded here.
@@ -208,7 +208,7 @@ def box_problem(shape: Sequence[int], offsets: Any, lengths: Any) -> str | None:
     box = f"offsets {offsets!r}, lengths {lengths!r}"
     if not all(isinstance(v, (list, tuple)) and len(v) == len(shape) for v in (offsets, lengths)):
         return f"{box}: not {len(shape)} dims"
-    if not all(_natural(o) and _natural(n) and o + n <= s for o, n, s in zip(offsets, lengths, shape)):
+    if not all(_natural(o) and _natural(n) and o + n <= s for o, n, s in zip(offsets, lengths, shape, strict=True)):
         return f"{box}: outside the shape {list(shape)}"
     return None
 

@@ -65,7 +65,6 @@ def save_rank(
     rank: int, world: int, port: int, uri: str, backends: dict | None, fail_rank: int | None, result_dir: str
 ) -> None:
     """Save ``full_state(1)`` sharded over ``world`` ranks; with ``fail_rank``, that rank's second data object fails."""
-    import torch.distributed as dist
 
     import ckptio.dcp as cd
 
@@ -96,7 +95,6 @@ def save_rank(
 
 def load_rank(rank: int, world: int, port: int, uri: str, backends: dict | None, result_dir: str) -> None:
     """Load into ``world`` Shard(0) DTensors and compare the local shards exactly with ``full_state(1)``."""
-    import torch.distributed as dist
 
     import ckptio.dcp as cd
 
@@ -316,8 +314,8 @@ def load_capped(args: dict) -> None:
     ``args``: ``jobs``, each with ``uri``, ``state`` (a ``torch.save`` file holding the state dict to
     load into), ``kind`` (``ckptio``: ``ckptio.dcp.load``; ``torch``: torch's ``dcp.load`` with
     ckptio's reader; ``checkpointer``: ``Checkpointer(root).load(step=uri)``; ``verify``: what
-    ``ckptio verify`` runs) and ``options`` for it; ``backends``; ``headroom``: bytes of address space allowed beyond what the process uses once
-    set up, so that a huge allocation fails here instead of exhausting the machine.
+    ``ckptio verify`` runs) and ``options`` for it; ``backends``; ``headroom``: bytes of address space
+    allowed beyond what the process uses once set up, so that a huge allocation fails here instead of exhausting the machine.
     """
     import resource
 

@@ -40,7 +40,7 @@ def state_of(model, optim, sched, step=0):
 
 def assert_same_training(a, b) -> None:
     (ma, oa, sa), (mb, ob, sb) = a, b
-    for (ka, va), (kb, vb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(ma.state_dict().items(), mb.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb), ka
     sda, sdb = oa.state_dict(), ob.state_dict()
     assert sda["param_groups"] == sdb["param_groups"]

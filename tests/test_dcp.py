@@ -8,10 +8,8 @@ import io
 import os
 import pickle
 import re
-import struct
 import traceback
 import uuid
-import warnings
 
 import pytest
 import torch

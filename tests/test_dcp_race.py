@@ -39,7 +39,7 @@ def race(
     """Run two racers (seeds 1 and 2) and return each one's outcome."""
     os.makedirs(sync)
     procs = []
-    for seed, role in zip((1, 2), roles):
+    for seed, role in zip((1, 2), roles, strict=True):
         args = {"kind": kind, "uri": uri, "seed": seed, "role": role, "overwrite": overwrite, "backends": backends}
         procs.append(
             subprocess.Popen(

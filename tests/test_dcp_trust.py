@@ -25,8 +25,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from conftest import S3_TEST_OPTIONS
-from test_dcp import assert_same, blank
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -39,6 +37,8 @@ import ckptio
 import ckptio.dcp as cd
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import FormatError
+from conftest import S3_TEST_OPTIONS
+from test_dcp import assert_same, blank
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -247,7 +247,7 @@ def test_crafted_sizes_are_refused_before_allocating(tmp_path, writer):
         obj = entry(cd.loads_metadata(ckptio.get(f"{uri}/.metadata")), fqn).relative_path
         jobs.append({"uri": uri, "state": blank, "kind": "ckptio"})
         expected.append((case, f"{uri}/{obj}", f"'{fqn}'", says))
-    for result, (case, *parts) in zip(load_in_child(tmp_path, jobs), expected):
+    for result, (case, *parts) in zip(load_in_child(tmp_path, jobs), expected, strict=True):
         assert_refused({**result, "case": case}, *parts)
 
 
@@ -288,7 +288,8 @@ def test_overlapping_items_are_refused(tmp_path):
 
 
 def test_checkpointer_allocates_only_stored_tensors(tmp_path):
-    """The Checkpointer builds tensors the state lacks from .metadata: a 1 TiB one backed by 8 stored bytes is refused."""
+    """The Checkpointer builds tensors the state lacks from .metadata: a 1 TiB one backed by 8 stored
+    bytes is refused."""
     uri = str(tmp_path / "ckpt")
     cd.save({"m": {"x": torch.ones(2)}}, uri)
 
@@ -374,7 +375,9 @@ def test_model_and_optimizer_round_trip(tmp_path, writer):
     optim2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     extra: dict = {"epoch": None}
     Checkpointer(root).load({"model": model2, "optim": optim2, "extra": extra}, step=step)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True)
+    )
     want, got = optim.state_dict(), optim2.state_dict()
     assert got["param_groups"] == want["param_groups"] and extra == {"epoch": 2}
     for i, st in want["state"].items():
