@@ -45,6 +45,7 @@ re-raises its exception if it failed.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures as cf
 import copy
 import functools
@@ -152,7 +153,7 @@ class RNGState:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         sd["numpy"] = {
             "name": str(name),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
@@ -665,7 +666,7 @@ class Checkpointer:
         else:
             self._rmtree(d)  # debris of a crashed save, or the uncommitted old data
 
-    def _write_data(self, step: int, sd: dict[str, Any]) -> list[str]:
+    def _write_data(self, step: int, sd: dict[str, Any]) -> builtins.list[str]:
         if self.format == "dcp":
             from . import dcp
 
@@ -673,7 +674,7 @@ class Checkpointer:
             return []
         return self._on_rank0(self._write_file, step, sd)
 
-    def _write_file(self, step: int, sd: dict[str, Any]) -> list[str]:
+    def _write_file(self, step: int, sd: dict[str, Any]) -> builtins.list[str]:
         from .io import dump
 
         name = _DATA_FILE[self.format]
@@ -866,7 +867,7 @@ class Checkpointer:
 
     def _read_dcp(
         self, d: str, state: dict[str, Any], cache: Any = None, allow_pickle: bool = False
-    ) -> tuple[dict[str, Any], list[str]]:
+    ) -> tuple[dict[str, Any], builtins.list[str]]:
         """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
         into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict

@@ -483,7 +483,8 @@ def verify_dcp(uri: str) -> dict[str, Any]:
                 f"{obj}: truncated: item {idx.fqn!r} ends at byte {sinfo.offset + sinfo.length}, "
                 f"the object has {sizes[obj]}"
             )
-        hashes = (info or {}).get("xxh3")
+        info = info if isinstance(info, dict) else {}
+        hashes = info.get("xxh3")
         if not hashes:  # written by torch's own writers: each item is a torch.save zip with CRC32s
             if getattr(sinfo, "transform_descriptors", None):
                 unchecked += 1

@@ -67,7 +67,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -273,7 +273,7 @@ def _data_objects(metadata: Metadata, backend: Backend, root: str, meta_uri: str
         raise FormatError(f"{meta_uri}: storage_data is a {type(storage).__name__}, not a dict: not DCP metadata")
     out: dict[str, str] = {}
     for index, sinfo in storage.items():
-        name = getattr(sinfo, "relative_path", None)
+        name: Any = getattr(sinfo, "relative_path", None)  # untrusted: checked by _name_problem
         if isinstance(name, str) and name in out:
             continue
         why = _name_problem(name)
@@ -334,7 +334,7 @@ class _StorageRef:
 
 class _Rebuild:
     def __init__(self, ref: _StorageRef, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
-        self.args = (ref, 0, shape, stride, False, collections.OrderedDict())
+        self.args: tuple[Any, ...] = (ref, 0, shape, stride, False, collections.OrderedDict())
 
     def __reduce__(self):  # the same reduction torch.Tensor uses
         return (torch._utils._rebuild_tensor_v2, self.args)
@@ -428,7 +428,7 @@ class _ZipFraming:
 
     @staticmethod
     def _central_header(name: bytes, size: int, pos: int) -> bytes:
-        vals, fields = [], []
+        vals: list[int] = []
         s32 = size
         if size >= _U32:
             s32 = _U32
@@ -458,7 +458,7 @@ class _ZipFraming:
             0,
             off32,
         )
-        return hdr + name + extra + b"".join(fields)
+        return hdr + name + extra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,16 +493,16 @@ def _tensor_chunks(t: torch.Tensor, max_bytes: int) -> Iterator[memoryview]:
     t = t.detach()
     if t.is_cpu and t.is_contiguous():
         if t.numel():
-            yield memoryview(_uint8(t).numpy())
+            yield memoryview(_uint8(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         return
     if t.dim() == 0 or t.numel() == 0:
         if t.numel():
-            yield memoryview(_uint8(t.cpu().contiguous()).numpy())
+            yield memoryview(_uint8(t.cpu().contiguous()).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         return
     row = max(1, t[0].numel() * t.element_size())
     step = max(1, max_bytes // row)
     for i in range(0, t.shape[0], step):
-        yield memoryview(_uint8(t[i : i + step].to("cpu").contiguous()).numpy())
+        yield memoryview(_uint8(t[i : i + step].to("cpu").contiguous()).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
 
 
 class _AtURI:
@@ -696,7 +696,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                     data = planner.resolve_data(item)
                     info: dict[str, Any] = {"v": FORMAT_VERSION}
                     if item.type == WriteItemType.BYTE_IO:
-                        buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+                        buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)  # type: ignore[arg-type]  # a bytes-like object
                         w.write(buf)
                         length = len(buf)
                         if self.checksums:
@@ -704,7 +704,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
                             info["block"] = max(length, 1)
                         del buf
                     else:
-                        t = data.detach()
+                        t = cast(torch.Tensor, data).detach()  # a tensor item resolves to a tensor
                         nbytes = t.numel() * t.element_size()
                         z = _ZipFraming(t.dtype, tuple(t.shape), nbytes)
                         w.write(z.head)
@@ -876,9 +876,9 @@ class StorageReader(_AtURI, _storage.StorageReader):
             if rank is None:
                 self._metadata_error = e
             raise
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def _read_metadata(self, meta: str) -> Metadata:
@@ -1131,7 +1131,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
             unit = _Unit(req, obj, lambda: None, temp_bytes=hi - lo)
 
         def finish_tensor() -> None:
-            check(memoryview(target.numpy()), lo)
+            check(memoryview(target.numpy()), lo)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
             if direct:
                 planner.commit_tensor(req, dest)
                 return
@@ -1146,7 +1146,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
 
         unit.finish = finish_tensor
         if hi > lo:
-            fetch(unit, obj, base + lo, memoryview(target.numpy()))
+            fetch(unit, obj, base + lo, memoryview(target.numpy()))  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         return unit
 
     def _load_bytes(self, req: ReadItem, planner: LoadPlanner, data: Any, obj: str) -> None:
@@ -1166,7 +1166,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
         unit = _Unit(req, obj, lambda: None, temp_bytes=sinfo.length)
 
         def finish() -> None:
-            stream: Any = BytesReader(buf.numpy(), obj)
+            stream: Any = BytesReader(buf.numpy(), obj)  # type: ignore[arg-type]  # an ndarray is bytes-like
             descriptors = getattr(sinfo, "transform_descriptors", None)
             if descriptors:
                 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
@@ -1189,7 +1189,7 @@ class StorageReader(_AtURI, _storage.StorageReader):
             _copy_into(planner, req, planner.resolve_tensor(req).detach(), t, f"{obj}, item {req.storage_index.fqn!r}")
 
         unit.finish = finish
-        fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))
+        fetch(unit, obj, sinfo.offset, memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
         return unit
 
 

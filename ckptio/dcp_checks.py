@@ -45,8 +45,8 @@ object, and, when ckptio wrote it, a torch dtype, a shape whose size is its ``nb
 bytes inside the item and one checksum per block (:func:`entry_problem`); a read of part of a
 tensor must lie inside the stored shape (:func:`box_problem`); a tensor the Checkpointer creates
 from the metadata must be backed by the stored bytes of its chunks (:func:`tensor_problem`).
-Anything handed to ``torch.load`` (torch-written tensors, non-tensor items) must be a zip whose records are stored uncompressed and
-fit in the item together (:func:`zip_problem`): torch allocates each record's size as its zip
+Anything handed to ``torch.load`` (torch-written tensors, non-tensor items) must be a zip whose
+records are stored uncompressed and fit in the item together (:func:`zip_problem`): torch allocates each record's size as its zip
 header states it. Items with torch's stream transforms (``transform_descriptors``, e.g. zstd) are
 decompressed by torch's extension and not bounded here.
 """
@@ -96,7 +96,7 @@ def pickle_problem(data: Any) -> str | None:
     ``torch.load(weights_only=True)`` calls (or builds only a plain ``io.BytesIO``).
     """
     try:
-        archive = torch._C.PyTorchFileReader(BytesReader(data))
+        archive = torch._C.PyTorchFileReader(BytesReader(data))  # type: ignore[call-overload]  # a binary file object
         records = archive.get_all_records()
         pkl = archive.get_record("data.pkl")
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for a bad archive
@@ -107,7 +107,7 @@ def pickle_problem(data: Any) -> str | None:
     if why is not None:
         return why
     try:
-        torch.load(BytesReader(data), map_location="cpu", weights_only=True)
+        torch.load(BytesReader(data), map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # a binary file object
         return None
     except Exception as e:  # noqa: BLE001 - whatever the restricted load refuses is refused
         refused = e
@@ -121,7 +121,7 @@ def pickle_problem(data: Any) -> str | None:
 
 def _unsafe_globals(data: Any) -> list[str]:
     try:
-        return torch.serialization.get_unsafe_globals_in_checkpoint(BytesReader(data))
+        return torch.serialization.get_unsafe_globals_in_checkpoint(BytesReader(data))  # type: ignore[arg-type]  # a binary file object
     except Exception:  # noqa: BLE001 - torch < 2.5, or a pickle it cannot scan: the caller reports the load error
         return []
 
@@ -134,7 +134,8 @@ def _first_line(e: BaseException) -> str:
 def _memo_problem(pkl: bytes) -> str | None:
     try:
         for op, arg, pos in pickletools.genops(pkl):
-            if op.name in _MEMO_PUTS and arg > pos:  # a pickle memoizes at most one object per opcode before it
+            # a pickle memoizes at most one object per opcode before it
+            if op.name in _MEMO_PUTS and pos is not None and isinstance(arg, int) and arg > pos:
                 return f"stores a pickle memo entry at index {arg} (at byte {pos}), beyond anything it holds"
     except Exception as e:  # noqa: BLE001 - ValueError for unknown opcodes or truncated arguments
         return f"holds a malformed pickle ({e})"

@@ -315,7 +315,8 @@ def load_capped(args: dict) -> None:
     load into), ``kind`` (``ckptio``: ``ckptio.dcp.load``; ``torch``: torch's ``dcp.load`` with
     ckptio's reader; ``checkpointer``: ``Checkpointer(root).load(step=uri)``; ``verify``: what
     ``ckptio verify`` runs) and ``options`` for it; ``backends``; ``headroom``: bytes of address space
-    allowed beyond what the process uses once set up, so that a huge allocation fails here instead of exhausting the machine.
+    allowed beyond what the process uses once set up, so that a huge allocation fails here instead
+    of exhausting the machine.
     """
     import resource
 
