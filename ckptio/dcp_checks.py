@@ -47,8 +47,8 @@ tensor must lie inside the stored shape (:func:`box_problem`); a tensor the Chec
 from the metadata must be backed by the stored bytes of its chunks (:func:`tensor_problem`).
 Anything handed to ``torch.load`` (torch-written tensors, non-tensor items) must be a zip whose
 records are stored uncompressed and fit in the item together (:func:`zip_problem`): torch
-allocates each record's size as its zip header states it. Items with torch's stream transforms (``transform_descriptors``, e.g. zstd) are
-decompressed by torch's extension and not bounded here.
+allocates each record's size as its zip header states it. Items with torch's stream transforms
+(``transform_descriptors``, e.g. zstd) are decompressed by torch's extension and not bounded here.
 """
 
 from __future__ import annotations
