@@ -409,23 +409,14 @@ def bench_s3(b: Bench, nbytes: int) -> None:
         print(f"\nS3: skipped, the S3 backend or a baseline client is not available ({e})")
         return
     import ckptio
-    from ckptio.bench.servers import MotoServer, make_s3_bucket
+    from ckptio.bench.servers import MOTO_S3_OPTIONS, MotoServer, make_s3_bucket
 
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     for k, v in creds.items():
         os.environ.setdefault(k, v)
     with MotoServer() as server:
         make_s3_bucket(server.url, "bench")
-        ckptio.configure(
-            backends={
-                "s3": {
-                    "endpoint_url": server.url,
-                    "access_key_id": "testing",
-                    "secret_access_key": "testing",
-                    "region": "us-east-1",
-                }
-            }
-        )
+        ckptio.configure(backends={"s3": {"endpoint_url": server.url, **MOTO_S3_OPTIONS}})
         sd = transformer(nbytes)
         n = payload_bytes(sd)
         blob = bytearray(os.urandom(1024)) * (n // 1024)

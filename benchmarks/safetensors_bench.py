@@ -137,37 +137,13 @@ def bench_local(sd: dict[str, torch.Tensor], runs: int, root: str) -> list[dict]
 
 @contextlib.contextmanager
 def s3_bucket() -> Iterator[tuple[str, Any]]:
-    import boto3
-    import s3fs
-
-    from ckptio.bench.servers import MotoServer
+    from ckptio.bench.servers import MOTO_S3_OPTIONS, MotoServer, make_s3_bucket, moto_s3fs
 
     with MotoServer() as server:
         bucket = "bench-" + uuid.uuid4().hex[:8]
-        boto3.client(
-            "s3",
-            endpoint_url=server.url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        ).create_bucket(Bucket=bucket)
-        ckptio.configure(
-            backends={
-                "s3": {
-                    "endpoint_url": server.url,
-                    "access_key_id": "testing",
-                    "secret_access_key": "testing",
-                    "region": "us-east-1",
-                }
-            }
-        )
-        fs = s3fs.S3FileSystem(
-            endpoint_url=server.url,
-            key="testing",
-            secret="testing",
-            skip_instance_cache=True,
-            client_kwargs={"region_name": "us-east-1"},
-        )
+        make_s3_bucket(server.url, bucket)
+        ckptio.configure(backends={"s3": {"endpoint_url": server.url, **MOTO_S3_OPTIONS}})
+        fs = moto_s3fs(server.url)
         try:
             yield bucket, fs
         finally:

@@ -34,6 +34,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import ckptio
+from ckptio.bench.servers import moto_s3fs
 from servers import GCSEmulator, MotoServer, TLSMotoServer, make_gcs_bucket
 
 MiB = 1024 * 1024
@@ -68,7 +69,6 @@ def report(title: str, size: int, times: dict[str, list[float]], ours: list[str]
 
 def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
     import boto3
-    import s3fs
     from boto3.s3.transfer import TransferConfig
 
     out = {}
@@ -86,13 +86,7 @@ def bench_s3(size: int, repeats: int, data: bytes, buf: bytearray) -> dict:
             }
         )
         backend, _ = ckptio.resolve(f"s3://{bucket}/x")
-        fs = s3fs.S3FileSystem(
-            endpoint_url=server.url,
-            key="testing",
-            secret="testing",
-            skip_instance_cache=True,
-            client_kwargs={"region_name": "us-east-1"},
-        )
+        fs = moto_s3fs(server.url)
         client = boto3.client("s3", endpoint_url=server.url, **creds)
         tc = TransferConfig()
         put = {

@@ -150,6 +150,23 @@ def make_s3_bucket(endpoint: str, bucket: str) -> None:
     urllib.request.urlopen(req, timeout=10).close()  # moto does not check signatures
 
 
+# ckptio's S3 backend options for a MotoServer (moto takes any credentials; these are its documented test ones)
+MOTO_S3_OPTIONS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+
+
+def moto_s3fs(endpoint: str) -> Any:
+    """A fresh s3fs client for the moto server at ``endpoint`` (the raw-s3fs baselines)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        endpoint_url=endpoint,
+        key="testing",
+        secret="testing",
+        skip_instance_cache=True,
+        client_kwargs={"region_name": "us-east-1"},
+    )
+
+
 def make_gcs_bucket(endpoint: str, bucket: str) -> None:
     req = urllib.request.Request(
         f"{endpoint}/storage/v1/b?project=test",
