@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, ClassVar, Literal
+from typing import Any, BinaryIO, ClassVar, Literal
 
 from .. import uri as _uri
 from ..errors import NotFoundError
@@ -78,6 +78,12 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Discard what was written. Safe to call more than once and after a failed close."""
+
+    def local_fileno(self) -> int | None:
+        """Capability: the descriptor of the local file this writer fills, when it writes one directly
+        (callers may then use OS fast paths on it: ``sync_file_range``, ``pwritev``); None otherwise.
+        A wrapper that must see every byte (counting, for progress) returns None."""
+        return None
 
     def write_borrowed(self, data: Buffer) -> int:
         """``write`` for a caller that keeps ``data`` unchanged until ``close``/``abort`` returns, so
@@ -208,6 +214,11 @@ class Backend(abc.ABC):
 
     name: str = "base"  # a class default; a wrapper or a registry entry sets its own on the instance
     prefixes: ClassVar[tuple[str, ...]] = ()
+    # Capability: writes land in place (a local file), so a writer holds no part buffers a caller
+    # would need to bound. Object stores buffer parts and say so with ``max_buffer_bytes``.
+    writes_in_place: ClassVar[bool] = False
+    # Capability: the bound on the bytes one writer buffers (an option of S3/GCS), None where there is none.
+    max_buffer_bytes: int | None = None
 
     def __init__(self, *, part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY) -> None:
         if int(part_size) <= 0:
@@ -308,6 +319,23 @@ class Backend(abc.ABC):
     def abort_pending_write(self, write: PendingWrite) -> None:  # noqa: B027 - optional: nothing to abort by default
         """Discard what a pending write left (one listed by :meth:`list_pending_writes`); already
         gone: no error."""
+
+    @contextlib.contextmanager
+    def local_file(self, uri: str) -> Iterator[str | None]:
+        """Capability: for the block, the path of a local file that holds exactly the object's bytes
+        without copying them (readers may ``pread``/``mmap`` it), or None when the storage has no such
+        file (remote, memory). Local files yield their path, the node-local cache its verified entry.
+        A missing object raises NotFoundError where the storage would have yielded a path."""
+        yield None
+
+    def with_options(self, **options: Any) -> Backend:
+        """Capability: this storage with some options changed (``concurrency``, ``part_size``,
+        ``max_buffer_bytes``...), for a caller that tunes one save. Default: self when nothing
+        changes, else a ValueError naming what this backend cannot change."""
+        changed = {k: v for k, v in options.items() if getattr(self, k, object()) != v}
+        if changed:
+            raise ValueError(f"{self!r} cannot derive a backend with options {sorted(changed)}")
+        return self
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:

@@ -16,7 +16,7 @@ import shutil
 import stat as _stat
 import uuid
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
@@ -111,6 +111,9 @@ class LocalWriter(Writer):
         assert self._f is not None
         return self._f.fileno()
 
+    def local_fileno(self) -> int | None:
+        return None if self._f is None else self._f.fileno()
+
     def close(self) -> None:
         if self._f is None:
             return
@@ -147,6 +150,7 @@ class LocalBackend(Backend):
     """Files on a local (or locally mounted) filesystem."""
 
     name = "local"
+    writes_in_place = True
 
     def __init__(self, *, durable: bool = True, **kw) -> None:
         super().__init__(**kw)
@@ -262,6 +266,20 @@ class LocalBackend(Backend):
         if not os.path.exists(path):
             raise NotFoundError(uri)
         yield path
+
+    @contextlib.contextmanager
+    def local_file(self, uri: str) -> Iterator[str | None]:
+        with self.get_local_path(uri) as path:
+            yield path
+
+    def with_options(self, **options: Any) -> Backend:
+        opts = {"durable": self.durable, "part_size": self.part_size, "concurrency": self.concurrency}
+        unknown = sorted(set(options) - set(opts))
+        if unknown:
+            raise ValueError(f"{self!r} has no option(s) {unknown}")
+        derived = LocalBackend(**{**opts, **options})
+        derived.name = self.name
+        return derived
 
 
 def _preadinto(fd: int, mv: memoryview, offset: int) -> int:
