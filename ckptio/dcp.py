@@ -660,7 +660,7 @@ class StorageWriter(_AtURI, _storage.StorageWriter):
         if isinstance(self.backend, LocalBackend) or objects == 0:
             return objects
         budget = self.max_buffer_bytes or max(64 << 20, payload // 10)
-        if hasattr(self.backend, "max_buffer_bytes"):
+        if self.backend.max_buffer_bytes is not None:
             # Object-store writers bound their own copies by ``max_buffer_bytes`` and upload large
             # tensor writes straight from tensor memory: split the budget over the objects in flight
             # and keep each writer's full part concurrency.
