@@ -464,7 +464,8 @@ def copytree(
 
     As mmengine (and ``shutil.copytree``), ``dst`` must not exist: ``FileExistsError`` otherwise.
     ``dirs_exist_ok=True`` copies into an existing ``dst``, replacing objects of the same name
-    (``mode="create"`` refuses to replace them)."""
+    (``mode="create"`` refuses to replace them). Keys that would leave ``dst`` are refused before
+    anything is copied (:mod:`ckptio.transfer`, the copy engine ``ckptio cp`` uses too)."""
     sb, s = _resolve(src, backend_args, backend_key)
     db, d = _resolve(dst, backend_args, backend_key)
     if not dirs_exist_ok and db.exists(d):
