@@ -22,6 +22,7 @@ from .errors import (
     UnknownSchemeError,
 )
 from .formats.base import Format, StreamFormat
+from .inspect import info, verify
 from .io import (
     copy_if_symlink_fails,
     copyfile,
@@ -103,6 +104,7 @@ __all__ = [
     "get",
     "get_local_path",
     "get_text",
+    "info",
     "isdir",
     "isfile",
     "join_path",
@@ -122,4 +124,5 @@ __all__ = [
     "set_s3_backend",
     "settings",
     "stat",
+    "verify",
 ]

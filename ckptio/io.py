@@ -15,10 +15,11 @@ from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 from . import registry as _registry
+from . import transfer as _transfer
 from . import uri as _uri
-from .backends.base import Backend, WriteMode, copy_between
+from .backends.base import Backend, WriteMode
 from .backends.cached import CachedBackend
-from .backends.local import ensure_inside, local_path
+from .backends.local import local_path
 from .context import default_context
 from .errors import AlreadyExistsError, NotFoundError, SettingsError, UnknownSchemeError
 from .formats.base import Format
@@ -429,10 +430,7 @@ def copyfile(
         dst = join_path(os.fspath(dst), _uri.basename(s))
     if sb is db and _same_object(s, d):
         raise shutil.SameFileError(f"{os.fspath(src)!r} and {os.fspath(dst)!r} are the same file; copy to another name")
-    if sb is db:
-        sb.copy(s, d, mode=mode)
-    else:
-        copy_between(sb, s, db, d, mode=mode)
+    _transfer.copy_object(sb, s, db, d, mode=mode)
     return dst
 
 
@@ -466,7 +464,8 @@ def copytree(
 
     As mmengine (and ``shutil.copytree``), ``dst`` must not exist: ``FileExistsError`` otherwise.
     ``dirs_exist_ok=True`` copies into an existing ``dst``, replacing objects of the same name
-    (``mode="create"`` refuses to replace them)."""
+    (``mode="create"`` refuses to replace them). Keys that would leave ``dst`` are refused before
+    anything is copied (:mod:`ckptio.transfer`, the copy engine ``ckptio cp`` uses too)."""
     sb, s = _resolve(src, backend_args, backend_key)
     db, d = _resolve(dst, backend_args, backend_key)
     if not dirs_exist_ok and db.exists(d):
@@ -478,19 +477,7 @@ def copytree(
         raise NotFoundError(os.fspath(src), "no such directory")
     if _is_local(d):  # as shutil: the destination directory exists afterwards, even for an empty tree
         os.makedirs(local_path(d), exist_ok=True)
-    root = s.rstrip("/")
-    for info in infos:
-        if info.is_dir:
-            continue
-        rel = info.uri[len(root) :].lstrip("/")
-        if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
-            raise SettingsError(f"refusing to copy {info.uri!r}: its key escapes {src!r}")
-        target = _uri.join_path(d, *rel.split("/"))
-        ensure_inside(db, d, target)
-        if sb is db:
-            sb.copy(info.uri, target, mode=mode)
-        else:
-            copy_between(sb, info.uri, db, target, mode=mode)
+    _transfer.copy_objects(sb, _transfer.tree_targets(infos, s, db, d, named=src), db, mode=mode)
     return dst
 
 

@@ -324,7 +324,6 @@ def load_capped(args: dict) -> None:
 
     import ckptio
     import ckptio.dcp as cd
-    from ckptio import cli
     from ckptio.checkpointer import Checkpointer
 
     _configure(args.get("backends"))
@@ -345,7 +344,7 @@ def load_capped(args: dict) -> None:
             elif job["kind"] == "torch":
                 dcp.load(state, storage_reader=cd.StorageReader(uri, **opts))
             elif job["kind"] == "verify":
-                cli.verify_dcp(uri)
+                cd.verify(uri)
             else:
                 Checkpointer(job["root"]).load(state, step=uri, **opts)
             outcomes.append({"outcome": "ok", "types": []})

@@ -21,7 +21,6 @@ import torch
 import ckptio
 import ckptio.dcp as cd
 import dcp_workers as W
-from ckptio import cli
 from ckptio.checkpointer import MARKER_NAME, Checkpointer
 from conftest import S3_TEST_OPTIONS
 
@@ -94,7 +93,7 @@ def check_outcome(outcomes: dict[int, str], uri: str, kind: str, atomic_create: 
         if all(torch.equal(got[k], v) for k, v in W.big_state(s).items())
     ]
     assert exact, f"the committed checkpoint is not the state of a save that returned: {outcomes}"
-    assert cli.verify_dcp(ckpt)["checked"] == len(got)
+    assert cd.verify(ckpt)["checked"] == len(got)
     if atomic_create:
         md = cd.loads_metadata(ckptio.get(f"{ckpt}/.metadata"))
         referenced = {s.relative_path for s in md.storage_data.values()}

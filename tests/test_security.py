@@ -244,8 +244,8 @@ def test_cli_inspector_decodes_only_latin1_bytes():
     bytes (latin1), and no other codec (zlib, bz2: compression bombs, arbitrary transforms) is run."""
     import _codecs
 
-    from ckptio.cli import _TorchInspector
     from ckptio.errors import FormatError
+    from ckptio.formats.torch import _TorchInspector
 
     def payload(encoding: str) -> bytes:
         class P:

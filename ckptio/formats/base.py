@@ -2,13 +2,17 @@
 
 A format gets the backend and the resolved URI, so it can stream, issue ranged reads or map a
 local file as it sees fit. Simple formats subclass :class:`StreamFormat` and only convert to and
-from a file object.
+from a file object. A format that can describe or check its files without loading them implements
+``inspect`` and ``verify`` (``ckptio.info`` / ``ckptio.verify`` and the CLI call them); both return
+plain JSON data, which :func:`jsonable` and :func:`dtype_size` help build.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import io
+import math
 from typing import IO, Any, ClassVar
 
 from ..backends.base import Backend, WriteMode, Writer
@@ -38,13 +42,20 @@ class Format(abc.ABC):
         """Deserialize from an open file object."""
         raise NotImplementedError(f"format {self.name!r} cannot read from a file object")
 
-    def inspect(self, backend: Backend, uri: str) -> Any:
-        """What the file holds, without reading tensor bytes (``ckptio info``)."""
-        raise NotImplementedError(f"format {self.name!r} cannot inspect files")
+    def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """What the file holds, without reading tensor bytes (``ckptio info``), as plain JSON data:
+        ``format``, ``tensors`` (each ``key``, ``dtype``, ``shape``, ``nbytes``), ``tensor_bytes``,
+        ``values`` (the other leaves, flattened to dotted keys) and anything format-specific."""
+        raise NotImplementedError(f"format {self.name!r}: no inspect for this format")
 
     def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
-        """Check everything the format can check (``ckptio verify``); FormatError/IntegrityError if bad."""
-        raise NotImplementedError(f"format {self.name!r} cannot verify files")
+        """Check everything the format can check (``ckptio verify``), as plain JSON data: ``checked``,
+        ``unchecked`` and ``what`` was checked. FormatError/IntegrityError when the file is bad."""
+        raise NotImplementedError(f"format {self.name!r}: no verify for this format")
+
+    def can(self, operation: str) -> bool:
+        """Whether this format implements ``inspect`` or ``verify`` (the defaults only raise)."""
+        return getattr(type(self), operation) is not getattr(Format, operation)
 
     def __repr__(self) -> str:
         return f"<format {self.name!r} {list(self.extensions)}>"
@@ -105,3 +116,32 @@ class _RawWriter(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         return self._w.write(b)
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain JSON data from inspection results (dataclasses, dtypes, sizes, tuples...)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, bytes):
+        return f"<{len(obj)} bytes>"
+    name = type(obj).__module__ + "." + type(obj).__name__
+    if name in ("torch.dtype", "torch.device"):
+        return str(obj).removeprefix("torch.")
+    if name == "torch.Size":
+        return list(obj)
+    return repr(obj)
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a torch dtype named ``"float32"`` or ``"torch.float32"``."""
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()

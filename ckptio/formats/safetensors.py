@@ -571,7 +571,7 @@ class SafetensorsFormat(Format):
             _open_source(f, {}), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
         )
 
-    def inspect(self, backend: Backend, uri: str) -> Inspection:
+    def headers(self, backend: Backend, uri: str) -> Inspection:
         """The header(s), validated; no tensor bytes are read."""
         if not uri.lower().endswith(INDEX_SUFFIX):
 
@@ -583,7 +583,7 @@ class SafetensorsFormat(Format):
         metadata, weight_map = _read_index(backend, uri)
         out = Inspection(uri, backend.stat(uri).size, metadata)
         for shard in dict.fromkeys(weight_map.values()):
-            part = self.inspect(backend, shard)
+            part = self.headers(backend, shard)
             listed = [e for e in part.tensors if weight_map.get(e.key) == shard]
             missing = {k for k, s in weight_map.items() if s == shard} - {e.key for e in listed}
             if missing:
@@ -593,9 +593,26 @@ class SafetensorsFormat(Format):
             out.size += part.size
         return out
 
+    def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
+        insp = self.headers(backend, uri)
+        tensors = [
+            {"key": t.key, "dtype": t.torch_dtype or t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+            for t in insp.tensors
+        ]
+        out: dict[str, Any] = {
+            "format": "safetensors",
+            "tensors": tensors,
+            "tensor_bytes": sum(t["nbytes"] for t in tensors),
+            "values": insp.metadata,
+            "size": insp.size,
+        }
+        if insp.files != [uri]:
+            out["shards"] = len(insp.files)
+        return out
+
     def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
         """Everything safetensors can check: the header(s), offsets, sizes and the shard index."""
-        insp = self.inspect(backend, uri)
+        insp = self.headers(backend, uri)
         return {
             "checked": len(insp.files),
             "unchecked": 0,

@@ -6,14 +6,25 @@ Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=
 fetched with parallel ranged reads into a temporary file (torch's zip reader over a remote stream
 would issue one small sequential request per record). ``mmap=True`` works everywhere; the mapping
 outlives the temporary file.
+
+``inspect`` / ``verify`` (``ckptio info`` / ``ckptio verify``) read the pickle with
+:class:`_TorchInspector`, an unpickler that builds stand-ins (:class:`TensorInfo`, :class:`_Opaque`)
+instead of tensors and calls nothing it does not know, and check the zip CRC32 of every member.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import math
+import pickle
+import zipfile
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 from ..backends.base import Backend
-from .base import StreamFormat
+from ..errors import FormatError, IntegrityError
+from .base import StreamFormat, dtype_size, jsonable
 
 
 class TorchFormat(StreamFormat):
@@ -40,3 +51,168 @@ class TorchFormat(StreamFormat):
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
         with backend.get_local_path(uri) as path:
             return torch.load(path, **kw)
+
+    def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
+        return inspect_torch(backend, uri)
+
+    def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
+        return verify_torch(backend, uri)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspection without loading tensor data: unpickle data.pkl with stand-ins
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    storage: str
+    parameter: bool = False
+
+
+class _Opaque:
+    """Stand-in for any global the inspector does not allow: records, never executes."""
+
+    _name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self._name}>"
+
+
+def _storage_dtype(name: str) -> str:
+    import torch
+
+    if name == "UntypedStorage":
+        return "uint8"
+    try:
+        from torch.storage import _get_dtype_from_pickle_storage_type
+
+        return str(_get_dtype_from_pickle_storage_type(name)).removeprefix("torch.")
+    except (ImportError, KeyError, AttributeError):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return str(getattr(torch, name).dtype).removeprefix("torch.")
+
+
+class _StorageType:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise FormatError(f"pickled _codecs.encode with encoding {encoding!r}: only latin1 (torch's bytes) is read")
+    return text.encode("latin1")
+
+
+class _TorchInspector(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import collections
+
+        import torch
+
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "builtins" and name in (
+            "set",
+            "frozenset",
+            "complex",
+            "slice",
+            "bytearray",
+            "tuple",
+            "list",
+            "dict",
+        ):
+            return getattr(__import__("builtins"), name)
+        if module == "_codecs" and name == "encode":
+            return _latin1_encode  # how torch pickles bytes; no other codec
+        # torch_internals: torch's private rebuild functions, as torch.save pickles tensors
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return self._tensor
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return lambda data, *a: dataclasses.replace(data, parameter=True) if isinstance(data, TensorInfo) else data
+        if module == "torch" and name.endswith("Storage"):
+            return _StorageType(_storage_dtype(name))
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and name == "device":
+            return str
+        return type(name, (_Opaque,), {"_name": f"{module}.{name}"})
+
+    @staticmethod
+    def _tensor(storage: Any, offset: int, size: Sequence[int], stride: Sequence[int], *args: Any) -> Any:
+        if not isinstance(storage, dict):
+            return _Opaque(storage)
+        numel = math.prod(size)
+        return TensorInfo(storage["dtype"], list(size), numel * dtype_size(storage["dtype"]), storage["key"])
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            st, key, numel = pid[1], str(pid[2]), int(pid[4])
+            dtype = st.dtype if isinstance(st, _StorageType) else "uint8"
+            return {"dtype": dtype, "key": key, "numel": numel}
+        return None
+
+
+def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple, TensorInfo)) for v in obj):
+        for i, v in enumerate(obj):
+            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, obj
+
+
+def _open_zip(backend: Backend, uri: str) -> zipfile.ZipFile:
+    f = backend.open_reader(uri)
+    try:
+        return zipfile.ZipFile(f)
+    except zipfile.BadZipFile:
+        f.close()
+        raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
+
+
+def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
+    """Keys, dtypes, shapes and sizes of a zip-format ``torch.save`` file; no tensor bytes are read
+    and no code runs (:class:`_TorchInspector` records unknown globals instead of calling them)."""
+    with _open_zip(backend, uri) as z:
+        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            raise FormatError(f"{uri}: zip archive without data.pkl: not a torch checkpoint")
+        try:
+            tree = _TorchInspector(io.BytesIO(z.read(pkl))).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+            raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
+    tensors: list[dict[str, Any]] = []
+    storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it
+    for key, v in _flatten(tree):
+        if isinstance(v, TensorInfo):
+            tensors.append({"key": key, "dtype": v.dtype, "shape": v.shape, "nbytes": v.nbytes})
+            storages[v.storage] = max(storages.get(v.storage, 0), v.nbytes)
+    others = {k: jsonable(v) for k, v in _flatten(tree) if not isinstance(v, TensorInfo)}
+    return {"format": "torch", "tensors": tensors, "tensor_bytes": sum(storages.values()), "values": others}
+
+
+def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
+    """The CRC32 of every zip member, then the pickle (as :func:`inspect_torch`)."""
+    with _open_zip(backend, uri) as z:
+        bad = z.testzip()  # reads every member and checks its CRC32
+        if bad is not None:
+            raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
+        members = len(z.namelist())
+    inspect_torch(backend, uri)
+    return {"checked": members, "unchecked": 0, "what": "zip CRC32 of every member"}
