@@ -407,6 +407,46 @@ def test_mmap_load_is_zero_copy_and_lazy(tmp_path):
         fp.load(io.BytesIO(bytes(data)), mmap=True)
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_format_inspect_and_verify_report_what_the_cli_shows(where, tmp_path, memory_uri):
+    import json
+
+    from ckptio import cli, registry
+
+    w = torch.randn(4, 3)
+    state = {
+        "model": {"w": w, "view": w[1], "q": torch.quantize_per_tensor(torch.randn(5), 0.1, 2, torch.qint8)},
+        "arrays": [np.arange(6, dtype=np.int16).reshape(2, 3), (np.float32(1.5), np.dtype("<f8"))],
+        "tensors_in_a_set": {torch.ones(2)},
+        "values": {3: "int key", (1, 2): b"\x00\x01", "c": 1 + 2j, "nan": float("nan"), "size": torch.Size([2, 3])},
+        "types": [torch.float16, torch.device("cpu"), None, True, 2**70],
+        "odd": collections.OrderedDict(b=[[1, 2], {"x": [torch.arange(3)]}]),
+    }
+    root = str(tmp_path) if where == "local" else memory_uri
+    for name, obj, pickled in [
+        ("rich", state, False),
+        ("plain", {"a": [1, 2, {"b": 3}]}, False),
+        ("pkl", {"p": collections.Counter("aab")}, True),
+    ]:
+        uri = f"{root}/{name}.fpk"
+        fp.save(obj, uri, allow_pickle=pickled)
+        backend, resolved = ckptio.resolve(uri)
+        fmt = registry.formats.find(resolved).instance()
+        report = fmt.inspect(backend, resolved)
+        json.dumps(report)  # JSON-able as it is
+        assert name != "rich" or (len(report["tensors"]) == 6 and report["values"]["values.c"] == "(1+2j)")
+        info = cli.info(uri)
+        assert set(info) - set(report) <= {"uri", "size"}
+        assert {k: info[k] for k in report} == report
+        if pickled:
+            with pytest.raises(FormatError, match="allow_pickle"):
+                fmt.verify(backend, resolved)
+            with pytest.raises(FormatError, match="allow_pickle"):
+                cli.verify(uri)
+        else:
+            assert cli.verify(uri) == {"uri": uri, "format": "fastpickle", "ok": True, **fmt.verify(backend, resolved)}
+
+
 def test_cached_backend_loads_from_its_local_entry(memory_uri, tmp_path):
     from ckptio.backends.cached import CachedBackend
 

@@ -16,6 +16,7 @@ from .decode import decode_tree, tensor_factory
 from .encode import encode
 from .layout import FLAG_PICKLE, VERSION, Inspection
 from .read import Source, gc_paused, map_payloads, open_source, read_meta, read_payloads, source_for, with_source
+from .report import VERIFIED, inspect_report
 from .select import Ref, refs, select, substitute
 from .write import Sink, sink_for, write_stream, writer_for
 
@@ -90,13 +91,13 @@ def load(
 
 def inspect(uri_or_file: Any, **backend_options: Any) -> Inspection:
     """The tree (tensors replaced by :class:`TensorInfo`) and the tensor table; reads no tensor bytes."""
+    return with_source(open_source(uri_or_file, backend_options), _inspection)
 
-    def run(src: Source) -> Inspection:
-        meta = read_meta(src)
-        tree = decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
-        return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
 
-    return with_source(open_source(uri_or_file, backend_options), run)
+def _inspection(src: Source) -> Inspection:
+    meta = read_meta(src)
+    tree = decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
+    return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
 
 
 def save(
@@ -151,6 +152,17 @@ class FastpickleFormat(Format):
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
         return with_source(source_for(backend, uri), lambda src: load_source(src, **kwargs))
+
+    def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """What ``ckptio info`` shows of the file, JSON-able: tensor table, other values, version; reads
+        no tensor bytes."""
+        return inspect_report(with_source(source_for(backend, uri), _inspection))
+
+    def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """Check every checksum (a full load); raises IntegrityError on corruption, FormatError on a file
+        that needs ``allow_pickle``. Returns what ``ckptio verify`` shows: ``{"what": ...}``."""
+        self.load(backend, uri, verify=True)
+        return {"what": VERIFIED}
 
     def dump_file(self, obj: Any, f: IO, **kwargs: Any) -> None:
         save(obj, f, **kwargs)
