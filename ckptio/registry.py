@@ -292,7 +292,7 @@ formats.register("pickle", [".pkl", ".pickle"], "ckptio.formats.simple:PickleFor
 formats.register("msgpack", [".msgpack", ".mpk"], "ckptio.formats.simple:MsgpackFormat")
 formats.register("npy", [".npy"], "ckptio.formats.simple:NumpyFormat")
 formats.register("torch", [".pt", ".pth", ".ckpt", ".pth.tar", ".bin.pt"], "ckptio.formats.torch:TorchFormat")
-formats.register("fastpickle", [".fpk"], "ckptio.fastpickle:FastpickleFormat")
+formats.register("fastpickle", [".fpk"], "ckptio.formats.fastpickle:FastpickleFormat")
 formats.register(
     "safetensors", [".safetensors", ".safetensors.index.json"], "ckptio.formats.safetensors:SafetensorsFormat"
 )

@@ -14,6 +14,8 @@ import torch
 import ckptio
 from ckptio import fastpickle as fp
 from ckptio.errors import AlreadyExistsError, FormatError, IntegrityError
+from ckptio.formats.fastpickle import layout as fpk_layout
+from ckptio.formats.fastpickle import write as fpk_write
 
 # ---- comparing values exactly ------------------------------------------------------------------
 
@@ -129,7 +131,7 @@ def test_top_level_non_dict_values():
 
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-ALL_DTYPES = sorted({d for d in fp._DTYPES.values() if d not in QUANTIZED}, key=str)
+ALL_DTYPES = sorted({d for d in fpk_layout.DTYPES.values() if d not in QUANTIZED}, key=str)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -334,7 +336,7 @@ def test_cuda_tensors_go_through_pinned_staging(tmp_path):
     state["view"] = state["w"][10:20]  # shares the CUDA storage
     p = tmp_path / "cuda.fpk"
     fp.save(state, p)
-    assert fp._staging is not None and fp._staging.is_pinned()
+    assert fpk_write._staging is not None and fpk_write._staging.is_pinned()
     out = fp.load(p)  # located where they were saved, like torch.load
     assert out["w"].is_cuda and torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
     assert out["view"].untyped_storage().data_ptr() == out["w"].untyped_storage().data_ptr()
@@ -405,6 +407,46 @@ def test_mmap_load_is_zero_copy_and_lazy(tmp_path):
         fp.load(io.BytesIO(bytes(data)), mmap=True)
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_format_inspect_and_verify_report_what_the_cli_shows(where, tmp_path, memory_uri):
+    import json
+
+    from ckptio import cli, registry
+
+    w = torch.randn(4, 3)
+    state = {
+        "model": {"w": w, "view": w[1], "q": torch.quantize_per_tensor(torch.randn(5), 0.1, 2, torch.qint8)},
+        "arrays": [np.arange(6, dtype=np.int16).reshape(2, 3), (np.float32(1.5), np.dtype("<f8"))],
+        "tensors_in_a_set": {torch.ones(2)},
+        "values": {3: "int key", (1, 2): b"\x00\x01", "c": 1 + 2j, "nan": float("nan"), "size": torch.Size([2, 3])},
+        "types": [torch.float16, torch.device("cpu"), None, True, 2**70],
+        "odd": collections.OrderedDict(b=[[1, 2], {"x": [torch.arange(3)]}]),
+    }
+    root = str(tmp_path) if where == "local" else memory_uri
+    for name, obj, pickled in [
+        ("rich", state, False),
+        ("plain", {"a": [1, 2, {"b": 3}]}, False),
+        ("pkl", {"p": collections.Counter("aab")}, True),
+    ]:
+        uri = f"{root}/{name}.fpk"
+        fp.save(obj, uri, allow_pickle=pickled)
+        backend, resolved = ckptio.resolve(uri)
+        fmt = registry.formats.find(resolved).instance()
+        report = fmt.inspect(backend, resolved)
+        json.dumps(report)  # JSON-able as it is
+        assert name != "rich" or (len(report["tensors"]) == 6 and report["values"]["values.c"] == "(1+2j)")
+        info = cli.info(uri)
+        assert set(info) - set(report) <= {"uri", "size"}
+        assert {k: info[k] for k in report} == report
+        if pickled:
+            with pytest.raises(FormatError, match="allow_pickle"):
+                fmt.verify(backend, resolved)
+            with pytest.raises(FormatError, match="allow_pickle"):
+                cli.verify(uri)
+        else:
+            assert cli.verify(uri) == {"uri": uri, "format": "fastpickle", "ok": True, **fmt.verify(backend, resolved)}
+
+
 def test_cached_backend_loads_from_its_local_entry(memory_uri, tmp_path):
     from ckptio.backends.cached import CachedBackend
 
@@ -459,7 +501,7 @@ def test_remote_full_load_checks_header_and_metadata(memory_uri, pos, error, mes
 
 
 def test_a_write_that_takes_nothing_is_an_error_not_a_hang(tmp_path, monkeypatch):
-    monkeypatch.setattr(fp.os, "writev", lambda fd, bufs: 0)
+    monkeypatch.setattr(fpk_write.os, "writev", lambda fd, bufs: 0)
     path = tmp_path / "zero.fpk"
     with pytest.raises(OSError, match="zero.fpk.*took no bytes"):
         fp.save({f"t{i}": torch.randn(100) for i in range(3)}, str(path))
@@ -473,7 +515,7 @@ def test_short_vectored_writes_are_resumed(tmp_path, monkeypatch):
         first = memoryview(bufs[0]).cast("B")
         return real(fd, [first[:1000]])
 
-    monkeypatch.setattr(fp.os, "writev", short)
+    monkeypatch.setattr(fpk_write.os, "writev", short)
     state = {f"t{i}": torch.randn(700 + i) for i in range(20)}
     path = str(tmp_path / "short.fpk")
     fp.save(state, path)

@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 from ckptio import fastpickle as fp
 from ckptio.errors import FormatError, IntegrityError
+from ckptio.formats.fastpickle import read as fpk_read
 from fpk_crafting import seal, split
 from test_fastpickle import assert_same, roundtrip
 
@@ -232,7 +233,7 @@ def lie_in_table(field_path, value) -> bytes:
 def test_lying_tables_are_rejected_before_allocation(field_path, value):
     data = lie_in_table(field_path, value)
     with pytest.raises(FormatError):
-        fp._read_meta(fp._FileSource(io.BytesIO(data)))  # rejected by validation, before any tensor exists
+        fpk_read.read_meta(fpk_read.FileSource(io.BytesIO(data)))  # rejected by validation, before any tensor exists
     with pytest.raises(FormatError):
         load_bytes(data)
 

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptio import fastpickle as fp
+from ckptio.formats.fastpickle import layout as fpk_layout
 from fpk_crafting import KINDS, craft, fix_kinds, nested_tree, nested_value, tensor_ref
 
 DEPTH = fp.MAX_DEPTH
@@ -185,7 +186,7 @@ NP_DTYPES = [
     "x" * 40,
     "d" * 3,
 ]
-TORCH_DTYPES = sorted(fp._DTYPES)
+TORCH_DTYPES = sorted(fpk_layout.DTYPES)
 DIMS = [
     0,
     1,

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
+from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError
+from ..osio import preadinto as _preadinto
+from ..osio import translate_os_errors
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
@@ -31,34 +33,6 @@ def local_path(uri: str) -> str:
     if scheme not in ("", "file"):
         raise ValueError(f"not a local URI: {uri!r}")
     return os.path.expanduser(rest)
-
-
-@contextlib.contextmanager
-def translate_os_errors(uri: str) -> Iterator[None]:
-    """Re-raise OSErrors as ckptio errors naming ``uri`` (a ckptio error already names its object)."""
-    try:
-        yield
-    except CkptioError:
-        raise
-    except FileNotFoundError as e:
-        raise NotFoundError(uri) from e
-    except FileExistsError as e:
-        raise AlreadyExistsError(uri) from e
-    except PermissionError as e:
-        raise AccessDeniedError(uri) from e
-    except IsADirectoryError as e:
-        raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
-    except OSError as e:
-        full = {
-            errno.ENOSPC: "no space left on device",
-            errno.EDQUOT: "disk quota exceeded",
-            errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)",
-        }
-        if e.errno in full:
-            raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
-        if e.errno == errno.EROFS:
-            raise AccessDeniedError(uri, "read-only file system") from e
-        raise
 
 
 def ensure_inside(backend: Backend, root: str, target: str) -> None:
@@ -280,15 +254,3 @@ class LocalBackend(Backend):
         derived = LocalBackend(**{**opts, **options})
         derived.name = self.name
         return derived
-
-
-def _preadinto(fd: int, mv: memoryview, offset: int) -> int:
-    """``pread`` into ``mv`` until full or EOF (in <=1 GiB calls; Linux caps one read at ~2 GiB)."""
-    total = 0
-    step = 1 << 30
-    while total < len(mv):
-        n = os.preadv(fd, [mv[total : total + step]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total

@@ -52,28 +52,14 @@ import torch
 from .. import uri as _uri
 from ..backends.base import Backend, WriteMode
 from ..errors import FormatError, IntegrityError
+from .base import Format
 
 # fastpickle's sources, ranged/mapped payload readers and writer sink: one implementation of parallel
 # reads into tensor memory, private mappings and gathered writes for both formats
-from ..fastpickle import (
-    GATHER,
-    MAX_IOV,
-    WRITE_CHUNK,
-    TensorInfo,
-    _map_payloads,
-    _Meta,
-    _open_source,
-    _read_payloads,
-    _Sink,
-    _sink_for,
-    _Source,
-    _source_for,
-    _tensor_factory,
-    _with_source,
-    _write_device,
-    _writer_for,
-)
-from .base import Format
+from .fastpickle.decode import tensor_factory
+from .fastpickle.layout import MAX_IOV, Meta, TensorInfo
+from .fastpickle.read import Source, map_payloads, open_source, read_payloads, source_for, with_source
+from .fastpickle.write import GATHER, WRITE_CHUNK, Sink, sink_for, write_device, writer_for
 
 __all__ = ["SafetensorsFormat", "Inspection", "TensorEntry", "MAX_HEADER", "INDEX_SUFFIX"]
 
@@ -234,7 +220,7 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
     return metadata, entries
 
 
-def _read_header(src: _Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
+def _read_header(src: Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
     """Metadata, tensors and the first bytes of the file (one read for all but the largest headers)."""
     name, size = src.name, src.size
     if size < 8:
@@ -321,7 +307,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _read_data(src: _Source, entries: list[TensorEntry], head: bytes) -> dict[int, torch.Tensor]:
+def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int, torch.Tensor]:
     """A whole remote file: the data after the header in one allocation, read with the backend's parallel
     ranged reads straight into it (as few requests as ``part_size`` allows, no staging copy); each tensor
     gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
@@ -342,7 +328,7 @@ def _read_data(src: _Source, entries: list[TensorEntry], head: bytes) -> dict[in
 
 
 def _load_source(
-    src: _Source,
+    src: Source,
     *,
     keys: Iterable[str] | None = None,
     map_location: Any = None,
@@ -373,20 +359,20 @@ def _load_source(
                 i, e.key, "torch", name, shape, _strides(shape), 0, False, False, i, e.offset, e.nbytes, 0, "cpu"
             )
         )
-    meta = _Meta(src.name, src.size, 0, storages, infos, {}, b"")
+    meta = Meta(src.name, src.size, 0, storages, infos, {}, b"")
     # empty tensors are not read: at the offset of the next tensor, they would break the coalescing of ranges
     idxs = [i for i, e in enumerate(entries) if e.nbytes]
     if mapped:
-        payloads = _map_payloads(src, meta, idxs, False)
+        payloads = map_payloads(src, meta, idxs, False)
     elif (keys is None or whole) and hasattr(src, "backend"):
         payloads = _read_data(src, entries, head)
     else:  # fastpickle's coalesced parallel reads of the ranges needed (preadv into the tensors when local)
-        payloads = _read_payloads(src, meta, idxs, False)
+        payloads = read_payloads(src, meta, idxs, False)
     for i in idxs:  # views of a mapping or of one buffer must be aligned to their element size
         if payloads[i].data_ptr() % getattr(torch, infos[i].dtype).itemsize:
             payloads[i] = payloads[i].clone()
     payloads.update({i: torch.empty(0, dtype=torch.uint8) for i, e in enumerate(entries) if not e.nbytes})
-    make = _tensor_factory(meta, payloads, map_location)
+    make = tensor_factory(meta, payloads, map_location)
     return {e.key: make(i) for i, e in enumerate(entries)}
 
 
@@ -407,8 +393,8 @@ def _load_index(backend: Backend, uri: str, keys: Iterable[str] | None, **kw: An
     out: dict[str, torch.Tensor] = {}
     for shard, ks in by_shard.items():
         out.update(
-            _with_source(
-                _source_for(backend, shard),
+            with_source(
+                source_for(backend, shard),
                 functools.partial(_load_source, keys=ks, index=uri, whole=keys is None, **kw),
             )
         )
@@ -472,7 +458,7 @@ def _prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[
     return struct.pack("<Q", len(raw)) + raw, [t for _, _, t in items]
 
 
-def _write(header: bytes, tensors: list[torch.Tensor], out: _Sink) -> None:
+def _write(header: bytes, tensors: list[torch.Tensor], out: Sink) -> None:
     """Header, then each tensor's bytes straight from its memory; small ones gathered into vectored writes."""
     batch, batched = [memoryview(header)], len(header)
     for t in tensors:
@@ -483,7 +469,7 @@ def _write(header: bytes, tensors: list[torch.Tensor], out: _Sink) -> None:
             out.writev(batch, batched)
             batch, batched = [], 0
         if t.device.type != "cpu":  # through fastpickle's reused (pinned) staging buffer
-            _write_device(
+            write_device(
                 torch.empty(0, dtype=torch.uint8, device=t.device).set_(
                     t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,)
                 ),
@@ -536,7 +522,7 @@ class SafetensorsFormat(Format):
             )
         header, tensors = _prepare(obj, metadata)  # fails before anything is created
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
-            _write(header, tensors, _sink_for(w, durable and getattr(backend, "durable", True)))
+            _write(header, tensors, sink_for(w, durable and getattr(backend, "durable", True)))
 
     def load(  # type: ignore[override]  # its own keywords only, as dump
         self,
@@ -550,13 +536,13 @@ class SafetensorsFormat(Format):
     ) -> dict[str, torch.Tensor]:
         if uri.lower().endswith(INDEX_SUFFIX):
             return _load_index(backend, uri, keys, map_location=map_location, mmap=mmap)
-        return _with_source(
-            _source_for(backend, uri), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
+        return with_source(
+            source_for(backend, uri), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
         )
 
     def dump_file(self, obj: Any, f: IO, *, metadata: Mapping[str, str] | None = None, **kw: Any) -> None:
         header, tensors = _prepare(obj, metadata)
-        _write(header, tensors, _Sink(_writer_for(f.write)))
+        _write(header, tensors, Sink(writer_for(f.write)))
 
     def load_file(  # type: ignore[override]  # its own keywords only, as dump
         self,
@@ -567,19 +553,19 @@ class SafetensorsFormat(Format):
         mmap: bool | None = None,
         allow_pickle: bool = False,
     ) -> dict[str, torch.Tensor]:
-        return _with_source(
-            _open_source(f, {}), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
+        return with_source(
+            open_source(f, {}), lambda src: _load_source(src, keys=keys, map_location=map_location, mmap=mmap)
         )
 
     def headers(self, backend: Backend, uri: str) -> Inspection:
         """The header(s), validated; no tensor bytes are read."""
         if not uri.lower().endswith(INDEX_SUFFIX):
 
-            def one(src: _Source) -> Inspection:
+            def one(src: Source) -> Inspection:
                 metadata, entries, _ = _read_header(src)
                 return Inspection(uri, src.size, metadata, entries, [uri])
 
-            return _with_source(_source_for(backend, uri), one)
+            return with_source(source_for(backend, uri), one)
         metadata, weight_map = _read_index(backend, uri)
         out = Inspection(uri, backend.stat(uri).size, metadata)
         for shard in dict.fromkeys(weight_map.values()):

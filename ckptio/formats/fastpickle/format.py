@@ -1,0 +1,171 @@
+"""The registered ``fastpickle`` :class:`~ckptio.formats.base.Format` and the public ``save`` / ``load``
+/ ``inspect``; ``FastpickleFormat.inspect`` and ``.verify`` give the JSON-able reports of ``ckptio
+info`` and ``ckptio verify``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import IO, Any
+
+from ...backends.base import Backend, WriteMode
+from ...errors import FormatError
+from ..base import Format
+from .decode import decode_tree, tensor_factory
+from .encode import encode
+from .layout import FLAG_PICKLE, VERSION, Inspection
+from .read import Source, gc_paused, map_payloads, open_source, read_meta, read_payloads, source_for, with_source
+from .report import VERIFIED, inspect_report
+from .select import Ref, refs, select, substitute
+from .write import Sink, sink_for, write_stream, writer_for
+
+__all__ = ["save", "load", "inspect", "FastpickleFormat"]
+
+
+def load_source(
+    src: Source,
+    *,
+    map_location: Any = None,
+    mmap: bool = False,
+    keys: Iterable[Any] | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+) -> Any:
+    meta = read_meta(src, full=keys is None and not mmap)
+    if meta.flags & FLAG_PICKLE and not allow_pickle:
+        raise FormatError(
+            f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
+            f"pass allow_pickle=True only if you trust the file"
+        )
+    if verify is None:
+        verify = not mmap  # a mapping stays lazy unless verification is asked for
+    if keys is not None:
+        keys = list(keys)
+        skeleton = decode_tree(meta, Ref, allow_pickle)
+        picked = [(k, select(skeleton, k)) for k in keys]
+        needed: set[int] = set()
+        for _, sub in picked:
+            refs(sub, needed)
+        sidxs = sorted({meta.tensors[i].storage for i in needed})
+    else:
+        sidxs = sorted({t.storage for t in meta.tensors})
+    reader = map_payloads if mmap else read_payloads
+    try:
+        payloads = reader(src, meta, sidxs, verify)
+    finally:
+        if meta.check is not None:  # a bad header or metadata checksum is the error to report
+            meta.check()
+    make = tensor_factory(meta, payloads, map_location)
+    if keys is not None:
+        return {(k if isinstance(k, str) else ".".join(map(str, k))): substitute(sub, make) for k, sub in picked}
+    return decode_tree(meta, make, allow_pickle)
+
+
+def load(
+    uri_or_file: Any,
+    *,
+    map_location: Any = None,
+    mmap: bool = False,
+    keys: Iterable[Any] | None = None,
+    verify: bool | None = None,
+    allow_pickle: bool = False,
+    **backend_options: Any,
+) -> Any:
+    """Load a fastpickle file from a URI or an open binary file. Never runs code unless ``allow_pickle``.
+
+    ``map_location`` works like ``torch.load``'s (device, string, dict of locations, or
+    ``fn(storage, location)``). ``mmap=True`` (local files) returns zero-copy, lazily paged views of
+    the file. ``keys=["model.fc.weight", "optim"]`` reads only the byte ranges those subtrees need and
+    returns ``{key: value}``; dict keys may themselves contain dots. Payload checksums are verified
+    unless ``verify=False`` (with ``mmap=True`` only when ``verify=True``, since it reads every page);
+    the metadata checksum is always verified.
+    """
+    return with_source(
+        open_source(uri_or_file, backend_options),
+        lambda src: load_source(
+            src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle
+        ),
+    )
+
+
+def inspect(uri_or_file: Any, **backend_options: Any) -> Inspection:
+    """The tree (tensors replaced by :class:`TensorInfo`) and the tensor table; reads no tensor bytes."""
+    return with_source(open_source(uri_or_file, backend_options), _inspection)
+
+
+def _inspection(src: Source) -> Inspection:
+    meta = read_meta(src)
+    tree = decode_tree(meta, meta.tensors.__getitem__, allow_pickle=False, describe=True)
+    return Inspection(VERSION, meta.size, bool(meta.flags & FLAG_PICKLE), tree, meta.tensors)
+
+
+def save(
+    obj: Any,
+    uri_or_file: Any,
+    *,
+    allow_pickle: bool = False,
+    durable: bool = True,
+    mode: WriteMode = "overwrite",
+    **backend_options: Any,
+) -> None:
+    """Save ``obj`` to a URI (any backend, committed atomically) or a writable binary file.
+
+    Unsupported value types raise ``TypeError`` naming their key path, unless ``allow_pickle=True``
+    pickles them (the file is then marked and needs ``allow_pickle=True`` to load). ``durable=False``
+    skips fsync on local files.
+    """
+    if isinstance(uri_or_file, (str, os.PathLike)):
+        from ...context import resolve
+
+        backend, uri = resolve(uri_or_file, **backend_options)
+        FastpickleFormat().dump(obj, backend, uri, mode=mode, durable=durable, allow_pickle=allow_pickle)
+    else:
+        with gc_paused():
+            enc, tree = encode(obj, allow_pickle)
+            write_stream(enc, tree, Sink(writer_for(uri_or_file.write)))
+
+
+class FastpickleFormat(Format):
+    """``.fpk`` for :func:`ckptio.dump` / :func:`ckptio.load`; options as for :func:`save` / :func:`load`."""
+
+    name = "fastpickle"
+    extensions = (".fpk",)
+
+    def dump(
+        self,
+        obj: Any,
+        backend: Backend,
+        uri: str,
+        *,
+        mode: WriteMode = "overwrite",
+        durable: bool = True,
+        allow_pickle: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(f"fastpickle dump got unexpected options {sorted(kwargs)}")
+        with gc_paused():
+            enc, tree = encode(obj, allow_pickle)  # fails before anything is created
+            with backend.open_writer(uri, mode=mode, durable=durable) as w:
+                write_stream(enc, tree, sink_for(w, durable and getattr(backend, "durable", True)))
+
+    def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
+        return with_source(source_for(backend, uri), lambda src: load_source(src, **kwargs))
+
+    def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """What ``ckptio info`` shows of the file, JSON-able: tensor table, other values, version; reads
+        no tensor bytes."""
+        return inspect_report(with_source(source_for(backend, uri), _inspection))
+
+    def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
+        """Check every checksum (a full load); raises IntegrityError on corruption, FormatError on a file
+        that needs ``allow_pickle``. Returns what ``ckptio verify`` shows: ``{"what": ...}``."""
+        self.load(backend, uri, verify=True)
+        return {"what": VERIFIED}
+
+    def dump_file(self, obj: Any, f: IO, **kwargs: Any) -> None:
+        save(obj, f, **kwargs)
+
+    def load_file(self, f: IO, **kwargs: Any) -> Any:
+        return load(f, **kwargs)

@@ -1,0 +1,434 @@
+"""Reading ``.fpk`` files: sources, the validated metadata, and payload reads or mappings.
+
+A source is a local file descriptor (a local file, or any backend's ``local_file``), an open binary
+file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
+with one madvise first), each payload verified right after its read, or a private mapping with
+``mmap=True``. Remote full load: the first and last ``part_size`` bytes are read ahead (header,
+metadata and end payloads in two requests) and the middle in part-sized ranged reads, so each byte
+is fetched once; the header is checked as soon as it lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import io
+import mmap as _mmap
+import os
+import stat as _stat
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+
+from ...backends.base import Backend
+from ...errors import FormatError, IntegrityError
+from ...osio import preadinto, prefault, translate_os_errors
+from .layout import (
+    ALIGN,
+    CHUNK,
+    FOOTER,
+    FOOTER_MAGIC,
+    HEADER,
+    MAGIC,
+    MAX_IOV,
+    VERSION,
+    Meta,
+    describe_payload,
+    reason,
+    validate,
+)
+
+COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
+COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
+
+TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
+
+
+# ------------------------------------------------------------------------------------------
+# sources
+# ------------------------------------------------------------------------------------------
+class Source:
+    name: str
+    size: int
+    concurrency = 1
+    prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
+    fd: int | None = None
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        raise NotImplementedError
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        """Fill consecutive buffers from consecutive bytes at ``offset``; returns the bytes read."""
+        total = sum(len(m) for m in mvs)
+        buf = bytearray(total)
+        n = self.readinto(memoryview(buf), offset)
+        pos = 0
+        for m in mvs:
+            m[:] = buf[pos : pos + len(m)]
+            pos += len(m)
+        return n
+
+    def read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf), offset)
+        if got != n:
+            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}), got {got}")
+        return bytes(buf)
+
+    def close(self) -> None:
+        pass
+
+
+def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: int) -> int:
+    total = 0
+    while total < len(mv):
+        n = readinto(mv[total:], offset + total)
+        if not n:
+            break
+        total += n
+    return total
+
+
+class FdSource(Source):
+    concurrency = 2
+
+    def __init__(self, fd: int, name: str, owned: bool) -> None:
+        self.fd, self.name, self._owned = fd, name, owned
+        self.size = os.fstat(fd).st_size
+
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"{self.name}: read after the source was closed")
+        return self.fd
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        return preadinto(self._fd(), mv, offset)
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        fd = self._fd()
+        total, mvs = 0, [m for m in mvs if len(m)]
+        while mvs:
+            n = os.preadv(fd, mvs, offset + total)
+            if n <= 0:
+                break
+            total += n
+            while mvs and n >= len(mvs[0]):
+                n -= len(mvs[0])
+                mvs.pop(0)
+            if mvs and n:
+                mvs[0] = mvs[0][n:]
+        return total
+
+    def close(self) -> None:
+        if self._owned and self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class BackendSource(Source):
+    prefetch = TAIL_PREFETCH
+
+    def __init__(self, backend: Backend, uri: str) -> None:
+        self.backend, self.name = backend, uri
+        self.size = backend.stat(uri).size
+        self.concurrency = backend.concurrency
+        self.part_size = backend.part_size
+        self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read_ahead(self) -> None:
+        """For a full load: start fetching the first and the last ``part_size`` bytes, two requests.
+
+        The header, footer and metadata come with them, and so do the payloads at both ends, so a
+        full load costs about as many ranged requests as reading the object in ``part_size`` parts.
+        Reads of the middle do not wait for them.
+        """
+        head = min(self.size, self.part_size)
+        tail = min(self.size - head, max(self.part_size, self.prefetch))
+        ranges = ([(self.size - tail, tail)] if tail else []) + [(0, head)]  # the tail first: it holds the metadata
+        self._pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="fpk-ahead")
+        for off, n in ranges:
+            buf = memoryview(bytearray(n))
+            self._ahead.append((off, buf, self._pool.submit(self._fetch, buf, off)))
+
+    def _fetch(self, mv: memoryview, offset: int) -> int:
+        return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        lo, hi = offset, offset + len(mv)
+        for off, data, fut in self._ahead:  # copy what is read ahead at either end of the request
+            end = off + len(data)
+            start_in, end_in = off <= lo < end, lo < off < hi <= end
+            if (start_in or end_in) and fut.result() != len(data):
+                raise IntegrityError(f"{self.name}: truncated: bytes [{off}, {end}) returned only {fut.result()}")
+            if start_in:
+                k = min(hi, end) - lo
+                mv[lo - offset : lo - offset + k] = data[lo - off : lo - off + k]
+                lo += k
+            if lo < hi and end_in:
+                mv[off - offset : hi - offset] = data[: hi - off]
+                hi = off
+        if lo < hi:
+            got = self._fetch(mv[lo - offset : hi - offset], lo)
+            if got < hi - lo:
+                return lo - offset + got
+        return len(mv)
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead = []
+
+
+class FileSource(Source):
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase) -> None:
+        self.f, self.name = f, getattr(f, "name", "<file object>")
+        self.size = f.seek(0, io.SEEK_END)
+        self._lock = threading.Lock()
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        with self._lock:
+            self.f.seek(offset)
+            return _fill(lambda m, o: self.f.readinto(m) or 0, mv, offset)
+
+
+def open_source(uri_or_file: Any, backend_options: dict) -> Source:
+    if isinstance(uri_or_file, (str, os.PathLike)):
+        from ...context import resolve
+
+        backend, uri = resolve(uri_or_file, **backend_options)
+        return source_for(backend, uri)
+    f = uri_or_file
+    try:
+        fd = f.fileno()
+        if _stat.S_ISREG(os.fstat(fd).st_mode):
+            return FdSource(fd, getattr(f, "name", f"<fd {fd}>"), owned=False)
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        pass
+    return FileSource(f)
+
+
+def source_for(backend: Backend, uri: str) -> Source:
+    """The descriptor of the backend's local file when it has one (a local file, a node-local cache
+    entry), else ranged reads from the backend."""
+    with backend.local_file(uri) as path:
+        if path is not None:
+            with translate_os_errors(uri):
+                fd = os.open(path, os.O_RDONLY)  # the open file outlives the block (eviction only unlinks)
+            return FdSource(fd, uri, owned=True)
+    return BackendSource(backend, uri)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Building ten thousands of small objects would otherwise trigger full collections over everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def with_source(src: Source, fn: Callable[[Source], Any]) -> Any:
+    try:
+        with gc_paused():
+            return fn(src)
+    finally:
+        src.close()
+
+
+# ------------------------------------------------------------------------------------------
+# metadata
+# ------------------------------------------------------------------------------------------
+def read_meta(src: Source, full: bool = False) -> Meta:
+    """The validated metadata. ``full``: every payload will be read (remote sources may read ahead)."""
+    name, size = src.name, src.size
+    if size < HEADER.size + FOOTER.size:
+        raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
+    # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
+    tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
+    header = b""
+    ahead = src if full and isinstance(src, BackendSource) else None
+    deferred = ahead is not None
+    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
+        ahead.read_ahead()
+        tail = src.read(size - tail_len, tail_len)
+    elif src.concurrency > 1 and src.prefetch:
+        with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
+            head_f = ex.submit(src.read, 0, HEADER.size)
+            tail = src.read(size - tail_len, tail_len)
+            header = head_f.result()
+    else:
+        header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
+    footer = tail[-FOOTER.size :]
+    meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
+    if not deferred and header[:8] != MAGIC:
+        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+    if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
+        if deferred and src.read(0, HEADER.size)[:8] != MAGIC:
+            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+        raise IntegrityError(
+            f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or has trailing bytes"
+        )
+    if version > VERSION:
+        raise FormatError(f"{name}: fastpickle version {version} is newer than this reader ({VERSION}); upgrade ckptio")
+    if rec_size != size:
+        raise IntegrityError(f"{name}: file is {size} bytes but its footer records {rec_size} (truncated or extended)")
+    if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
+        raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
+    if meta_off >= size - tail_len:
+        meta_bytes = tail[meta_off - (size - tail_len) : -FOOTER.size]
+    else:
+        meta_bytes = src.read(meta_off, meta_len)
+
+    def check_header(header: bytes) -> None:
+        hmagic, hversion, hflags, align = HEADER.unpack(header)
+        if hmagic != MAGIC:
+            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+        h = xxhash.xxh3_64()
+        h.update(header)
+        h.update(meta_bytes)
+        if h.intdigest() != meta_hash:
+            raise IntegrityError(
+                f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, {meta_off + meta_len}))"
+            )
+        if (hversion, hflags) != (version, flags) or align != ALIGN:
+            raise FormatError(f"{name}: header and footer disagree")
+
+    if not deferred:
+        check_header(header)
+    try:
+        try:
+            meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
+            out = validate(meta, name, size, meta_off, flags)
+        except FormatError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+            raise FormatError(f"{name}: malformed metadata: {reason(e)}") from e
+    except FormatError:
+        if deferred:  # a checksum mismatch (corruption) explains malformed metadata better
+            check_header(src.read(0, HEADER.size))
+        raise
+    if deferred:  # verified before anything is decoded or returned; the footer's own checksum held
+        out.check = lambda: check_header(src.read(0, HEADER.size))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# payloads
+# ------------------------------------------------------------------------------------------
+def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, limit: int) -> list[list[int]]:
+    """Group needed storages (by file order) into runs read with one request each."""
+    runs: list[list[int]] = []
+    end = size = 0
+    for i in sorted(idxs, key=lambda i: storages[i][0]):
+        off, nbytes = storages[i][0], storages[i][1]
+        if runs and off - end <= gap and size + nbytes <= limit and len(runs[-1]) < MAX_IOV:
+            runs[-1].append(i)
+            size += nbytes + (off - end)
+        else:
+            runs.append([i])
+            size = nbytes
+        end = off + nbytes
+    return runs
+
+
+def read_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
+    """Read the given storages into fresh uint8 tensors, in parallel, verifying each as soon as it is read."""
+    bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
+    part = getattr(src, "part_size", CHUNK)
+    # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
+    # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
+    limit = COALESCE_MAX if src.fd is not None else max(COALESCE_MAX, part)
+    jobs: list[Callable[[], None]] = []
+    split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
+    for run in _runs(idxs, meta.storages, COALESCE_GAP, limit):
+        first = meta.storages[run[0]]
+        if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
+            split.append(run[0])
+            for pos in range(0, first[1], part):
+                jobs.append(_job(src, meta, run, [mvs[run[0]][pos : pos + part]], first[0] + pos))
+            continue
+        views: list[memoryview] = []
+        pos = first[0]
+        for i in run:
+            off, nbytes = meta.storages[i][:2]
+            if off > pos:
+                views.append(memoryview(bytearray(off - pos)))
+            views.append(mvs[i])
+            pos = off + nbytes
+        jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
+    _run_jobs(jobs, src.concurrency)
+    if verify and split:
+        _run_jobs([functools.partial(_verify, meta, [i], mvs) for i in split], 2)
+    return bufs
+
+
+def _job(
+    src: Source,
+    meta: Meta,
+    run: list[int],
+    views: list[memoryview],
+    offset: int,
+    verify: dict[int, memoryview] | None = None,
+) -> Callable[[], None]:
+    def job() -> None:
+        want = sum(len(v) for v in views)
+        if src.fd is not None:
+            for v in views:
+                prefault(v)
+        got = src.readv(views, offset) if len(views) > 1 else src.readinto(views[0], offset)
+        if got != want:
+            raise IntegrityError(
+                f"{meta.source}: truncated while reading {describe_payload(meta, run[0])}: bytes "
+                f"[{offset}, {offset + want}) returned only {got}"
+            )
+        if verify is not None:  # while the bytes are still in cache
+            _verify(meta, run, verify)
+
+    return job
+
+
+def _run_jobs(jobs: list[Callable[[], None]], concurrency: int) -> None:
+    if len(jobs) <= 1 or concurrency <= 1:
+        for j in jobs:
+            j()
+        return
+    with ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
+        for f in [ex.submit(j) for j in jobs]:
+            f.result()
+
+
+def _verify(meta: Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
+    for i in idxs:
+        if xxhash.xxh3_64_intdigest(mvs[i]) != meta.storages[i][2]:
+            raise IntegrityError(f"{meta.source}: checksum mismatch in {describe_payload(meta, i)}")
+
+
+def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
+    """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    if src.fd is None:
+        raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
+    mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)
+    out: dict[int, torch.Tensor] = {}
+    for i in idxs:
+        off, nbytes = meta.storages[i][:2]
+        if nbytes == 0:
+            out[i] = torch.empty(0, dtype=torch.uint8)
+        else:
+            out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
+    if verify:
+        # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})  # type: ignore[arg-type]
+    return out
