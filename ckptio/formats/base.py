@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import io
 import math
+from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 from ..backends.base import Backend, WriteMode, Writer
@@ -138,6 +139,23 @@ def jsonable(obj: Any) -> Any:
     if name == "torch.Size":
         return list(obj)
     return repr(obj)
+
+
+def flatten(obj: Any, leaf: type | tuple[type, ...] = (), prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, leaf) of an inspected tree: dicts, and lists holding containers or ``leaf``
+    objects (a format's tensor placeholders), are walked into."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flatten(v, leaf, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple, *_types(leaf))) for v in obj):
+        for i, v in enumerate(obj):
+            yield from flatten(v, leaf, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, obj
+
+
+def _types(leaf: type | tuple[type, ...]) -> tuple[type, ...]:
+    return leaf if isinstance(leaf, tuple) else (leaf,)
 
 
 def dtype_size(dtype: str) -> int:

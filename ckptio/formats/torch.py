@@ -19,12 +19,12 @@ import io
 import math
 import pickle
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import IO, Any
 
 from ..backends.base import Backend
 from ..errors import FormatError, IntegrityError
-from .base import StreamFormat, dtype_size, jsonable
+from .base import StreamFormat, dtype_size, flatten, jsonable
 
 
 class TorchFormat(StreamFormat):
@@ -166,17 +166,6 @@ class _TorchInspector(pickle.Unpickler):
         return None
 
 
-def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple, TensorInfo)) for v in obj):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
-    else:
-        yield prefix, obj
-
-
 def _open_zip(backend: Backend, uri: str) -> zipfile.ZipFile:
     f = backend.open_reader(uri)
     try:
@@ -199,11 +188,11 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
             raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
     tensors: list[dict[str, Any]] = []
     storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it
-    for key, v in _flatten(tree):
+    for key, v in flatten(tree, TensorInfo):
         if isinstance(v, TensorInfo):
             tensors.append({"key": key, "dtype": v.dtype, "shape": v.shape, "nbytes": v.nbytes})
             storages[v.storage] = max(storages.get(v.storage, 0), v.nbytes)
-    others = {k: jsonable(v) for k, v in _flatten(tree) if not isinstance(v, TensorInfo)}
+    others = {k: jsonable(v) for k, v in flatten(tree, TensorInfo) if not isinstance(v, TensorInfo)}
     return {"format": "torch", "tensors": tensors, "tensor_bytes": sum(storages.values()), "values": others}
 
 

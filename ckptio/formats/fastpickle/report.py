@@ -4,13 +4,12 @@ tensor table (key, dtype, shape, nbytes), every other value by dotted key, versi
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..base import flatten, jsonable
 from .layout import Inspection, TensorInfo
 
 VERIFIED = "xxh3 of every tensor payload and of the metadata (full load)"
@@ -30,7 +29,7 @@ def inspect_report(insp: Inspection) -> dict[str, Any]:
         tensors.append({"key": t.path, "dtype": str(t.dtype), "shape": list(t.shape), "nbytes": _nbytes(t)})
         storages[t.storage] = t.nbytes
     tree = _plain(insp.tree, bool(insp.tensors))
-    values = {k: jsonable(v) for k, v in _flatten(tree) if v is not _TENSOR}
+    values = {k: jsonable(v) for k, v in flatten(tree, _Tensor) if v is not _TENSOR}
     return {
         "format": "fastpickle",
         "tensors": tensors,
@@ -58,37 +57,3 @@ def _plain(obj: Any, tensors: bool) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_plain(v, tensors) for v in obj]
     return obj
-
-
-def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, leaf): dicts, and lists holding containers or tensors, are walked into."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple, _Tensor)) for v in obj):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
-    else:
-        yield prefix, obj
-
-
-def jsonable(obj: Any) -> Any:
-    """Plain JSON data from a decoded value (dataclasses, dtypes, sizes, tuples, sets, bytes...)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else repr(obj)
-    if isinstance(obj, bytes):
-        return f"<{len(obj)} bytes>"
-    name = type(obj).__module__ + "." + type(obj).__name__
-    if name in ("torch.dtype", "torch.device"):
-        return str(obj).removeprefix("torch.")
-    if name == "torch.Size":
-        return list(obj)
-    return repr(obj)
