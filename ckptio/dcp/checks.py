@@ -64,7 +64,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .backends.base import BytesReader
+from .. import torch_internals as _ti
+from ..backends.base import BytesReader
 
 __all__ = ["box_problem", "entry_problem", "pickle_problem", "tensor_problem", "zip_problem"]
 
@@ -96,7 +97,7 @@ def pickle_problem(data: Any) -> str | None:
     ``torch.load(weights_only=True)`` calls (or builds only a plain ``io.BytesIO``).
     """
     try:
-        archive = torch._C.PyTorchFileReader(BytesReader(data))  # type: ignore[call-overload]  # a binary file object
+        archive = _ti.PyTorchFileReader(BytesReader(data))
         records = archive.get_all_records()
         pkl = archive.get_record("data.pkl")
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for a bad archive
@@ -191,7 +192,7 @@ def entry_problem(sinfo: Any, tensor: bool, default_block: int) -> str | None:
             return f"has dtype {name!r}, not a torch dtype"
         if not isinstance(shape, (list, tuple)) or not all(_natural(s) for s in shape):
             return f"has shape {shape!r}, not a list of non-negative ints"
-        if math.prod(shape) * torch._utils._element_size(dtype) != nbytes:
+        if math.prod(shape) * _ti.element_size(dtype) != nbytes:
             return f"has shape {list(shape)} of {name}, which is not its {nbytes} bytes"
         if start + nbytes > sinfo.length:
             return f"has tensor bytes [{start}, {start + nbytes}) outside its {sinfo.length}-byte item"
@@ -227,7 +228,7 @@ def tensor_problem(fqn: str, meta: Any, storage: dict) -> tuple[str | None, list
     dtype = getattr(getattr(meta, "properties", None), "dtype", None)
     if not (isinstance(size, tuple) and all(_natural(n) for n in size) and isinstance(dtype, torch.dtype)):
         return f"is a tensor of size {size!r} and dtype {dtype!r}", []
-    esize, chunks, indices, held = torch._utils._element_size(dtype), getattr(meta, "chunks", None), {}, 0
+    esize, chunks, indices, held = _ti.element_size(dtype), getattr(meta, "chunks", None), {}, 0
     for chunk in chunks if isinstance(chunks, list) else []:
         why = box_problem(size, getattr(chunk, "offsets", None), getattr(chunk, "sizes", None))
         if why is not None:
