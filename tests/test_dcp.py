@@ -19,6 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptio
 import ckptio.dcp as cd
 from ckptio.backends import local as local_backend
+from ckptio.dcp import writer as dcp_writer
+from ckptio.dcp.reader import contiguous_span
+from ckptio.dcp.zipframe import ZipFraming
 from ckptio.errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, IntegrityError
 from conftest import flip_byte
 
@@ -195,7 +198,7 @@ def test_metadata_unpickles_without_ckptio(tmp_path):
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (4, 5), (2, 0, 3)])
 def test_framing_loads_with_torch_load(dtype, shape):
     t = torch.randn(shape).mul(7).to(dtype) if not dtype.is_complex else torch.randn(shape, dtype=dtype)
-    z = cd._ZipFraming(t.dtype, tuple(t.shape), t.numel() * t.element_size())
+    z = ZipFraming(t.dtype, tuple(t.shape), t.numel() * t.element_size())
     data = z.head + t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + z.tail
     assert len(data) == z.total and z.data_offset == len(z.head) and z.data_offset % 64 == 0
     u = torch.load(io.BytesIO(data), weights_only=True)
@@ -204,7 +207,7 @@ def test_framing_loads_with_torch_load(dtype, shape):
 
 def test_framing_zip64_for_large_tensors(tmp_path):
     nbytes = (5 << 30) + 12  # > 4 GiB: zip64 records; written as a sparse file, never allocated
-    z = cd._ZipFraming(torch.uint8, (nbytes,), nbytes)
+    z = ZipFraming(torch.uint8, (nbytes,), nbytes)
     path = tmp_path / "big.pt"
     with open(path, "wb") as f:
         f.write(z.head)
@@ -376,7 +379,7 @@ def test_partial_load_reads_only_needed_bytes():
 
 
 def test_block_checksums_on_sub_ranges(tmp_path, monkeypatch):
-    monkeypatch.setattr(cd, "CHECKSUM_BLOCK", 4096)
+    monkeypatch.setattr(dcp_writer, "CHECKSUM_BLOCK", 4096)  # what the writer records
     sd = {"w": torch.randn(100, 50)}  # 20000 bytes: 5 blocks
     cd.save(sd, str(tmp_path / "c"))
     md = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
@@ -387,10 +390,10 @@ def test_block_checksums_on_sub_ranges(tmp_path, monkeypatch):
 
 
 def test_contiguous_span():
-    assert cd._contiguous_span((10, 4), (3, 0), (5, 4)) == (12, 32)
-    assert cd._contiguous_span((10, 4), (3, 1), (1, 2)) == (13, 15)
-    assert cd._contiguous_span((10, 4), (3, 1), (5, 2)) is None
-    assert cd._contiguous_span((), (), ()) == (0, 1)
+    assert contiguous_span((10, 4), (3, 0), (5, 4)) == (12, 32)
+    assert contiguous_span((10, 4), (3, 1), (1, 2)) == (13, 15)
+    assert contiguous_span((10, 4), (3, 1), (5, 2)) is None
+    assert contiguous_span((), (), ()) == (0, 1)
 
 
 def test_validate_checkpoint_id():

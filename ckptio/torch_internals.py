@@ -1,0 +1,129 @@
+"""The private torch names ckptio relies on: the only module that spells them.
+
+torch does not promise to keep these. Each public name here maps to one private torch symbol
+(:data:`SYMBOLS`) and is resolved on first use (PEP 562 module ``__getattr__``), so importing this
+module imports nothing, and a DCP-only name costs nothing to a caller that never touches DCP. A
+symbol a torch release dropped fails on use with an ``AttributeError`` naming the torch symbol
+and this module; ``tests/test_torch_internals.py`` resolves every one of them on the installed
+torch, so a torch upgrade that moves one fails there first, with its name.
+
+Tested torch: :data:`TESTED_TORCH` (requirements/dev.txt; pyproject.toml declares the same range).
+The "since" notes below come from torch's history and are not tested here.
+
+Groups:
+
+* **Tensor pickling** (``torch._utils``, ``torch.storage``, ``torch.serialization``): how
+  ``torch.save`` pickles a tensor (``_rebuild_tensor_v2``, ``_rebuild_parameter``: torch >= 1.0),
+  the storage class name for a dtype (``_dtype_to_storage_type_map``,
+  ``_get_dtype_from_pickle_storage_type``: torch >= 2.0, the typed-storage rework), element sizes
+  (``_element_size``) and how layouts pickle (``torch.serialization._get_layout``). The string
+  constants are what a pickle names, for unpicklers that match names without importing them.
+* **Archive reading** (``torch._C.PyTorchFileReader``: torch >= 1.6, the zip format): the reader
+  ``torch.load`` itself uses, so ckptio sees an archive exactly as torch does.
+* **Quantized tensors** (``torch._make_per_tensor_quantized_tensor``,
+  ``torch._make_per_channel_quantized_tensor``: torch >= 1.3): building a quantized tensor from
+  its integer representation.
+* **DCP** (``torch.distributed.checkpoint``, torch >= 2.0): the storage entry type torch's own
+  filesystem reader expects in ``.metadata`` (``filesystem._StorageInfo``), the memory-format enum
+  tensor properties pickle (``metadata._MEM_FORMAT_ENCODING``), its stream transforms
+  (``_StorageReaderTransforms``: torch >= 2.7), narrowing a stored tensor to a requested box
+  (``torch.distributed._shard._utils.narrow_tensor_by_index``), flattening/setting nested state
+  dicts as DCP does (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``: torch >= 2.2)
+  and torch's fsspec writer/reader (``_fsspec_filesystem``: torch >= 2.2, benchmarks only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+__all__ = [
+    "LAYOUT_GLOBAL",
+    "REBUILD_MODULE",
+    "REBUILD_PARAMETER",
+    "REBUILD_TENSOR",
+    "SYMBOLS",
+    "TESTED_TORCH",
+    "check_torch_version",
+    "resolve_symbol",
+]
+
+TESTED_TORCH = ("2.13",)  # major.minor releases the test suite runs on (requirements/dev.txt)
+
+# Names as a pickle spells them (module, qualified name): matched, never imported, by unpicklers.
+REBUILD_MODULE = "torch._utils"
+REBUILD_TENSOR = "_rebuild_tensor_v2"
+REBUILD_PARAMETER = "_rebuild_parameter"
+LAYOUT_GLOBAL = ("torch.serialization", "_get_layout")  # how a torch.layout pickles
+
+# public name here -> (torch module, attribute path in it)
+SYMBOLS: dict[str, tuple[str, str]] = {
+    # tensor pickling
+    "rebuild_tensor_v2": (REBUILD_MODULE, REBUILD_TENSOR),
+    "rebuild_parameter": (REBUILD_MODULE, REBUILD_PARAMETER),
+    "element_size": ("torch._utils", "_element_size"),
+    "dtype_to_storage_type_map": ("torch.storage", "_dtype_to_storage_type_map"),
+    "get_dtype_from_pickle_storage_type": ("torch.storage", "_get_dtype_from_pickle_storage_type"),
+    "get_layout": LAYOUT_GLOBAL,
+    # archive reading
+    "PyTorchFileReader": ("torch._C", "PyTorchFileReader"),
+    # quantized tensors
+    "make_per_tensor_quantized_tensor": ("torch", "_make_per_tensor_quantized_tensor"),
+    "make_per_channel_quantized_tensor": ("torch", "_make_per_channel_quantized_tensor"),
+    # DCP
+    "StorageInfo": ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    "MEM_FORMAT_ENCODING": ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    "StorageReaderTransforms": ("torch.distributed.checkpoint.filesystem", "_StorageReaderTransforms"),
+    "narrow_tensor_by_index": ("torch.distributed._shard._utils", "narrow_tensor_by_index"),
+    "flatten_state_dict": ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
+    "set_element": ("torch.distributed.checkpoint._traverse", "set_element"),
+    "FsspecWriter": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
+    "FsspecReader": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
+}
+
+_checked = False
+
+
+def resolve_symbol(name: str) -> Any:
+    """The torch object behind ``name`` (a key of :data:`SYMBOLS`); ``AttributeError`` naming it if torch lacks it."""
+    module, attr = SYMBOLS[name]
+    check_torch_version()
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        import torch
+
+        raise AttributeError(
+            f"ckptio needs {module}.{attr} (ckptio.torch_internals.{name}), which torch {torch.__version__} "
+            f"does not have ({type(e).__name__}: {e}); ckptio is tested with torch {', '.join(TESTED_TORCH)}"
+        ) from e
+    return obj
+
+
+def check_torch_version() -> None:
+    """Warn once when the installed torch is not a release the test suite runs on (the private names may differ)."""
+    global _checked
+    if _checked:
+        return
+    _checked = True
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if ".".join(version.split(".")[:2]) not in TESTED_TORCH:
+        warnings.warn(
+            f"ckptio is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}: it relies on private "
+            f"torch names (ckptio/torch_internals.py) that may have changed; run tests/test_torch_internals.py",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in SYMBOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    obj = resolve_symbol(name)
+    globals()[name] = obj  # later lookups are plain module attributes
+    return obj
