@@ -64,9 +64,9 @@ from typing import Any
 
 import torch
 
-from . import uri as _uri
-from .context import resolve
-from .errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from .. import uri as _uri
+from ..context import resolve
+from ..errors import AlreadyExistsError, CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
 
 __all__ = [
     "Checkpointer",
@@ -659,7 +659,7 @@ class Checkpointer:
             )
             self._backend.delete(_uri.join_path(d, MARKER_NAME))  # uncommit before touching its data
         if self.format == "dcp":
-            from . import dcp
+            from .. import dcp
 
             # not the whole directory: another save of this step may be writing its own data objects there
             dcp.discard(self.uri(step))
@@ -668,14 +668,14 @@ class Checkpointer:
 
     def _write_data(self, step: int, sd: dict[str, Any]) -> builtins.list[str]:
         if self.format == "dcp":
-            from . import dcp
+            from .. import dcp
 
             dcp.save(sd, self.uri(step), process_group=self._pg, **self.save_options)
             return []
         return self._on_rank0(self._write_file, step, sd)
 
     def _write_file(self, step: int, sd: dict[str, Any]) -> builtins.list[str]:
-        from .io import dump
+        from ..io import dump
 
         name = _DATA_FILE[self.format]
         dump(sd, self._user_uri(step, name), **self.save_options)
@@ -831,7 +831,7 @@ class Checkpointer:
         if fmt == "dcp":
             source, ckpt_parts = self._read_dcp(d, {k: state[k] for k in parts}, cache, allow_pickle)
         else:
-            from .io import load as _load
+            from ..io import load as _load
 
             kw = dict(self.load_options)
             if allow_pickle:
@@ -875,7 +875,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from . import dcp
+        from .. import dcp
 
         opts = dict(self.load_options)
         if cache is not None:
