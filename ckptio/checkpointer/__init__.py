@@ -1,0 +1,32 @@
+"""``Checkpointer``: crash-safe, resumable training checkpoints on any ckptio URI.
+
+The package's modules, each stating its part of the contract:
+
+- :mod:`.core`: the :class:`Checkpointer` class, its save and load sequences and the commit protocol;
+- :mod:`.manifest`: the layout under root: step directories, the ``checkpoint.json`` commit marker
+  (parsed and validated before anything it names is read), the ``latest.txt`` pointer;
+- :mod:`.formats`: writing, reading and discarding the data of a ``dcp``, ``pt`` or ``fpk`` checkpoint;
+- :mod:`.state`: ``Stateful`` parts, restoring in place, :class:`RNGState`, :class:`LoadResult`;
+- :mod:`.staging`: async save's snapshot copies and background thread;
+- :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves.
+"""
+
+from __future__ import annotations
+
+from .core import Checkpointer
+from .manifest import FORMATS as FORMATS
+from .manifest import MARKER_NAME, POINTER_NAME, CheckpointInfo, CheckpointWarning
+from .manifest import STEP_DIGITS as STEP_DIGITS
+from .retention import STALE_AFTER as STALE_AFTER
+from .state import LoadResult, RNGState
+from .state import tree_has as tree_has
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointWarning",
+    "CheckpointInfo",
+    "LoadResult",
+    "RNGState",
+    "MARKER_NAME",
+    "POINTER_NAME",
+]

@@ -1,0 +1,305 @@
+"""The ``Checkpointer`` class: the save and load sequences, run on every rank, delegating each step.
+
+Commit protocol of ``save(step, state)``:
+
+1. if ``root/<step>/`` exists but is not committed it is debris of a crashed save and is wiped; a
+   committed one is replaced only when it is not the latest (its marker is removed first). With
+   ``dcp`` only the DCP checkpoint there is discarded (its ``.metadata`` and the data objects that
+   names, :func:`ckptio.dcp.discard`), never the whole directory: DCP names data objects per save,
+   so of two saves of one step at once the first DCP commit wins and the other raises
+   :class:`AlreadyExistsError` (only a save starting between another's DCP commit and its marker
+   replaces that one's data);
+2. the data objects are written (each atomic on its own; DCP commits its ``.metadata`` last;
+   :mod:`.formats`);
+3. ``checkpoint.json`` (format, step, metrics, files) is written with ``mode="create"``: from here on the
+   checkpoint is complete; ``list()`` shows only directories with this marker (:mod:`.manifest`);
+4. ``latest.txt`` is replaced atomically (local: rename; object stores: one PUT);
+5. retention deletes old checkpoints of this root (:mod:`.retention`), never the latest.
+
+A crash anywhere leaves the pointer naming a complete checkpoint, or naming an incomplete/missing
+one, in which case :meth:`Checkpointer.latest` falls back to the newest complete checkpoint and says
+which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
+DCP data is written by all ranks, ``pt``/``fpk`` files, the marker, the pointer and cleanup by rank 0,
+with outcomes shared over a gloo group whose collectives time out after ``timeout`` seconds.
+Async save: :mod:`.staging`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from ..errors import AlreadyExistsError, CkptioError
+from . import formats
+from .manifest import FORMATS, CheckpointWarning, Layout
+from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
+from .staging import Background, _Stager
+from .state import LoadResult, restore, state_dicts
+
+log = logging.getLogger("ckptio.checkpointer")
+
+
+class Checkpointer:
+    """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
+
+    ``format``: ``"dcp"`` (sharded, every rank writes; see :mod:`ckptio.dcp`), ``"fpk"`` or ``"pt"``
+    (one file, written by rank 0). Retention keeps the union of: the ``keep_last`` newest steps, every
+    step divisible by ``keep_every``, the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode``
+    ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
+    ``process_group``: the group to coordinate over (default: a new gloo group when
+    ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
+    ``stale_after``: seconds after which an unfinished write under root is taken for the debris of a
+    killed save and discarded before the first save (:mod:`.retention`); ``None``: never.
+    ``background_nice``: the async persist thread (and the threads it starts) runs at this nice
+    increment on Linux, so background I/O yields the CPU to training; ``None`` leaves it unchanged.
+    ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
+    ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads. With ``"dcp"``, failures raise the
+    failed rank's error as :func:`ckptio.dcp.save`/``load`` do, never torch's ``CheckpointException``.
+    ``load`` runs no code from the files by default (see :meth:`load`'s ``allow_pickle``).
+    """
+
+    def __init__(
+        self,
+        root_uri: str | os.PathLike,
+        *,
+        format: str = "dcp",
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = False,
+        process_group: Any = None,
+        timeout: float = 600.0,
+        weights_only: bool = True,
+        save_options: Mapping[str, Any] | None = None,
+        load_options: Mapping[str, Any] | None = None,
+        background_nice: int | None = 10,
+        stale_after: float | None = STALE_AFTER,
+    ) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        check_rules(keep_last, keep_every, keep_best, best_metric, best_mode)
+        if stale_after is not None and not float(stale_after) >= 0:
+            raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
+        self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
+        self.format = format
+        self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.async_save = bool(async_save)
+        self.background_nice = background_nice
+        self.timeout = float(timeout)
+        self.weights_only = bool(weights_only)
+        self.save_options = dict(save_options or {})
+        self.load_options = dict(load_options or {})
+        self.stale_after = None if stale_after is None else float(stale_after)
+        self._swept = stale_after is None
+        self.last_load: LoadResult | None = None
+        self._layout = Layout(self.root_uri)
+        self._stager = _Stager()
+        self._background = Background()
+        self._pg = None
+        self._rank, self._world = 0, 1
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+            self._pg = (
+                process_group
+                if process_group is not None
+                else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            )
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
+
+    # ---- queries -----------------------------------------------------------------------------
+    def uri(self, step: int) -> str:
+        """The (unresolved) URI of the directory for ``step``."""
+        return self._layout.uri(step)
+
+    def list(self) -> builtins.list[int]:
+        """Steps of the complete checkpoints under root, ascending."""
+        return self._layout.list()
+
+    def latest(self) -> int | None:
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete."""
+        return self._layout.latest()
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The commit marker's contents for ``step`` (format, files, metrics, time)."""
+        return self._layout.manifest(step)
+
+    # ---- distributed helpers -------------------------------------------------------------------
+    def _on_rank0(self, fn, *args: Any) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its result, or raise its error on every rank."""
+        result, err = None, None
+        if self._rank == 0:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+                err = e
+        if self._pg is not None:
+            import torch.distributed as dist
+
+            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
+            result, msg = box[0]
+            if err is None and msg is not None:
+                raise CkptioError(f"rank 0 failed: {msg}")
+        if err is not None:
+            raise err
+        return result
+
+    def _barrier(self) -> None:
+        if self._pg is not None:
+            import torch.distributed as dist
+
+            dist.monitored_barrier(group=self._pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
+
+    # ---- save --------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None) -> None:
+        """Save ``state`` (parts by name; tensors, containers, ``Stateful`` objects) as checkpoint ``step``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError("state must be a non-empty mapping of part name -> state")
+        if self.keep_best is not None and (metrics is None or self.best_metric not in metrics):
+            warnings.warn(
+                f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        self.wait()
+        sd = state_dicts(state)
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        if not self.async_save:
+            self._persist(step, sd, metrics)
+            return
+        staged = self._stager.stage(sd)
+        self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics)
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; re-raise its exception if it failed."""
+        self._background.wait()
+
+    def close(self) -> None:
+        """Wait for the background save (raising its error) and stop the background thread."""
+        self._background.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        self._on_rank0(self._prepare, step)
+        if self.format == "dcp":
+            files = formats.write_dcp(sd, self.uri(step), self._pg, self.save_options)
+        else:
+            files = self._on_rank0(formats.write_file, self.format, self.uri(step), sd, self.save_options)
+        manifest = {
+            "step": step,
+            "format": self.format,
+            "files": files,
+            "parts": sorted(map(str, sd)),
+            "metrics": metrics,
+            "time": time.time(),
+            "world_size": self._world,
+        }
+        self._on_rank0(self._commit, step, manifest)
+        log.info("saved checkpoint %s in %.2fs", self.uri(step), time.perf_counter() - t0)
+
+    def _prepare(self, step: int) -> None:
+        """Step 1 of the protocol (rank 0): sweep stale writes once, clear the way for ``step``."""
+        if not self._swept:
+            abort_stale_writes(self._layout, self.stale_after)
+            self._swept = True
+        self._layout.manifests.pop(step, None)
+        if self._layout.committed(step):
+            if self._layout.pointer() == step:
+                raise AlreadyExistsError(
+                    self.uri(step), "this step is the latest checkpoint; delete it first to save it again"
+                )
+            warnings.warn(
+                f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning, stacklevel=2
+            )
+            self._layout.uncommit(step)  # uncommit before touching its data
+        formats.discard(self.format, self._layout, step)
+
+    def _commit(self, step: int, manifest: dict[str, Any]) -> None:
+        self._layout.commit(step, manifest)
+        cleanup(self, self._layout, step)
+
+    # ---- delete ----------------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
+        self.wait()
+        self._on_rank0(self._layout.delete, step)
+        self._barrier()
+
+    # ---- load ------------------------------------------------------------------------------------
+    def load(
+        self,
+        state: dict[str, Any],
+        *,
+        step: Any = "latest",
+        keys: Iterable[str] | None = None,
+        strict: bool = True,
+        cache: Any = None,
+        allow_pickle: bool = False,
+    ) -> int | None:
+        """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
+
+        ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
+        ``keys``: the parts to restore (default: every part of ``state``). ``strict=False`` restores
+        what matches and reports missing/unexpected keys (warning and ``self.last_load``);
+        ``strict=True`` raises ``KeyError`` on any mismatch. ``cache`` (True, a directory or a mapping)
+        reads the data through the node-local cache (:mod:`ckptio.backends.cached`).
+
+        The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
+        Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its
+        format and file names are checked), ``pt`` files load with ``weights_only``, ``fpk`` files
+        unpickle nothing, ``dcp`` non-tensor items load only if they are plain data
+        (:mod:`ckptio.dcp_checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
+        objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
+        """
+        self.wait()
+        s, d, fmt, name = self._on_rank0(self._layout.resolve_target, step)
+        if s is None:
+            log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
+            self.last_load = LoadResult(None, None)
+            return None
+        parts = list(state) if keys is None else list(keys)
+        unknown = [k for k in parts if k not in state]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not in the state given to load()")
+        res = LoadResult(s, d)
+        source: Mapping[str, Any]
+        if fmt == "dcp":
+            parted = {k: state[k] for k in parts}
+            source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle)
+        else:
+            source, ckpt_parts = formats.read_file(
+                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle
+            )
+        restore(state, parts, source, res, ckpt_parts if keys is None else None)
+        self.last_load = res
+        if res.missing_keys or res.unexpected_keys:
+            msg = (
+                f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
+                f"unexpected keys {res.unexpected_keys}"
+            )
+            if strict:
+                raise KeyError(msg + " (pass strict=False to restore what matches)")
+            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+        log.info("restored step %d from %s", s, d)
+        return s

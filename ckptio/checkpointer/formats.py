@@ -1,0 +1,132 @@
+"""The data of each checkpoint format: how a step's data objects are discarded, written and read.
+
+``dcp``: a :mod:`ckptio.dcp` checkpoint, written by every rank (its ``.metadata`` committed last) and
+discarded with :func:`ckptio.dcp.discard` (its ``.metadata`` and the data objects that names), never the
+whole directory: DCP names data objects per save, so another save of the step may be writing there.
+``pt``/``fpk``: one file (``state.pt``/``state.fpk``), written by rank 0 with :func:`ckptio.dump` and
+read with the ckptio format of the checkpoint's format, whatever the file's name.
+
+Reading runs no code from the files unless the caller opts in (``allow_pickle``): ``pt`` files load with
+``weights_only``, ``fpk`` files unpickle nothing, ``dcp`` non-tensor items load only if they are plain
+data (:mod:`ckptio.dcp_checks`). A DCP read fills the state's own tensors where they match and new
+tensors for entries the state lacks (e.g. a fresh optimizer's moments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import uri as _uri
+from ..errors import FormatError
+from .manifest import _DATA_FILE, _FILE_FORMAT, Layout
+from .state import _fill_empty, state_dicts, tree_has
+
+
+def discard(fmt: str, layout: Layout, step: int) -> None:
+    """Remove the data of ``step``'s uncommitted directory before it is written again."""
+    if fmt == "dcp":
+        from .. import dcp
+
+        # not the whole directory: another save of this step may be writing its own data objects there
+        dcp.discard(layout.uri(step))
+    else:
+        layout.rmtree(layout.dir(step))  # debris of a crashed save, or the uncommitted old data
+
+
+def write_dcp(sd: dict[str, Any], uri: str, process_group: Any, options: Mapping[str, Any]) -> list[str]:
+    """Every rank: write ``sd`` as a DCP checkpoint at ``uri``; returns the marker's file list (none)."""
+    from .. import dcp
+
+    dcp.save(sd, uri, process_group=process_group, **options)
+    return []
+
+
+def write_file(fmt: str, uri: str, sd: dict[str, Any], options: Mapping[str, Any]) -> list[str]:
+    """Rank 0: write ``sd`` as the ``pt``/``fpk`` data file in directory ``uri``; returns its name."""
+    from ..io import dump
+
+    name = _DATA_FILE[fmt]
+    dump(sd, _uri.join_path(uri, name), **options)
+    return [name]
+
+
+def read_file(
+    fmt: str, d: str, name: str, options: dict[str, Any], weights_only: bool, cache: Any, allow_pickle: bool
+) -> tuple[Mapping[str, Any], list[str]]:
+    """The parts of the ``pt``/``fpk`` checkpoint file ``d``/``name`` and their names."""
+    from ..io import load as _load
+
+    kw = dict(options)
+    if allow_pickle:
+        kw["allow_pickle"] = True
+    if cache is not None:
+        kw["cache"] = cache
+    if fmt == "pt":
+        kw.setdefault("weights_only", weights_only and not kw.get("allow_pickle", False))
+        kw.setdefault("map_location", "cpu")
+    data_uri = _uri.join_path(d, name)
+    source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
+    if not isinstance(source, Mapping):
+        raise FormatError(f"{data_uri}: holds a {type(source).__name__}, not a checkpoint's mapping of parts")
+    return source, list(source)
+
+
+def read_dcp(
+    d: str,
+    state: dict[str, Any],
+    options: dict[str, Any],
+    process_group: Any,
+    cache: Any = None,
+    allow_pickle: bool = False,
+) -> tuple[dict[str, Any], list[str]]:
+    """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
+    into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
+    # torch_internals
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .. import dcp
+
+    opts = dict(options)
+    if cache is not None:
+        opts["cache"] = cache
+    if allow_pickle:
+        opts["allow_pickle"] = True
+    reader = dcp.StorageReader(d, **opts)
+    md = reader.read_metadata()
+    template = state_dicts(state)
+    flat, mappings = flatten_state_dict(template)
+    tree: dict[str, Any] = {}
+    for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
+        meta = md.state_dict_metadata.get(fqn)
+        if meta is None or (
+            isinstance(meta, TensorStorageMetadata)
+            and (not isinstance(value, torch.Tensor) or value.shape != meta.size)
+        ):
+            continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
+        set_element(tree, mappings[fqn], value)
+    new = {}
+    for fqn in md.state_dict_metadata:
+        path = (md.planner_data or {}).get(fqn)
+        if path and path[0] in state and not (fqn in flat and tree_has(tree, path)):
+            new[fqn] = path
+    reader.set_up_storage_reader(md, True)
+    reader.check_tensors(f for f in new if isinstance(md.state_dict_metadata[f], TensorStorageMetadata))
+    for fqn, path in new.items():
+        meta = md.state_dict_metadata[fqn]
+        value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        set_element(tree, path, value)
+    for k in tree:
+        _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)
+    if tree:
+        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, **opts)
+    for k, v in state.items():  # DCP paths store dict keys as str: optimizers index state by int
+        st = tree.get(k, {}).get("state") if isinstance(v, torch.optim.Optimizer) else None
+        if isinstance(st, dict):
+            tree[k]["state"] = {int(i) if isinstance(i, str) and i.isdigit() else i: x for i, x in st.items()}
+    return tree, sorted({p[0] for p in (md.planner_data or {}).values() if p})

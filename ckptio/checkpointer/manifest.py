@@ -1,0 +1,295 @@
+"""The layout under a Checkpointer's root: step directory names, the commit marker and the latest pointer.
+
+Layout under ``root`` (any URI: local path, ``s3://``, ``gs://``, ``memory://``, an alias)::
+
+    root/latest.txt                 the latest pointer: the step directory's name and a newline
+    root/000000001000/              one directory per step: the step, zero-padded to 12 digits
+        state.pt | state.fpk        format "pt" / "fpk": the whole state in one file
+        __*.distcp .metadata        format "dcp": a ckptio.dcp checkpoint (its .metadata written last)
+        checkpoint.json             the commit marker, written last, create-only
+
+Any all-digit directory name is read as a step (so unpadded names written by hand also work).
+
+A step directory is a checkpoint once its ``checkpoint.json`` exists (``list()`` shows only those); it is
+deleted marker first, so a crash mid-delete leaves an uncommitted directory, never a committed one with
+files missing. A pointer naming an incomplete or missing checkpoint is not trusted: :meth:`Layout.latest`
+falls back to the newest complete checkpoint and says which (a :class:`CheckpointWarning`).
+
+The marker is checked before anything it names is read (:func:`_check_manifest`): it cannot choose a
+deserializer or a path.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .. import uri as _uri
+from ..context import resolve
+from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+
+log = logging.getLogger("ckptio.checkpointer")
+
+MARKER_NAME = "checkpoint.json"
+POINTER_NAME = "latest.txt"
+STEP_DIGITS = 12
+FORMATS = ("dcp", "fpk", "pt")
+_DATA_FILE = {"pt": "state.pt", "fpk": "state.fpk"}
+_FILE_FORMAT = {"pt": "torch", "fpk": "fastpickle"}  # the ckptio format each data file is read with, whatever its name
+
+
+def _is_step_name(name: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²' and other characters ``int()`` refuses."""
+    return name.isascii() and name.isdigit()
+
+
+class CheckpointWarning(RuntimeWarning):
+    """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    uri: str
+
+
+def _parse_manifest(data: bytes, marker: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise FormatError(f"{marker}: not valid JSON ({e}); the commit marker is damaged") from None
+
+
+def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
+    """(step, format, data file name) of a commit marker, checked before anything it names is read.
+
+    The marker cannot choose a deserializer or a path: its format must be one of :data:`FORMATS`
+    (each loads without running code unless the caller opts in), its files plain names inside the
+    step directory with that format's extension; the file is then read as that format, whatever its
+    name.
+    """
+
+    def bad(key: str, why: str) -> FormatError:
+        return FormatError(
+            f"{marker}: key {key!r} {why}; ckptio never writes such a commit marker (it was edited "
+            f"or damaged), so nothing was loaded"
+        )
+
+    if not isinstance(m, dict):
+        raise FormatError(
+            f"{marker}: holds a JSON {type(m).__name__}, not an object; ckptio never writes such a "
+            f"commit marker (it was edited or damaged), so nothing was loaded"
+        )
+    fmt = m.get("format")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise bad("format", f"is {fmt!r}, not one of {list(FORMATS)}")
+    step = m.get("step")
+    if type(step) is not int or step < 0:
+        raise bad("step", f"is {step!r}, not a non-negative int")
+    files = m.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise bad("files", f"is {files!r}, not a list of file names")
+    for f in files:
+        if f in ("", ".", "..") or any(c in f for c in "/\\:\0"):
+            raise bad("files", f"names {f!r}, not a file directly inside the checkpoint directory")
+    name = (files[0] if files else _DATA_FILE[fmt]) if fmt in _DATA_FILE else None
+    if name is not None and not name.endswith("." + fmt):
+        raise bad("files", f"names {name!r} for a {fmt!r} checkpoint, whose data file ends in '.{fmt}'")
+    return step, fmt, name
+
+
+class Layout:
+    """The step directories, commit markers and latest pointer under one root (the user's ``root_uri``).
+
+    Caches the directory name of each step (unpadded ones too) and the markers read or written.
+    """
+
+    def __init__(self, root_uri: str) -> None:
+        self.root_uri = root_uri
+        self.backend, self.root = resolve(root_uri)
+        self.names: dict[int, str] = {}
+        self.manifests: dict[int, dict[str, Any]] = {}
+
+    # ---- paths -----------------------------------------------------------------------------
+    def name(self, step: int) -> str:
+        return self.names.get(step) or f"{step:0{STEP_DIGITS}d}"
+
+    def dir(self, step: int) -> str:
+        """The resolved (backend) path of the directory for ``step``."""
+        return _uri.join_path(self.root, self.name(step))
+
+    def uri(self, step: int) -> str:
+        """The (unresolved) URI of the directory for ``step``."""
+        return _uri.join_path(self.root_uri, self.name(step))
+
+    def user_uri(self, step: int, *names: str) -> str:
+        return _uri.join_path(self.uri(step), *names)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def committed(self, step: int) -> bool:
+        return self.backend.isfile(_uri.join_path(self.dir(step), MARKER_NAME))
+
+    def step_dirs(self) -> dict[int, str]:
+        """Step -> directory name of every step directory directly under root (complete or not)."""
+        root = self.root.rstrip("/")
+        out: dict[int, str] = {}
+        try:
+            entries = builtins.list(self.backend.list(self.root, recursive=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for info in entries:
+            u = info.uri.rstrip("/")
+            name = _uri.basename(u)
+            # only direct children of this root: "root-2/..." or "root/x/5" never match
+            if not info.is_dir or not _is_step_name(name) or u != _uri.join_path(root, name).rstrip("/"):
+                continue
+            step = int(name)
+            if step not in out or name == f"{step:0{STEP_DIGITS}d}":
+                out[step] = name
+        self.names = dict(out)
+        return out
+
+    def list(self) -> builtins.list[int]:
+        """Steps of the complete checkpoints under root, ascending."""
+        return sorted(s for s in self.step_dirs() if self.committed(s))
+
+    def pointer(self) -> int | None:
+        """The step the latest pointer names (checked for its form only), or None."""
+        try:
+            text = self.backend.read(_uri.join_path(self.root, POINTER_NAME)).decode("utf-8").strip()
+        except FileNotFoundError:
+            return None
+        name = _uri.basename(text)
+        if not _is_step_name(name):
+            warnings.warn(
+                f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return None
+        self.names.setdefault(int(name), name)
+        return int(name)
+
+    def latest(self) -> int | None:
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete."""
+        ptr = self.pointer()
+        if ptr is not None and self.committed(ptr):
+            return ptr
+        steps = self.list()
+        why = "is missing" if ptr is None else f"names step {ptr}, which is not a complete checkpoint"
+        if not steps:
+            if ptr is not None:
+                warnings.warn(
+                    f"{self.root_uri}: the latest pointer {why} and no complete checkpoint exists",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return None
+        warnings.warn(
+            f"{self.root_uri}: the latest pointer {why}; using the newest complete checkpoint, "
+            f"step {steps[-1]} ({self.uri(steps[-1])})",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+        return steps[-1]
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The commit marker's contents for ``step`` (format, files, metrics, time)."""
+        m = self.manifests.get(step)
+        if m is None:
+            try:
+                data = self.backend.read(_uri.join_path(self.dir(step), MARKER_NAME))
+            except FileNotFoundError:
+                if self.backend.isdir(self.dir(step)):
+                    raise IncompleteCheckpointError(
+                        f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})"
+                    ) from None
+                raise NotFoundError(self.uri(step), "no checkpoint for this step") from None
+            m = _parse_manifest(data, self.user_uri(step, MARKER_NAME))
+            self.manifests[step] = m
+        return m
+
+    def resolve_target(self, step: Any) -> tuple[int | None, str | None, str | None, str | None]:
+        """(step, directory URI, format, data file name) to load; all None when there is nothing yet.
+
+        ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
+        """
+        if (isinstance(step, int) and not isinstance(step, bool)) or step == "latest":
+            if step == "latest":
+                step = self.latest()
+                if step is None:
+                    return None, None, None, None
+            else:
+                self.step_dirs()  # learns the directory names (unpadded ones too)
+            _, fmt, name = _check_manifest(self.manifest(step), self.user_uri(step, MARKER_NAME))
+            return step, self.uri(step), fmt, name
+        if isinstance(step, (str, os.PathLike)):
+            u = os.fspath(step).rstrip("/")
+            backend, d = resolve(u)
+            if backend.isfile(_uri.join_path(d, MARKER_NAME)):
+                marker = _uri.join_path(u, MARKER_NAME)
+                s, fmt, name = _check_manifest(
+                    _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker), marker
+                )
+                return s, u, fmt, name
+            if backend.isfile(_uri.join_path(d, ".metadata")):
+                return 0, u, "dcp", None
+            for fmt, name in _DATA_FILE.items():
+                if d.endswith(name[5:]) and backend.isfile(d):
+                    return 0, _uri.parent(u), fmt, _uri.basename(u)
+            raise IncompleteCheckpointError(
+                f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
+            )
+        raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
+
+    # ---- changes -------------------------------------------------------------------------------
+    def commit(self, step: int, manifest: dict[str, Any]) -> None:
+        """Write the marker (create-only: the checkpoint is complete from here on), then the pointer."""
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        self.backend.write(_uri.join_path(self.dir(step), MARKER_NAME), data, mode="create")
+        self.manifests[step] = manifest
+        self.backend.write(_uri.join_path(self.root, POINTER_NAME), (self.name(step) + "\n").encode(), mode="overwrite")
+
+    def uncommit(self, step: int) -> None:
+        """Remove the marker of ``step``, so its data can be touched."""
+        self.backend.delete(_uri.join_path(self.dir(step), MARKER_NAME))
+
+    def delete(self, step: int) -> None:
+        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
+        if step not in self.step_dirs():
+            raise NotFoundError(self.uri(step), "no checkpoint for this step")
+        was_latest = self.pointer() == step
+        self.discard(step)
+        if was_latest:
+            rest = self.list()
+            ptr = _uri.join_path(self.root, POINTER_NAME)
+            if rest:
+                self.backend.write(ptr, (self.name(rest[-1]) + "\n").encode(), mode="overwrite")
+            else:
+                self.backend.delete(ptr)
+
+    def discard(self, step: int) -> None:
+        """Delete the directory of ``step``, marker first; the pointer is left as it is."""
+        d = self.dir(step)
+        self.manifests.pop(step, None)
+        try:
+            self.uncommit(step)
+        except FileNotFoundError:
+            pass
+        self.rmtree(d)
+        log.info("deleted checkpoint %s", self.uri(step))
+
+    def rmtree(self, d: str) -> None:
+        prefix = d.rstrip("/") + "/"
+        try:
+            entries = [i for i in self.backend.list(d, recursive=True) if not i.is_dir]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if any(not i.uri.startswith(prefix) for i in entries):  # never follow a backend outside the directory
+            raise CkptioError(f"refusing to delete {d}: its listing has entries outside it")
+        self.backend.rmtree(d)

@@ -1,0 +1,124 @@
+"""Async save: snapshot copies of the state and the single background thread that persists them.
+
+With ``async_save=True``, ``save`` copies every tensor into staging buffers kept between saves
+(:class:`_Stager`: one copy of the state at most; reallocated only when shapes change), then returns;
+a single background thread (:class:`Background`) persists and commits. The next
+``save``/``load``/``wait`` first waits for it and re-raises its exception if it failed; a failure is
+also logged at once, in case no such call comes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import functools
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ckptio.checkpointer")
+
+
+class _Stager:
+    """Copies a state tree into CPU buffers reused across calls (keyed by path, reallocated on change)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def stage(self, tree: Any) -> Any:
+        used: set[tuple] = set()
+        out = self._stage(tree, (), used)
+        for k in set(self._bufs) - used:  # bounded: only buffers of the current state are kept
+            del self._bufs[k]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
+        if any(b.is_pinned() for b in self._bufs.values()):
+            torch.cuda.synchronize()
+        return out
+
+    def _stage(self, obj: Any, path: tuple, used: set[tuple]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.layout != torch.strided or t.is_quantized or type(t) is not torch.Tensor:
+                return t.clone()  # sparse, quantized, DTensor...: a plain copy, not pooled
+            buf = self._bufs.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                pin = t.device.type == "cuda"
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self._bufs[path] = buf
+            used.add(path)
+            buf.copy_(t, non_blocking=buf.is_pinned())
+            return buf
+        if isinstance(obj, dict):
+            try:
+                out = type(obj)()
+            except TypeError:
+                out = {}
+            for k, v in obj.items():
+                out[k] = self._stage(v, path + (k,), used)
+            return out
+        if isinstance(obj, list):
+            return [self._stage(v, path + (i,), used) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            items = [self._stage(v, path + (i,), used) for i, v in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        return copy.deepcopy(obj)
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it creates)."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError as e:
+            log.debug("could not lower the persist thread's priority: %s", e)
+
+
+def _report_background_failure(uri: str, fut: cf.Future) -> None:
+    """Log a failed background save at once: if the program ends without another call, the error
+    would otherwise vanish. It is still raised by the next ``save``/``wait``/``close``."""
+    exc = fut.exception()
+    if exc is not None:
+        log.error("background save of %s failed; it will be raised by the next save/wait/close: %r", uri, exc)
+
+
+class Background:
+    """The one background persist thread (started on first use) and the save it runs, if any."""
+
+    def __init__(self) -> None:
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._future: cf.Future | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, uri: str, nice: int | None, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` (the save of ``uri``) in the thread, started at nice increment ``nice``."""
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(
+                1,
+                thread_name_prefix="ckptio-checkpointer",
+                initializer=_lower_priority,
+                initargs=(nice,),
+            )
+        self._future = self._pool.submit(fn, *args)
+        self._future.add_done_callback(functools.partial(_report_background_failure, uri))
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; re-raise its exception if it failed."""
+        with self._lock:
+            fut, self._future = self._future, None
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        """Wait for the background save (raising its error) and stop the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
