@@ -49,7 +49,7 @@ def info(uri: str) -> dict[str, Any]:
     if kind == "dcp":
         from . import dcp
 
-        out = dcp.inspect(target)  # type: ignore[attr-defined]  # ckptio.dcp.inspect: the dcp branch adds it
+        out = dcp.inspect(target)
     elif fmt is not None and fmt.can("inspect"):
         out = fmt.inspect(backend, target)
     else:
@@ -72,7 +72,7 @@ def verify(uri: str) -> dict[str, Any]:
     if kind == "dcp":
         from . import dcp
 
-        return {"uri": uri, "format": "dcp", "ok": True, **dcp.verify(target)}  # type: ignore[attr-defined]  # as dcp.inspect
+        return {"uri": uri, "format": "dcp", "ok": True, **dcp.verify(target)}  # as dcp.inspect
     if fmt is None or not fmt.can("verify"):
         raise FormatError(
             f"{uri}: no checksums to verify for this format (verify reads DCP directories and the files "

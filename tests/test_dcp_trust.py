@@ -1,5 +1,5 @@
 """A crafted DCP checkpoint runs no code and makes ckptio allocate nothing far beyond what it stores
-(:mod:`ckptio.dcp_checks`), while the non-tensor state DCP users save keeps loading by default.
+(:mod:`ckptio.dcp.checks`), while the non-tensor state DCP users save keeps loading by default.
 
 Crafted checkpoints load in a child process (``dcp_workers.load_capped``) whose address space is
 capped with ``RLIMIT_AS``: a huge allocation fails the child, not the machine, and a payload that
@@ -397,7 +397,7 @@ def test_numpy_values_need_allow_pickle(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")
 def test_weights_only_globals_resolve_to_the_same_callables():
-    """The safety argument in ckptio.dcp_checks: each callable torch's weights_only unpickler admits by
+    """The safety argument in ckptio.dcp.checks: each callable torch's weights_only unpickler admits by
     default is, by name, the same object (or nothing) for torch.load's full unpickler, for pickle
     protocols 2 and 4 and every split of its dotted name into module and attribute path."""
     from torch._weights_only_unpickler import _get_allowed_globals

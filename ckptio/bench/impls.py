@@ -189,7 +189,8 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
 
     def dsave(s: dict, u: str) -> None:
         import torch.distributed.checkpoint as tdcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        from ckptio.torch_internals import FsspecWriter
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -197,7 +198,8 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
 
     def dload(r: dict, u: str) -> dict:
         import torch.distributed.checkpoint as tdcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        from ckptio.torch_internals import FsspecReader
 
         t = _template(r)
         with warnings.catch_warnings():

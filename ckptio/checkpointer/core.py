@@ -269,7 +269,7 @@ class Checkpointer:
         Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its
         format and file names are checked), ``pt`` files load with ``weights_only``, ``fpk`` files
         unpickle nothing, ``dcp`` non-tensor items load only if they are plain data
-        (:mod:`ckptio.dcp_checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
+        (:mod:`ckptio.dcp.checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
         self.wait()

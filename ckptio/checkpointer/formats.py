@@ -8,7 +8,7 @@ read with the ckptio format of the checkpoint's format, whatever the file's name
 
 Reading runs no code from the files unless the caller opts in (``allow_pickle``): ``pt`` files load with
 ``weights_only``, ``fpk`` files unpickle nothing, ``dcp`` non-tensor items load only if they are plain
-data (:mod:`ckptio.dcp_checks`). A DCP read fills the state's own tensors where they match and new
+data (:mod:`ckptio.dcp.checks`). A DCP read fills the state's own tensors where they match and new
 tensors for entries the state lacks (e.g. a fresh optimizer's moments).
 """
 
@@ -84,9 +84,9 @@ def read_dcp(
 ) -> tuple[dict[str, Any], list[str]]:
     """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
     into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
-    # torch_internals
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
+    from .. import torch_internals as _ti
+
+    flatten_state_dict, set_element = _ti.flatten_state_dict, _ti.set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -22,6 +22,7 @@ import zipfile
 from collections.abc import Sequence
 from typing import IO, Any
 
+from .. import torch_internals as _ti
 from ..backends.base import Backend
 from ..errors import FormatError, IntegrityError
 from .base import StreamFormat, dtype_size, flatten, jsonable
@@ -93,9 +94,7 @@ def _storage_dtype(name: str) -> str:
     if name == "UntypedStorage":
         return "uint8"
     try:
-        from torch.storage import _get_dtype_from_pickle_storage_type
-
-        return str(_get_dtype_from_pickle_storage_type(name)).removeprefix("torch.")
+        return str(_ti.get_dtype_from_pickle_storage_type(name)).removeprefix("torch.")
     except (ImportError, KeyError, AttributeError):
         import warnings
 
@@ -136,10 +135,10 @@ class _TorchInspector(pickle.Unpickler):
             return getattr(__import__("builtins"), name)
         if module == "_codecs" and name == "encode":
             return _latin1_encode  # how torch pickles bytes; no other codec
-        # torch_internals: torch's private rebuild functions, as torch.save pickles tensors
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        # torch's private rebuild functions, as torch.save pickles tensors (matched by name)
+        if module == _ti.REBUILD_MODULE and name == _ti.REBUILD_TENSOR:
             return self._tensor
-        if module == "torch._utils" and name == "_rebuild_parameter":
+        if module == _ti.REBUILD_MODULE and name == _ti.REBUILD_PARAMETER:
             return lambda data, *a: dataclasses.replace(data, parameter=True) if isinstance(data, TensorInfo) else data
         if module == "torch" and name.endswith("Storage"):
             return _StorageType(_storage_dtype(name))

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import torch
 
+from ... import torch_internals as _ti
 from ...errors import FormatError
 from .layout import (
     DTYPES,
@@ -302,9 +303,9 @@ def tensor_factory(meta: Meta, payloads: dict[int, torch.Tensor], map_location: 
             )
             q = meta.qparams[idx]
             if q[0] == "per_tensor_affine":
-                out = torch._make_per_tensor_quantized_tensor(ints, q[1], q[2])
+                out = _ti.make_per_tensor_quantized_tensor(ints, q[1], q[2])
             else:
-                out = torch._make_per_channel_quantized_tensor(
+                out = _ti.make_per_channel_quantized_tensor(
                     ints,
                     torch.tensor(q[1], dtype=torch.float64, device=st.device),
                     torch.tensor(q[2], dtype=torch.int64, device=st.device),
