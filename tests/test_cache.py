@@ -1,4 +1,4 @@
-"""The node-local cache (ckptio.backends.cached) with a local directory standing in for remote storage."""
+"""The node-local cache (ckptio.cache) with a local directory standing in for remote storage."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import xxhash
 
 import ckptio
 from ckptio import cli
-from ckptio.backends.cached import CachedBackend
 from ckptio.backends.local import LocalBackend
+from ckptio.cache import CachedBackend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cache_workers.py")

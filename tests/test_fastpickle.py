@@ -406,7 +406,7 @@ def test_mmap_load_is_zero_copy_and_lazy(tmp_path):
 
 
 def test_cached_backend_loads_from_its_local_entry(memory_uri, tmp_path):
-    from ckptio.backends.cached import CachedBackend
+    from ckptio.cache import CachedBackend
 
     state = {"w": torch.randn(64, 64), "step": 3}
     uri = f"{memory_uri}/c.fpk"

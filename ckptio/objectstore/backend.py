@@ -5,7 +5,7 @@ A store subclass supplies ``_loop`` (the client's IO loop), ``translate``, ``cla
 request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memory),
 :meth:`~ObjectStoreBackend._head` and :meth:`~ObjectStoreBackend._list_page`; plus its writer,
 ``delete`` and ``close``. Reads split into ``part_size`` ranges, ``concurrency`` at a time
-(see :mod:`._parallel`).
+(see :mod:`.ranged`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from .. import retry as _retry
 from .. import uri as _uri
+from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
-from . import _parallel
-from .base import Backend, Buffer, ObjectInfo
+from . import retry as _retry
+from .multipart import size_option
+from .ranged import parallel_readinto, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -72,7 +73,7 @@ class ObjectStoreBackend(Backend):
         max_buffer_bytes: int | str,
     ) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        self.max_buffer_bytes = size_option("max_buffer_bytes", max_buffer_bytes)
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries,
             max_attempts=max_attempts,
@@ -90,7 +91,7 @@ class ObjectStoreBackend(Backend):
 
     @staticmethod
     def classify(e: BaseException) -> str:
-        """TRANSIENT / EXPIRED / PERMANENT for an error of this store's client (see :mod:`ckptio.retry`)."""
+        """TRANSIENT / EXPIRED / PERMANENT for an error of this store's client (see :mod:`ckptio.objectstore.retry`)."""
         raise NotImplementedError
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
@@ -150,7 +151,7 @@ class ObjectStoreBackend(Backend):
     def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``coro_fn()`` on the IO loop; its errors come out translated."""
         try:
-            return _parallel.run(self._loop, coro_fn)
+            return run(self._loop, coro_fn)
         except Exception as e:
             raise self.translate(e, uri) from None
 
@@ -160,7 +161,7 @@ class ObjectStoreBackend(Backend):
         mv = memoryview(buf).cast("B")
 
         async def go() -> int:
-            return await _parallel.parallel_readinto(
+            return await parallel_readinto(
                 lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency
             )
 

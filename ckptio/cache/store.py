@@ -1,7 +1,7 @@
-"""A node-local, whole-object read cache that wraps any backend.
+"""The node-local cache's store: its directory layout, locking, fills, pins and eviction.
 
-``CachedBackend(inner, cache_dir, max_bytes)`` serves reads from files under ``cache_dir`` and
-passes writes, listings and deletes through to ``inner``. Layout::
+:class:`CacheStore` owns ``cache_dir``; :class:`~ckptio.cache.backend.CachedBackend` wraps a backend
+and serves its reads from the store (writes, listings and deletes pass through). Layout::
 
     <cache_dir>/data/<kk>/<key>-<basename>   the object's bytes (a complete file, or absent)
     <cache_dir>/data/<kk>/<key>.json         uri, version, size, block size, xxh3-64 of each block, fill id
@@ -10,9 +10,9 @@ passes writes, listings and deletes through to ``inner``. Layout::
 
 ``key`` is 40 hex digits hashing the URI with the remote version token (etag / generation /
 ``mtime_ns:size``) and the size, so a changed remote object gets a new entry and is never served
-stale; every read ``stat``s the remote object unless it is *pinned* (:meth:`CachedBackend.pinned`,
+stale; every read ``stat``s the remote object unless it is *pinned* (:meth:`CacheStore.pinned`,
 used by :mod:`ckptio.distributed` once one rank has validated it). Only names of these shapes are
-the cache's: scans, eviction and :meth:`CachedBackend.clear` ignore anything else.
+the cache's: scans, eviction and :meth:`CacheStore.clear` ignore anything else.
 
 Integrity: a fill records the xxh3-64 of each block of the entry (1 MiB blocks, doubled until an
 entry has at most 16384), and every read verifies the bytes it serves: ``read`` / ``read_range`` /
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -53,30 +52,20 @@ import re
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, CkptioError, IntegrityError, SettingsError
-from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer
-from .cache_entries import BlockHasher, Damaged, Entry, Item, block_size, scan
-from .cache_entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
+from ..backends.base import Backend, ObjectInfo
+from ..errors import AccessDeniedError, CkptioError, IntegrityError
+from .entries import BlockHasher, Damaged, Entry, Item, block_size, scan
+from .entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
+from .locks import FileLock
+from .settings import DEFAULT_LOCK_TIMEOUT, ENV_CACHE_DIR, default_cache_dir
 
-ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
-DEFAULT_LOCK_TIMEOUT = 1800.0
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-
-
-def default_cache_dir() -> str:
-    """``$CKPTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptio``, else ``~/.cache/ckptio``."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return os.path.expanduser(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ckptio")
 
 
 @dataclass
@@ -92,106 +81,26 @@ class CacheStats:
         return dict(self.__dict__)
 
 
-class _Lock:
-    """An flock on ``path`` that is safe against the file being unlinked by an evictor.
-
-    After locking, the descriptor's inode must still be the one at ``path``; if an evictor removed
-    (and maybe someone recreated) the file in between, lock again.
-    """
-
-    def __init__(self, path: str, exclusive: bool, timeout: float | None, what: str) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        delay = 0.002
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, op | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if deadline is not None and time.monotonic() > deadline:
-                            raise TimeoutError(
-                                errno.ETIMEDOUT,
-                                f"timed out after {timeout:.0f}s waiting for the "
-                                f"cache lock of {what} (another process is filling it: {path})",
-                            ) from None
-                        time.sleep(delay)
-                        delay = min(delay * 2, 0.05)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.fd: int | None = fd
-            if self.still_at(path):
-                return
-            self.release()
-
-    @classmethod
-    def try_exclusive(cls, path: str) -> _Lock | None:
-        """The exclusive lock if it is free right now, else None (for eviction)."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        lock = cls.__new__(cls)
-        lock.fd = fd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.release()
-            return None
-        if not lock.still_at(path):
-            lock.release()
-            return None
-        return lock
-
-    def still_at(self, path: str) -> bool:
-        """Whether ``path`` is still the file this lock is on (an evictor unlinks lock files)."""
-        try:
-            return self.fd is not None and os.stat(path).st_ino == os.fstat(self.fd).st_ino
-        except FileNotFoundError:
-            return False
-
-    def share(self) -> None:
-        """Downgrade exclusive to shared (not atomic in flock: callers re-validate after)."""
-        assert self.fd is not None
-        fcntl.flock(self.fd, fcntl.LOCK_SH)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor releases the flock
-            self.fd = None
-
-    def __enter__(self) -> _Lock:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
 def _safe_name(uri: str) -> str:
     base = _uri.basename(uri.rstrip("/")) or "object"
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)[-80:]
 
 
-class _InUse(Exception):
+class InUse(Exception):
     """The entry is damaged and other holders keep it from being replaced: read the wrapped backend."""
 
 
-class CachedBackend(Backend):
-    """Serve whole-object reads of ``inner`` from ``cache_dir`` (see the module docstring).
+class CacheStore:
+    """The cache directory of one process: fills, verified entries, pins, counters and eviction.
 
-    ``max_bytes=None`` never evicts. ``fsync=True`` makes fills durable. ``lock_timeout`` bounds the
-    wait for another process's fill. Every read is verified; ``verify`` (``cache_verify``) is accepted
-    for compatibility and changes nothing.
+    Every method that may fetch takes ``inner``, the backend the objects come from, so wrappers of
+    several backends (or of one backend with different options) can share one store. ``max_bytes=None``
+    never evicts; ``fsync=True`` makes fills durable; ``lock_timeout`` bounds the wait for another
+    process's fill. Every read is verified; ``verify`` is accepted for compatibility and changes nothing.
     """
-
-    name = "cached"
 
     def __init__(
         self,
-        inner: Backend,
         cache_dir: str | os.PathLike | None = None,
         *,
         max_bytes: int | None = None,
@@ -199,12 +108,8 @@ class CachedBackend(Backend):
         fsync: bool = False,
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
-        super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
-        if isinstance(inner, CachedBackend):
-            raise ValueError("CachedBackend cannot wrap another CachedBackend")
         if max_bytes is not None and int(max_bytes) < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
-        self.inner = inner
         self.cache_dir = os.path.abspath(os.path.expanduser(os.fspath(cache_dir or default_cache_dir())))
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.verify, self.fsync, self.lock_timeout = bool(verify), bool(fsync), lock_timeout
@@ -218,7 +123,7 @@ class CachedBackend(Backend):
         self._metas: dict[str, tuple[tuple, Entry]] = {}  # parsed metadata, see Entry.load
 
     def __repr__(self) -> str:
-        return f"<CachedBackend {self.cache_dir!r} over {self.inner!r}>"
+        return f"<CacheStore {self.cache_dir!r}>"
 
     # ---- the directory -----------------------------------------------------------------------
     def _unusable(self, e: OSError, what: str = "not writable") -> AccessDeniedError:
@@ -249,13 +154,13 @@ class CachedBackend(Backend):
                 raise
             raise self._unusable(e) from e
 
-    def _lock(self, path: str, exclusive: bool, uri: str) -> _Lock:
+    def _lock(self, path: str, exclusive: bool, uri: str) -> FileLock:
         with self._writing():
             try:
-                return _Lock(path, exclusive, self.lock_timeout, uri)
+                return FileLock(path, exclusive, self.lock_timeout, uri)
             except FileNotFoundError:  # someone removed the cache directory
                 self._make_dirs()
-                return _Lock(path, exclusive, self.lock_timeout, uri)
+                return FileLock(path, exclusive, self.lock_timeout, uri)
 
     # ---- counters and pins -------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -269,7 +174,7 @@ class CachedBackend(Backend):
                 setattr(self._stats, k, getattr(self._stats, k) + v)
 
     @contextlib.contextmanager
-    def pinned(self, infos: Mapping[str, ObjectInfo] | Iterable[ObjectInfo]) -> Iterator[None]:
+    def pinned(self, inner: Backend, infos: Mapping[str, ObjectInfo] | Iterable[ObjectInfo]) -> Iterator[None]:
         """Within the block, treat ``infos`` as the current remote state and hold their entries.
 
         Reads of these URIs do not ``stat`` the remote object, and their entries are not evicted
@@ -278,7 +183,7 @@ class CachedBackend(Backend):
         items = list(infos.values()) if isinstance(infos, Mapping) else list(infos)
         with contextlib.ExitStack() as held:
             for info in items:
-                held.enter_context(self._entry(info.uri, info, count=False))
+                held.enter_context(self.entry(inner, info.uri, info, count=False))
             with self._mu:
                 for info in items:
                     old = self._pins.get(info.uri)
@@ -295,9 +200,17 @@ class CachedBackend(Backend):
                             else:
                                 self._pins[info.uri] = (pin[0], pin[1] - 1)
 
-    def _unpin(self, uri: str) -> None:
+    def pinned_info(self, uri: str) -> ObjectInfo | None:
+        """The info a pin holds for ``uri`` (what reads take as the remote state), or None."""
         with self._mu:
-            self._pins.pop(uri, None)
+            held = self._pins.get(uri)
+        return None if held is None else held[0]
+
+    def unpin(self, uri: str, *, prefix: bool = False) -> None:
+        """Forget the pins of ``uri`` (``prefix``: of every URI under it): it is being changed."""
+        with self._mu:
+            for u in [u for u in self._pins if u.startswith(uri)] if prefix else [uri]:
+                self._pins.pop(u, None)
 
     # ---- entries -----------------------------------------------------------------------------
     def _key(self, info: ObjectInfo) -> str:
@@ -317,12 +230,12 @@ class CachedBackend(Backend):
         """Where the entry for this exact object version lives (it may not exist)."""
         return self._paths(info)[0]
 
-    def _remote_info(self, uri: str) -> ObjectInfo:
-        with self._mu:
-            held = self._pins.get(uri)
+    def remote_info(self, inner: Backend, uri: str) -> ObjectInfo:
+        """The pinned info of ``uri``, else what ``inner`` says now (a directory is refused)."""
+        held = self.pinned_info(uri)
         if held is not None:
-            return held[0]
-        info = self.inner.stat(uri)
+            return held
+        info = inner.stat(uri)
         if info.is_dir:
             raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri)
         return info
@@ -331,10 +244,6 @@ class CachedBackend(Backend):
         for p in (data, meta):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
-
-    def _read_through(self, uri: str, e: _InUse) -> None:
-        self._count(read_through=1)
-        warnings.warn(f"{e}; reading {uri} from {self.inner.name} until it is free to be replaced", stacklevel=4)
 
     @staticmethod
     def _serve(entry: Entry, serve: Callable[[Entry], Any] | None) -> tuple[Any, str | None]:
@@ -345,8 +254,9 @@ class CachedBackend(Backend):
             return None, entry.fill_id
 
     @contextlib.contextmanager
-    def _entry(
+    def entry(
         self,
+        inner: Backend,
         uri: str,
         info: ObjectInfo | None = None,
         *,
@@ -356,8 +266,8 @@ class CachedBackend(Backend):
         """Hold a shared lock on the entry for ``uri`` (filling it if needed); yield it and what
         ``serve(entry)`` returned. ``serve`` reads and verifies; if it finds the entry damaged, the
         entry is discarded and fetched again, or, if others hold it (a pin, an open local path), this
-        raises :class:`_InUse` and the caller reads the wrapped backend."""
-        info = info or self._remote_info(uri)
+        raises :class:`InUse` and the caller reads the wrapped backend."""
+        info = info or self.remote_info(inner, uri)
         data, meta, lockp = self._paths(info)
         damaged: str | None = None  # the fill id of an entry found damaged
         held = False  # ... and held by others when we tried to replace it
@@ -374,14 +284,14 @@ class CachedBackend(Backend):
                             yield entry, out
                             return
                     elif held:
-                        raise _InUse(f"the cache entry {data} is damaged and in use by another reader")
+                        raise InUse(f"the cache entry {data} is damaged and in use by another reader")
             # a damaged entry is replaced now or left alone: its holders (pins, local paths) may hold it for long
-            lock = self._lock(lockp, True, uri) if damaged is None else _Lock.try_exclusive(lockp)
+            lock = self._lock(lockp, True, uri) if damaged is None else FileLock.try_exclusive(lockp)
             if lock is None:
                 held = True
                 continue  # back under the shared lock: a new fill is served, the same entry read through
             with lock:
-                downloaded = self._fill_locked(info, data, meta, damaged)
+                downloaded = self._fill_locked(inner, info, data, meta, damaged)
                 lock.share()  # not atomic: an evictor may slip in, so check the entry survived
                 entry = Entry.load(data, meta, info.uri, info.size, self._metas)
                 if not (isinstance(entry, Entry) and lock.still_at(lockp)):
@@ -406,7 +316,7 @@ class CachedBackend(Backend):
             f"repeatedly (max_bytes={self.max_bytes} too small for the objects in use?)",
         )
 
-    def _fill_locked(self, info: ObjectInfo, data: str, meta: str, damaged: str | None = None) -> bool:
+    def _fill_locked(self, inner: Backend, info: ObjectInfo, data: str, meta: str, damaged: str | None = None) -> bool:
         """Holding the exclusive lock: make the entry valid. True if it was downloaded now.
         ``damaged``: the fill id of an entry a reader found damaged (discarded if still there)."""
         state = Entry.load(data, meta, info.uri, info.size, self._metas)
@@ -426,7 +336,7 @@ class CachedBackend(Backend):
             f = open(tmp, "xb", buffering=0)
         try:
             with f:
-                digests = self._download(info, f)
+                digests = download(inner, info, f, self.fsync)
             os.makedirs(os.path.dirname(data), exist_ok=True)
             record = {
                 "uri": info.uri,
@@ -450,39 +360,6 @@ class CachedBackend(Backend):
         self._count(bytes_fetched=info.size)
         return True
 
-    def _download(self, info: ObjectInfo, f: BinaryIO) -> BlockHasher:
-        """Copy the object into ``f``, reading the next chunk while writing this one; its block checksums."""
-        h = BlockHasher(block_size(info.size))
-        chunk = max(1, min(info.size, self.inner.part_size * self.inner.concurrency))
-        bufs = [bytearray(chunk), bytearray(chunk)] if info.size > chunk else [bytearray(chunk)]
-
-        def fetch(i: int, pos: int) -> tuple[memoryview, int]:
-            mv = memoryview(bufs[i % len(bufs)])[: min(chunk, info.size - pos)]
-            n = self.inner.readinto(info.uri, mv, pos)
-            if n != len(mv):
-                raise IntegrityError(
-                    f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
-                    f"bytes); it changed during the read, load again"
-                )
-            return mv, n
-
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
-            pos, i = 0, 0
-            nxt = pool.submit(fetch, i, pos) if info.size else None
-            while nxt is not None:
-                mv, n = nxt.result()
-                nxt = pool.submit(fetch, i + 1, pos + n) if pos + n < info.size else None
-                h.update(mv)
-                done = 0
-                while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
-                    done += f.write(mv[done:])
-                pos, i = pos + n, i + 1
-            if pos != info.size:
-                raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
-            if self.fsync:
-                os.fsync(f.fileno())
-        return h
-
     # ---- eviction ----------------------------------------------------------------------------
     def _evict(self) -> None:
         if self.max_bytes is not None:
@@ -497,7 +374,7 @@ class CachedBackend(Backend):
             if total <= limit and not everything:
                 break
             lockp = os.path.join(self._locks, f"{it.key}.lock")
-            lock = _Lock.try_exclusive(lockp)
+            lock = FileLock.try_exclusive(lockp)
             if lock is None:
                 continue  # in use or being filled
             with lock:
@@ -533,174 +410,49 @@ class CachedBackend(Backend):
         """Remove every entry and leftover not in use."""
         self._shrink(0, everything=True)
 
-    # ---- public cache operations -------------------------------------------------------------
-    def fill(self, uri: str, info: ObjectInfo | None = None) -> ObjectInfo:
+    # ---- filling ahead of use ------------------------------------------------------------------
+    def fill(self, inner: Backend, uri: str, info: ObjectInfo | None = None) -> ObjectInfo:
         """Make sure the current version of ``uri`` is cached; returns the remote info it was keyed by."""
-        info = info or self._remote_info(uri)
-        with self._entry(uri, info):
+        info = info or self.remote_info(inner, uri)
+        with self.entry(inner, uri, info):
             return info
 
-    def fill_many(self, uris: Iterable[str], *, threads: int | None = None) -> dict[str, ObjectInfo]:
+    def fill_many(self, inner: Backend, uris: Iterable[str], *, threads: int | None = None) -> dict[str, ObjectInfo]:
         """:meth:`fill` for many objects in parallel (``threads`` defaults to the inner concurrency)."""
         uris = list(uris)
-        with ThreadPoolExecutor(max(1, min(threads or self.inner.concurrency, len(uris) or 1))) as pool:
-            return dict(zip(uris, pool.map(self.fill, uris), strict=True))
-
-    # ---- Backend: reads served from the cache ------------------------------------------------
-    def _read(self, uri: str, serve: Callable[[Entry], Any], through: Callable[[], Any]) -> Any:
-        try:
-            with self._entry(uri, serve=serve) as (_entry, out):
-                return out
-        except _InUse as e:
-            self._read_through(uri, e)
-            return through()
-
-    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        return self._read(
-            uri, lambda e: _on_fd(e, lambda fd: e.read(fd, start, end)), lambda: self.inner.read_range(uri, start, end)
-        )
-
-    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        mv = memoryview(buf).cast("B")
-        return self._read(
-            uri,
-            lambda e: _on_fd(e, lambda fd: e.readinto(fd, mv, offset)),
-            lambda: self.inner.readinto(uri, mv, offset),
-        )
-
-    def read(self, uri: str) -> bytes:
-        return self.read_range(uri)
-
-    def open_reader(self, uri: str, *, size: int | None = None) -> BinaryIO:
-        """A real file on the entry, verified whole first; it keeps working if the entry is evicted while open."""
-        return self._read(uri, _verified_file, lambda: self.inner.open_reader(uri))
-
-    @contextlib.contextmanager
-    def get_local_path(self, uri: str) -> Iterator[str]:
-        """The cache entry itself, verified whole, protected from eviction for the duration of the block. Read only."""
-        with contextlib.ExitStack() as held:
-            try:
-                entry, _ = held.enter_context(self._entry(uri, serve=lambda e: _on_fd(e, e.verify)))
-                path = entry.path
-            except _InUse as e:
-                self._read_through(uri, e)
-                path = held.enter_context(self.inner.get_local_path(uri))
-            yield path
-
-    @contextlib.contextmanager
-    def as_local(self, uri: str) -> Iterator[tuple[Backend, str]]:
-        """``(a local backend, the entry's path)`` for the block, so formats read (or map) a plain file."""
-        from .local import LocalBackend
-
-        with self.get_local_path(uri) as path:
-            yield LocalBackend(part_size=self.part_size, concurrency=self.concurrency), path
-
-    # ---- Backend: everything else passes through ---------------------------------------------
-    def stat(self, uri: str) -> ObjectInfo:
-        with self._mu:
-            held = self._pins.get(uri)
-        return held[0] if held is not None else self.inner.stat(uri)
-
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        return self.inner.list(uri, recursive=recursive)
-
-    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
-        self._unpin(uri)
-        return self.inner.open_writer(uri, mode=mode, durable=durable)
-
-    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
-        self._unpin(uri)
-        self.inner.write(uri, data, mode=mode, durable=durable)
-
-    def delete(self, uri: str) -> None:
-        self._unpin(uri)
-        self.inner.delete(uri)
-
-    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
-        self._unpin(dst)
-        self.inner.copy(src, dst, mode=mode)
-
-    def exists(self, uri: str) -> bool:
-        return self.inner.exists(uri)
-
-    def isfile(self, uri: str) -> bool:
-        return self.inner.isfile(uri)
-
-    def isdir(self, uri: str) -> bool:
-        return self.inner.isdir(uri)
-
-    def rmtree(self, uri: str) -> None:
-        with self._mu:
-            for u in [u for u in self._pins if u.startswith(uri)]:
-                del self._pins[u]
-        self.inner.rmtree(uri)
-
-    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
-        return self.inner.list_pending_writes(uri)
-
-    def abort_pending_write(self, write: PendingWrite) -> None:
-        self.inner.abort_pending_write(write)
-
-    def close(self) -> None:
-        self.inner.close()
+        with ThreadPoolExecutor(max(1, min(threads or inner.concurrency, len(uris) or 1))) as pool:
+            return dict(zip(uris, pool.map(lambda u: self.fill(inner, u), uris), strict=True))
 
 
-def _on_fd(entry: Entry, fn: Callable[[int], Any]) -> Any:
-    fd = os.open(entry.path, os.O_RDONLY)
-    try:
-        return fn(fd)
-    finally:
-        os.close(fd)
+def download(inner: Backend, info: ObjectInfo, f: BinaryIO, fsync: bool) -> BlockHasher:
+    """Copy the object into ``f``, reading the next chunk while writing this one; its block checksums."""
+    h = BlockHasher(block_size(info.size))
+    chunk = max(1, min(info.size, inner.part_size * inner.concurrency))
+    bufs = [bytearray(chunk), bytearray(chunk)] if info.size > chunk else [bytearray(chunk)]
 
-
-def _verified_file(entry: Entry) -> BinaryIO:
-    f = open(entry.path, "rb")
-    try:
-        entry.verify(f.fileno())
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
-# ---- configuration: how ``cache=`` arguments and settings become a CachedBackend -------------
-
-CACHE_OPTIONS = ("cache_dir", "max_bytes", "cache_verify", "cache_fsync")
-
-
-def cache_options(cache: Any, backend_options: dict[str, Any]) -> dict[str, Any] | None:
-    """Pop cache settings out of ``backend_options`` and combine them with a ``cache=`` argument.
-
-    ``cache``: None (use the cache when settings give ``cache_dir``), False (never), True (default
-    directory unless settings give one), a path (the directory), or a mapping with ``cache_dir``,
-    ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``. Returns CachedBackend keyword arguments or None.
-    """
-    from ..config import coerce_options
-
-    found = {k: backend_options.pop(k) for k in CACHE_OPTIONS if k in backend_options}
-    if cache is False:
-        return None
-    if cache is None and "cache_dir" not in found:
-        return None
-    opts: dict[str, Any] = {
-        "cache_dir": found.get("cache_dir"),
-        "max_bytes": found.get("max_bytes"),
-        "verify": found.get("cache_verify", False),
-        "fsync": found.get("cache_fsync", False),
-    }
-    if isinstance(cache, (str, os.PathLike)):
-        opts["cache_dir"] = os.fspath(cache)
-    elif isinstance(cache, Mapping):
-        given_cache: Mapping[str, Any] = cache
-        bad = set(given_cache) - {"cache_dir", "max_bytes", "verify", "fsync", "lock_timeout"}
-        if bad:
-            raise SettingsError(
-                f"cache=: unknown key(s) {sorted(bad)}; expected cache_dir, max_bytes, verify, fsync, lock_timeout"
+    def fetch(i: int, pos: int) -> tuple[memoryview, int]:
+        mv = memoryview(bufs[i % len(bufs)])[: min(chunk, info.size - pos)]
+        n = inner.readinto(info.uri, mv, pos)
+        if n != len(mv):
+            raise IntegrityError(
+                f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "
+                f"bytes); it changed during the read, load again"
             )
-        names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
-        given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
-        opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
-    elif cache not in (None, True):
-        raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")
-    opts["cache_dir"] = os.path.abspath(os.path.expanduser(opts["cache_dir"] or default_cache_dir()))
-    return opts
+        return mv, n
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
+        pos, i = 0, 0
+        nxt = pool.submit(fetch, i, pos) if info.size else None
+        while nxt is not None:
+            mv, n = nxt.result()
+            nxt = pool.submit(fetch, i + 1, pos + n) if pos + n < info.size else None
+            h.update(mv)
+            done = 0
+            while done < n:  # one write(2) moves at most ~2 GiB and may be short on a full disk
+                done += f.write(mv[done:])
+            pos, i = pos + n, i + 1
+        if pos != info.size:
+            raise IntegrityError(f"{info.uri}: cached {pos} of {info.size} bytes; load again")
+        if fsync:
+            os.fsync(f.fileno())
+    return h
