@@ -17,7 +17,7 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
     [path_mapping]                # prefix rewrite, longest prefix wins (Cosmos's path_mapping)
     "s3://old-bucket/" = "s3://new-bucket/"
 
-    [cache]                       # the node-local read cache (ckptio.cache); ``dir`` turns it on
+    [cache]                       # the node-local read cache (ckptio.cache), when a call uses it
     dir = "/local/nvme/ckptio-cache"
     max_bytes = "500GiB"          # least recently used entries go first; unset: no limit
     verify = true                 # accepted for compatibility: every read is verified anyway

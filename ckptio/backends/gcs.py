@@ -111,6 +111,7 @@ class GCSBackend(ObjectStoreBackend):
         max_buffer_bytes: int | str = _multipart.DEFAULT_MAX_BUFFER_BYTES,
         upload_part_size: int | str | None = None,
     ) -> None:
+        self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
             part_size=part_size,
             concurrency=concurrency,

@@ -135,6 +135,7 @@ class S3Backend(ObjectStoreBackend):
         upload_part_size: int | str | None = None,
         checksum: str | None = None,
     ) -> None:
+        self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
             part_size=part_size,
             concurrency=concurrency,

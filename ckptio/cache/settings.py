@@ -5,8 +5,9 @@ Three sources, highest first: the ``cache=`` argument of a call (True, False, a 
 mapping), the settings file's ``[cache]`` table (``dir``, ``max_bytes``, ``verify``, ``fsync``,
 ``lock_timeout``; see :mod:`ckptio.config`), and, for compatibility, the cache options a
 ``[backends.NAME]`` table or an alias may carry (``cache_dir``, ``max_bytes``, ``cache_verify``,
-``cache_fsync``). A ``[cache]`` table with ``dir`` turns the cache on for every call that does not
-pass ``cache=False``, as ``cache_dir`` in a backend table does for that backend.
+``cache_fsync``), which win over the table for that backend. The table configures the cache; it
+does not turn it on: a call turns it on with ``cache=True`` (or a directory or a mapping), and a
+backend's settings with ``cache_dir`` (then every read of that backend goes through it).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def cache_options(
     """Pop cache settings out of ``backend_options`` and combine them with the ``[cache]`` ``table``
     (already validated) and a ``cache=`` argument; CachedBackend keyword arguments, or None for no cache.
 
-    ``cache``: None (use the cache when settings give a directory), False (never), True (default
-    directory unless settings give one), a path (the directory), or a mapping with ``cache_dir``,
+    ``cache``: None (use the cache when the backend's settings give ``cache_dir``), False (never),
+    True (the settings' directory, else the default one), a path (the directory), or a mapping with ``cache_dir``,
     ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``.
     """
     from ..config import coerce_options
@@ -59,7 +60,7 @@ def cache_options(
     table = table or {}
     if cache is False:
         return None
-    if cache is None and "cache_dir" not in found and "dir" not in table:
+    if cache is None and "cache_dir" not in found:
         return None
     opts: dict[str, Any] = {"cache_dir": None, "max_bytes": None, "verify": False, "fsync": False}
     opts.update({TABLE_KEYS[k]: v for k, v in table.items()})

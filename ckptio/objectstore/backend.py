@@ -1,5 +1,5 @@
 """What the object-store backends (S3, GCS) share: URIs, the retry and transfer options, reads,
-``stat`` and paged ``list``.
+``stat``, paged ``list`` and ``with_options``.
 
 A store subclass supplies ``_loop`` (the client's IO loop), ``translate``, ``classify`` and a few
 request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memory),
@@ -56,6 +56,7 @@ class ObjectStoreBackend(Backend):
     """Base of the backends over a bucket/key store reached through an asyncio client."""
 
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
+    _options: dict[str, Any]  # the constructor's arguments, set by the subclass (see with_options)
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
 
     def __init__(
@@ -83,6 +84,18 @@ class ObjectStoreBackend(Backend):
         )
         self.retries = self.policy.max_attempts - 1
         self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
+
+    def with_options(self, **options: Any) -> Backend:
+        """A new backend of this store with the same settings and ``options`` changed (self when
+        nothing changes). Clients are not shared: each backend opens, refreshes and closes its own."""
+        if all(getattr(self, k, object()) == v for k, v in options.items()):
+            return self
+        unknown = sorted(set(options) - set(self._options))
+        if unknown:
+            raise ValueError(f"{self!r} has no option(s) {unknown}")
+        derived = type(self)(**{**self._options, **options})
+        derived.name = self.name
+        return derived
 
     # ---- hooks -------------------------------------------------------------------------------
     @property

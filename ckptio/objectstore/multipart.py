@@ -22,6 +22,11 @@ from .ranged import run
 DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
 
 
+def constructor_options(local_vars: dict[str, Any]) -> dict[str, Any]:
+    """A backend constructor's arguments, from its ``locals()`` taken before anything else is bound."""
+    return {k: v for k, v in local_vars.items() if k != "self" and not k.startswith("__")}
+
+
 def size_option(name: str, value: Any) -> int:
     """A byte-size backend option: an int, or a string such as ``"64MiB"`` (from a settings file)."""
     from ..config import parse_size
