@@ -17,13 +17,14 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
-from ..backends.base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer
+from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..wrappers.forwarding import ForwardingBackend
 from .entries import Entry
 from .settings import DEFAULT_LOCK_TIMEOUT
 from .store import CacheStore, InUse
 
 
-class CachedBackend(Backend):
+class CachedBackend(ForwardingBackend):
     """Serve whole-object reads of ``inner`` from ``cache_dir`` (see :mod:`ckptio.cache.store`).
 
     ``max_bytes=None`` never evicts. ``fsync=True`` makes fills durable. ``lock_timeout`` bounds the
@@ -45,15 +46,12 @@ class CachedBackend(Backend):
         lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
         store: CacheStore | None = None,
     ) -> None:
-        super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
         if isinstance(inner, CachedBackend):
             raise ValueError("CachedBackend cannot wrap another CachedBackend")
-        self.inner = inner
+        super().__init__(inner)
         self.store = store or CacheStore(
             cache_dir, max_bytes=max_bytes, verify=verify, fsync=fsync, lock_timeout=lock_timeout
         )
-        self.writes_in_place = inner.writes_in_place
-        self.max_buffer_bytes = inner.max_buffer_bytes
 
     def __repr__(self) -> str:
         return f"<CachedBackend {self.cache_dir!r} over {self.inner!r}>"
@@ -194,13 +192,10 @@ class CachedBackend(Backend):
                 path = held.enter_context(self.inner.get_local_path(uri))
             yield path
 
-    # ---- Backend: everything else passes through ---------------------------------------------
+    # ---- Backend: the pinned stat; writes pass through, unpinning (the rest: ForwardingBackend) --------
     def stat(self, uri: str) -> ObjectInfo:
         held = self.store.pinned_info(uri)
         return held if held is not None else self.inner.stat(uri)
-
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        return self.inner.list(uri, recursive=recursive)
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         self.store.unpin(uri)
@@ -218,24 +213,9 @@ class CachedBackend(Backend):
         self.store.unpin(dst)
         self.inner.copy(src, dst, mode=mode)
 
-    def exists(self, uri: str) -> bool:
-        return self.inner.exists(uri)
-
-    def isfile(self, uri: str) -> bool:
-        return self.inner.isfile(uri)
-
-    def isdir(self, uri: str) -> bool:
-        return self.inner.isdir(uri)
-
     def rmtree(self, uri: str) -> None:
         self.store.unpin(uri, prefix=True)
         self.inner.rmtree(uri)
-
-    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
-        return self.inner.list_pending_writes(uri)
-
-    def abort_pending_write(self, write: PendingWrite) -> None:
-        self.inner.abort_pending_write(write)
 
     def close(self) -> None:
         self.inner.close()

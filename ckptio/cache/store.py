@@ -86,6 +86,42 @@ def _safe_name(uri: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)[-80:]
 
 
+class Pins:
+    """The remote infos callers validated and hold (``CacheStore.pinned``), counted per URI."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._held: dict[str, tuple[ObjectInfo, int]] = {}
+
+    def get(self, uri: str) -> ObjectInfo | None:
+        with self._mu:
+            held = self._held.get(uri)
+        return None if held is None else held[0]
+
+    def drop(self, uri: str, *, prefix: bool = False) -> None:
+        with self._mu:
+            for u in [u for u in self._held if u.startswith(uri)] if prefix else [uri]:
+                self._held.pop(u, None)
+
+    @contextlib.contextmanager
+    def holding(self, infos: list[ObjectInfo]) -> Iterator[None]:
+        with self._mu:
+            for info in infos:
+                old = self._held.get(info.uri)
+                self._held[info.uri] = (info, (old[1] if old else 0) + 1)
+        try:
+            yield
+        finally:
+            with self._mu:
+                for info in infos:
+                    pin = self._held.get(info.uri)
+                    if pin is not None:
+                        if pin[1] <= 1:
+                            del self._held[info.uri]
+                        else:
+                            self._held[info.uri] = (pin[0], pin[1] - 1)
+
+
 class InUse(Exception):
     """The entry is damaged and other holders keep it from being replaced: read the wrapped backend."""
 
@@ -119,7 +155,7 @@ class CacheStore:
         self._make_dirs()
         self._stats = CacheStats()
         self._mu = threading.Lock()
-        self._pins: dict[str, tuple[ObjectInfo, int]] = {}
+        self._pins = Pins()
         self._metas: dict[str, tuple[tuple, Entry]] = {}  # parsed metadata, see Entry.load
 
     def __repr__(self) -> str:
@@ -184,33 +220,16 @@ class CacheStore:
         with contextlib.ExitStack() as held:
             for info in items:
                 held.enter_context(self.entry(inner, info.uri, info, count=False))
-            with self._mu:
-                for info in items:
-                    old = self._pins.get(info.uri)
-                    self._pins[info.uri] = (info, (old[1] if old else 0) + 1)
-            try:
+            with self._pins.holding(items):
                 yield
-            finally:
-                with self._mu:
-                    for info in items:
-                        pin = self._pins.get(info.uri)
-                        if pin is not None:
-                            if pin[1] <= 1:
-                                del self._pins[info.uri]
-                            else:
-                                self._pins[info.uri] = (pin[0], pin[1] - 1)
 
     def pinned_info(self, uri: str) -> ObjectInfo | None:
         """The info a pin holds for ``uri`` (what reads take as the remote state), or None."""
-        with self._mu:
-            held = self._pins.get(uri)
-        return None if held is None else held[0]
+        return self._pins.get(uri)
 
     def unpin(self, uri: str, *, prefix: bool = False) -> None:
         """Forget the pins of ``uri`` (``prefix``: of every URI under it): it is being changed."""
-        with self._mu:
-            for u in [u for u in self._pins if u.startswith(uri)] if prefix else [uri]:
-                self._pins.pop(u, None)
+        self._pins.drop(uri, prefix=prefix)
 
     # ---- entries -----------------------------------------------------------------------------
     def _key(self, info: ObjectInfo) -> str:

@@ -27,7 +27,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..backends.base import Backend, Buffer, NodeCache, ObjectInfo, PendingWrite, WriteMode, Writer
+from ..backends.base import Backend, Buffer, NodeCache, WriteMode, Writer
+from .forwarding import ForwardingBackend
 
 
 class _CountingWriter(Writer):
@@ -57,15 +58,13 @@ class _CountingWriter(Writer):
         self._inner.abort()
 
 
-class CountingBackend(Backend):
+class CountingBackend(ForwardingBackend):
     """``inner`` with every byte read or written reported to ``add`` (see the module docstring)."""
 
     def __init__(self, inner: Backend, add: Callable[[int], None]) -> None:
-        super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
-        self.inner, self._add = inner, add
+        super().__init__(inner)
+        self._add = add
         self.name = inner.name
-        self.writes_in_place = inner.writes_in_place
-        self.max_buffer_bytes = inner.max_buffer_bytes
 
     def __repr__(self) -> str:
         return f"<CountingBackend over {self.inner!r}>"
@@ -84,35 +83,11 @@ class CountingBackend(Backend):
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return _CountingWriter(self.inner.open_writer(uri, mode=mode, durable=durable), self._add)
 
-    # ---- forwarded -----------------------------------------------------------------------------
-    def stat(self, uri: str) -> ObjectInfo:
-        return self.inner.stat(uri)
-
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        return self.inner.list(uri, recursive=recursive)
-
-    def delete(self, uri: str) -> None:
-        self.inner.delete(uri)
-
-    def exists(self, uri: str) -> bool:
-        return self.inner.exists(uri)
-
-    def isfile(self, uri: str) -> bool:
-        return self.inner.isfile(uri)
-
-    def isdir(self, uri: str) -> bool:
-        return self.inner.isdir(uri)
-
+    # ---- forwarded (the rest: ForwardingBackend) ---------------------------------------------
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:
         with self.inner.get_local_path(uri) as p:
             yield p
-
-    def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
-        return self.inner.list_pending_writes(uri)
-
-    def abort_pending_write(self, write: PendingWrite) -> None:
-        self.inner.abort_pending_write(write)
 
     # ---- capabilities ------------------------------------------------------------------------
     @contextlib.contextmanager
