@@ -261,12 +261,12 @@ def cmd_verify(args: argparse.Namespace, out: Out) -> int:
 
 
 def cmd_cache(args: argparse.Namespace, out: Out) -> int:
-    from .backends import cached
-    from .backends.memory import MemoryBackend
+    from . import cache
 
-    cache_dir = args.cache_dir or cached.default_cache_dir()
+    table = default_context().settings.cache  # the settings file's [cache] table
+    cache_dir = args.cache_dir or os.path.expanduser(table.get("dir") or cache.default_cache_dir())
     exists = os.path.isdir(cache_dir)
-    before = cached.cache_usage(cache_dir)  # reads only: works on a read-only or missing directory
+    before = cache.usage(cache_dir)  # reads only: works on a read-only or missing directory
     if args.action == "stats":
         data = {"cache_dir": cache_dir, "exists": exists, **before}
         partial = f" ({human_bytes(before['partial_bytes'])} of it partial fills)" if before["partial_bytes"] else ""
@@ -277,8 +277,8 @@ def cmd_cache(args: argparse.Namespace, out: Out) -> int:
         )
         return EXIT_OK
     if exists:
-        cached.CachedBackend(MemoryBackend(), cache_dir).clear()  # the inner backend is never used
-    after = cached.cache_usage(cache_dir)["bytes"]
+        cache.CacheStore(cache_dir).clear()
+    after = cache.usage(cache_dir)["bytes"]
     data = {"cache_dir": cache_dir, "freed_bytes": before["bytes"] - after, "bytes_left": after}
     out.emit(
         data,

@@ -17,6 +17,11 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
     [path_mapping]                # prefix rewrite, longest prefix wins (Cosmos's path_mapping)
     "s3://old-bucket/" = "s3://new-bucket/"
 
+    [cache]                       # the node-local read cache (ckptio.cache), when a call uses it
+    dir = "/local/nvme/ckptio-cache"
+    max_bytes = "500GiB"          # least recently used entries go first; unset: no limit
+    verify = true                 # accepted for compatibility: every read is verified anyway
+
 Validation happens at load time; errors name the file, the key and the reason. Sizes and counts
 must be positive; an option the backend does not take is refused (with a "did you mean");
 ``[backends.NAME]`` must name a registered backend or an fsspec protocol; an alias must not be
@@ -243,7 +248,7 @@ def _did_you_mean(name: str, candidates: Any) -> str:
 def accepted_options(entry: _registry.Entry) -> set[str] | None:
     """The option names a backend entry takes (with the cache's), or None when it takes any or its
     package is not installed (then its constructor checks them when it is built)."""
-    from .backends.cached import CACHE_OPTIONS
+    from .cache.settings import CACHE_OPTIONS
 
     try:
         accepted = _registry.accepted_options(entry.load())
@@ -337,12 +342,40 @@ def check_aliases(aliases: Mapping[str, Alias]) -> None:
             check_options(alias.options, entry, f"{alias.where}.options")
 
 
+# the ``[cache]`` table: key -> coercion (see :mod:`ckptio.cache.settings` for how it is used)
+CACHE_TABLE: dict[str, Any] = {
+    "dir": _str,
+    "max_bytes": _pos_size,
+    "verify": _bool,
+    "fsync": _bool,
+    "lock_timeout": _pos_float,
+}
+
+
+def _cache_table(table: Any, where: str) -> dict[str, Any]:
+    if not isinstance(table, Mapping):
+        raise SettingsError(f"{where}: expected a table of cache options, got {type(table).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        if k not in CACHE_TABLE:
+            raise SettingsError(
+                f"{where}.{k}: the cache has no option {k!r}{_did_you_mean(str(k), CACHE_TABLE)} "
+                f"(it takes: {', '.join(CACHE_TABLE)})"
+            )
+        try:
+            out[k] = CACHE_TABLE[k](v)
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"{where}.{k}: invalid value {v!r}: {e}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class Settings:
     backends: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     aliases: Mapping[str, Alias] = field(default_factory=dict)
     path_mapping: Mapping[str, str] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
+    cache: Mapping[str, Any] = field(default_factory=dict)  # the [cache] table
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -350,6 +383,7 @@ class Settings:
         )
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
         object.__setattr__(self, "path_mapping", MappingProxyType(dict(self.path_mapping)))
+        object.__setattr__(self, "cache", MappingProxyType(dict(self.cache)))
         if self.aliases:
             check_aliases(self.aliases)
 
@@ -365,6 +399,7 @@ class Settings:
                 k: {"target": redact_url(a.target), "options": redact(a.options)} for k, a in self.aliases.items()
             },
             "path_mapping": {redact_url(k): redact_url(v) for k, v in self.path_mapping.items()},
+            "cache": dict(self.cache),
         }
 
     def map_path(self, uri: str) -> str:
@@ -394,6 +429,7 @@ class Settings:
             {**self.aliases, **other.aliases},
             {**self.path_mapping, **other.path_mapping},
             self.sources + other.sources,
+            {**self.cache, **other.cache},
         )
 
 
@@ -401,10 +437,10 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
     """Validate a settings mapping (the TOML file's shape) and build :class:`Settings`."""
     if not isinstance(data, Mapping):
         raise SettingsError(f"{source}: settings must be a table/mapping, got {type(data).__name__}")
-    unknown = set(data) - {"backends", "aliases", "path_mapping"}
+    unknown = set(data) - {"backends", "aliases", "path_mapping", "cache"}
     if unknown:
         raise SettingsError(
-            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping"
+            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping, cache"
         )
     backends: dict[str, dict[str, Any]] = {}
     for name, opts in (data.get("backends") or {}).items():
@@ -444,7 +480,8 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
     ):
         raise SettingsError(f'{source}: path_mapping: expected a table of "prefix" = "replacement" strings')
-    return Settings(backends, aliases, dict(mapping), (source,))
+    cache = _cache_table(data.get("cache") or {}, f"{source}: cache")
+    return Settings(backends, aliases, dict(mapping), (source,), cache)
 
 
 def load_file(path: str) -> Settings:

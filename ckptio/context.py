@@ -1,8 +1,10 @@
-"""The one place that turns a URI into (backend instance, resolved URI).
+"""The one place that turns a URI into (backend instance, resolved URI), once per call.
 
 A :class:`Context` layers settings (defaults < file < environment < ``configure`` arguments),
-applies path mapping and alias schemes, picks the backend from the registry and caches backend
-instances per (backend, options). The process has one default context; :func:`reset` drops its
+translates easy_io's ``backend_args``/``backend_key`` (with their own path mapping), applies the
+settings' path mapping and alias schemes, picks the backend from the registry, wraps it in the
+node-local cache when asked (``cache=``, the ``[cache]`` table or a backend's ``cache_dir``) and
+caches backend instances per (backend, options). The process has one default context; :func:`reset` drops its
 cached settings and clients, and tests call it between cases so nothing leaks.
 """
 
@@ -16,10 +18,37 @@ from typing import Any
 
 from . import config as _config
 from . import registry as _registry
-from .backends import cached as _cached
+from . import uri as _uri
 from .backends.base import Backend
+from .cache import settings as _cache_settings
 from .config import Settings
 from .errors import SettingsError
+
+# easy_io's ``backend_args["backend"]`` names -> registry names
+BACKEND_NAMES = {
+    "s3": "s3",
+    "boto3": "s3",
+    "petrel": "s3",
+    "gcs": "gcs",
+    "gs": "gcs",
+    "local": "local",
+    "disk": "local",
+    "memory": "memory",
+}
+
+
+def translate_backend_args(args: Mapping[str, Any]) -> tuple[Mapping[str, str], dict[str, Any]]:
+    """Cosmos ``backend_args`` -> (path_mapping, backend options)."""
+    args = dict(args)
+    args.pop("backend", None)
+    mapping = args.pop("path_mapping", None) or {}
+    opts: dict[str, Any] = {}
+    cred = args.pop("s3_credential_path", None) or args.pop("credentials_file", None)
+    if cred:
+        opts["credentials_file"] = os.fspath(cred)
+    args.pop("enable_mc", None)  # multi-storage-client switch in Cosmos: ckptio always uses its own client
+    opts.update(args)
+    return mapping, opts
 
 
 def _freeze(options: Mapping[str, Any]) -> str:
@@ -70,32 +99,73 @@ class Context:
         self._pid = os.getpid()
         self._settings = None
 
-    def resolve(self, uri: str | os.PathLike, *, cache: Any = None, **options: Any) -> tuple[Backend, str]:
+    def resolve(
+        self,
+        uri: str | os.PathLike,
+        *,
+        backend_args: Mapping[str, Any] | None = None,
+        backend_key: str | None = None,
+        cache: Any = None,
+        **options: Any,
+    ) -> tuple[Backend, str]:
         """Backend and resolved URI for ``uri``; ``options`` override settings for this call.
 
-        ``cache`` wraps the backend in a node-local read cache (:mod:`ckptio.backends.cached`):
-        True, a directory, or a mapping; None uses one when settings give ``cache_dir``; False never.
+        ``backend_args``/``backend_key``: easy_io's (see :func:`ckptio.set_s3_backend`); their
+        ``path_mapping`` applies first, their options only to the backend they name. ``cache`` wraps
+        the backend in the node-local read cache (:mod:`ckptio.cache`): True, a directory, or a
+        mapping; None uses one when settings give a directory; False never.
         """
         uri = os.fspath(uri)
         if not isinstance(uri, str):
             raise TypeError(f"expected a URI string, got {type(uri).__name__}")
+        uri, for_backend, extra = self._backend_args(uri, backend_args, backend_key)
         s = self.settings
         resolved, alias_options = s.resolve_alias(s.map_path(uri))
         entry = _registry.backends.find(resolved)
+        if extra and (for_backend is None or entry.name == BACKEND_NAMES[for_backend]):
+            # only the backend the args are for gets its options: in copyfile_to_local(s3 -> /tmp,
+            # backend_args=s3 credentials) the local side must not receive credentials_file
+            options = {**extra, **options}
         settings_key = entry.name.split(":", 1)[-1]
         opts = {**s.backends.get(settings_key, {}), **alias_options, **options}
         if entry.name.startswith("fsspec:"):
             opts["protocol"] = settings_key
-        cache_opts = _cached.cache_options(cache, opts)  # pops cache_dir/max_bytes/... from opts
+        cache_opts = _cache_settings.cache_options(cache, opts, s.cache)  # pops cache_dir/max_bytes/... from opts
         backend = self._instance(entry, opts, uri)
         if cache_opts is not None:
+            from .cache import CachedBackend
+
             key = ("cached:" + entry.name, _freeze({**opts, "__cache__": cache_opts}))
             with self._lock:
                 wrapped = self._backends.get(key)
                 if wrapped is None:
-                    wrapped = self._backends[key] = _cached.CachedBackend(backend, **cache_opts)
+                    wrapped = self._backends[key] = CachedBackend(backend, **cache_opts)
             backend = wrapped
         return backend, resolved
+
+    def _backend_args(
+        self, uri: str, backend_args: Mapping[str, Any] | None, backend_key: str | None
+    ) -> tuple[str, str | None, dict[str, Any]]:
+        """``(uri after backend_args' path_mapping, the backend they are for, their options)``."""
+        if backend_key is not None:
+            if backend_key not in self.named_backends:
+                raise SettingsError(
+                    f"no backend registered under key {backend_key!r} (for {uri!r}); call "
+                    f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first"
+                )
+            backend_args = {**self.named_backends[backend_key], **(backend_args or {})}
+        elif backend_args is None and _uri.scheme_of(uri) in ("s3", "s3a") and "default" in self.named_backends:
+            backend_args = self.named_backends["default"]
+        if not backend_args:
+            return uri, None, {}
+        backend = backend_args.get("backend")
+        if backend is not None and backend not in BACKEND_NAMES:
+            raise SettingsError(f"backend_args['backend']={backend!r} is not known; use one of {sorted(BACKEND_NAMES)}")
+        mapping, extra = translate_backend_args(backend_args)
+        best = max((p for p in mapping if uri.startswith(p)), key=len, default=None)
+        if best is not None:
+            uri = mapping[best] + uri[len(best) :]
+        return uri, backend, extra
 
     def _instance(self, entry: _registry.Entry, opts: dict[str, Any], uri: str) -> Backend:
         key = (entry.name, _freeze(opts))
@@ -149,15 +219,18 @@ def configure(
     backends: Mapping[str, Mapping[str, Any]] | None = None,
     aliases: Mapping[str, Any] | None = None,
     path_mapping: Mapping[str, str] | None = None,
+    cache: Mapping[str, Any] | None = None,
 ) -> None:
     """Set options programmatically, on top of the file and environment (the highest layer).
 
     ``backends={"s3": {"endpoint_url": ...}}``, ``aliases={"ckpt": {"target": "s3://b/x", "options": {...}}}``,
-    ``path_mapping={"s3://old/": "s3://new/"}``; ``settings_file`` layers a TOML file at this level too.
+    ``path_mapping={"s3://old/": "s3://new/"}``, ``cache={"dir": ..., "max_bytes": "500GiB"}`` (the
+    ``[cache]`` table); ``settings_file`` layers a TOML file at this level too.
     Calls accumulate until :func:`reset`.
     """
     layer = _config.load_file(settings_file) if settings_file else Settings()
-    data = {k: v for k, v in (("backends", backends), ("aliases", aliases), ("path_mapping", path_mapping)) if v}
+    given = (("backends", backends), ("aliases", aliases), ("path_mapping", path_mapping), ("cache", cache))
+    data = {k: v for k, v in given if v}
     if data:
         layer = layer.merged(_config.from_mapping(data, "ckptio.configure()"))
     _default.configure(layer)

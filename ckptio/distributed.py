@@ -2,7 +2,7 @@
 
 With an initialised process group, :func:`load` groups the ranks by node (each rank reports
 :func:`node_id`, exchanged through the group, so no ``LOCAL_RANK`` arithmetic is assumed), lets the
-lowest rank of each node fill the node-local cache (:class:`ckptio.backends.cached.CachedBackend`),
+lowest rank of each node fill the node-local cache (:class:`ckptio.cache.CachedBackend`),
 then every rank reads from that cache. ``mode="network"`` instead has one rank read the object and
 broadcast it over the group in ``chunk_size`` pieces (for nodes without a usable local disk).
 :func:`load_dcp` does the same for a ``torch.distributed.checkpoint`` directory: each node
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from . import registry as _registry
-from .backends.base import Backend, BytesReader, ObjectInfo
-from .backends.cached import CachedBackend
+from .backends.base import Backend, BytesReader, NodeCache, ObjectInfo
+from .backends.local import LocalBackend
 from .context import resolve
 from .errors import CkptioError
 
@@ -152,11 +152,12 @@ def _settle(
     return statuses
 
 
-def _cached_backend(uri: str, cache: Any, options: dict[str, Any]) -> tuple[CachedBackend, str]:
+def _cached_backend(uri: str, cache: Any, options: dict[str, Any]) -> tuple[Backend, NodeCache, str]:
     backend, resolved = resolve(uri, cache=True if cache is None else cache, **options)
-    if not isinstance(backend, CachedBackend):
+    node_cache = backend.node_cache
+    if node_cache is None:
         raise ValueError(f"mode='filesystem' needs a cache for {uri!r}; pass cache=True or a directory")
-    return backend, resolved
+    return backend, node_cache, resolved
 
 
 def load(
@@ -188,12 +189,14 @@ def load(
     if mode != "filesystem":
         raise ValueError(f"mode must be 'filesystem' or 'network', got {mode!r}")
     plan = node_plan(group, node=node, timeout=timeout)
-    backend, resolved = _cached_backend(uri, cache, backend_options or {})
-    mine, error = _attempt(lambda: backend.fill(resolved)) if plan.is_leader else (None, None)
+    backend, node_cache, resolved = _cached_backend(uri, cache, backend_options or {})
+    mine, error = _attempt(lambda: node_cache.fill(resolved)) if plan.is_leader else (None, None)
     statuses = _settle(plan, mine, error, group, timeout, f"fetch {uri}")
     info: ObjectInfo = statuses[plan.leader].value  # type: ignore[union-attr]
-    with backend.pinned([info]), backend.as_local(resolved) as (local, path):
-        return fmt.load(local, path, **kwargs)
+    with node_cache.pinned([info]), backend.local_file(resolved) as path:
+        if path is None:  # the entry is damaged and held by other readers: read through
+            return fmt.load(backend, resolved, **kwargs)
+        return fmt.load(LocalBackend(part_size=backend.part_size, concurrency=backend.concurrency), path, **kwargs)
 
 
 def _load_network(
@@ -284,18 +287,19 @@ def load_dcp(
     plan = node_plan(group, node=node, timeout=timeout)
     reader = StorageReader(uri, cache=True if cache is None else cache, **reader_options)
     backend, root = reader.backend, reader.root
-    if not isinstance(backend, CachedBackend):
+    node_cache = backend.node_cache
+    if node_cache is None:
         raise ValueError(f"load_dcp needs a cache for {os.fspath(uri)!r}; pass cache=True or a directory")
 
     def prefetch() -> list[ObjectInfo]:
-        files = [i.uri for i in backend.inner.list(root, recursive=True) if not i.is_dir]
+        files = [i.uri for i in backend.list(root, recursive=True) if not i.is_dir]  # listings pass through
         if not files:
             raise FileNotFoundError(f"no checkpoint files under {os.fspath(uri)}")
-        return list(backend.fill_many(files).values())
+        return list(node_cache.fill_many(files).values())
 
     mine, error = _attempt(prefetch) if plan.is_leader else (None, None)
     statuses = _settle(plan, mine, error, group, timeout, f"fetch the checkpoint {os.fspath(uri)}")
-    with backend.pinned(statuses[plan.leader].value):  # type: ignore[union-attr]
+    with node_cache.pinned(statuses[plan.leader].value):  # type: ignore[union-attr]
         try:
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
         except CheckpointException as e:  # the failed rank's own error, as ckptio.dcp.load raises

@@ -18,39 +18,13 @@ from . import registry as _registry
 from . import transfer as _transfer
 from . import uri as _uri
 from .backends.base import Backend, WriteMode
-from .backends.cached import CachedBackend
-from .backends.local import local_path
+from .backends.local import LocalBackend, local_path
 from .context import default_context
-from .errors import AlreadyExistsError, NotFoundError, SettingsError, UnknownSchemeError
+from .errors import AlreadyExistsError, NotFoundError
 from .formats.base import Format
 
 # ---------------------------------------------------------------------------------------------
 # backend selection (Cosmos/mmengine compatible arguments)
-
-_BACKEND_NAMES = {
-    "s3": "s3",
-    "boto3": "s3",
-    "petrel": "s3",
-    "gcs": "gcs",
-    "gs": "gcs",
-    "local": "local",
-    "disk": "local",
-    "memory": "memory",
-}
-
-
-def _translate_backend_args(args: Mapping[str, Any]) -> tuple[Mapping[str, str], dict[str, Any]]:
-    """Cosmos ``backend_args`` -> (path_mapping, backend options)."""
-    args = dict(args)
-    args.pop("backend", None)
-    mapping = args.pop("path_mapping", None) or {}
-    opts: dict[str, Any] = {}
-    cred = args.pop("s3_credential_path", None) or args.pop("credentials_file", None)
-    if cred:
-        opts["credentials_file"] = os.fspath(cred)
-    args.pop("enable_mc", None)  # multi-storage-client switch in Cosmos: ckptio always uses its own client
-    opts.update(args)
-    return mapping, opts
 
 
 def set_s3_backend(key: str | None = None, backend_args: Mapping[str, Any] | None = None) -> None:
@@ -68,40 +42,7 @@ def _resolve(
     backend_key: str | None = None,
     **options: Any,
 ) -> tuple[Backend, str]:
-    ctx = default_context()
-    uri = os.fspath(uri)
-    if backend_key is not None:
-        if backend_key not in ctx.named_backends:
-            raise SettingsError(
-                f"no backend registered under key {backend_key!r} (for {uri!r}); call "
-                f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first"
-            )
-        backend_args = {**ctx.named_backends[backend_key], **(backend_args or {})}
-    elif backend_args is None and _uri.scheme_of(uri) in ("s3", "s3a") and "default" in ctx.named_backends:
-        backend_args = ctx.named_backends["default"]
-    if backend_args:
-        backend = backend_args.get("backend")
-        if backend is not None and backend not in _BACKEND_NAMES:
-            raise SettingsError(
-                f"backend_args['backend']={backend!r} is not known; use one of {sorted(_BACKEND_NAMES)}"
-            )
-        mapping, extra = _translate_backend_args(backend_args)
-        best = max((p for p in mapping if uri.startswith(p)), key=len, default=None)
-        if best is not None:
-            uri = mapping[best] + uri[len(best) :]
-        if extra and (backend is None or _backend_name(uri) == _BACKEND_NAMES[backend]):
-            # only the backend the args are for gets its options: in copyfile_to_local(s3 -> /tmp,
-            # backend_args=s3 credentials) the local side must not receive credentials_file
-            options = {**extra, **options}
-    return ctx.resolve(uri, **options)
-
-
-def _backend_name(uri: str) -> str | None:
-    s = default_context().settings
-    try:
-        return _registry.backends.find(s.resolve_alias(s.map_path(uri))[0]).name
-    except UnknownSchemeError:
-        return None
+    return default_context().resolve(uri, backend_args=backend_args, backend_key=backend_key, **options)
 
 
 def _format_for(uri: str, file_format: str | None) -> Format:
@@ -173,7 +114,7 @@ def load(
 ) -> Any:
     """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
     (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...). ``cache=True`` (or a directory or
-    mapping) reads through the node-local cache, see :mod:`ckptio.backends.cached`. ``progress`` as
+    mapping) reads through the node-local cache, see :mod:`ckptio.cache`. ``progress`` as
     for :func:`dump` (the total is the object's size)."""
     if hasattr(file, "read"):
         if file_format is None:
@@ -184,9 +125,11 @@ def load(
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
     total = backend.stat(resolved).size if progress not in (None, False) else 0
     with _reporting(progress, backend, uri, total) as counted:
-        if isinstance(backend, CachedBackend) and not fmt.reads_through_cache:  # a plain local file: mmap works
-            with backend.as_local(resolved) as (local, path):
-                return fmt.load(local, path, **kwargs)
+        if backend.node_cache is not None and not fmt.reads_through_cache:  # a plain local file: mmap works
+            with backend.local_file(resolved) as path:  # the verified entry, held for the load
+                if path is not None:
+                    local = LocalBackend(part_size=backend.part_size, concurrency=backend.concurrency)
+                    return fmt.load(local, path, **kwargs)
         return fmt.load(counted, resolved, **kwargs)
 
 
@@ -197,8 +140,8 @@ def _reporting(progress: Any, backend: Backend, uri: str, total: int) -> Iterato
     if progress is None or progress is False:
         yield backend
         return
-    from .backends.counting import CountingBackend
     from .progress import Tracker, bar
+    from .wrappers.counting import CountingBackend
 
     owned = bar(total, desc=_uri.basename(uri)) if progress is True else None
     tracker = Tracker(total, owned if owned is not None else progress)

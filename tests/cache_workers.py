@@ -7,8 +7,8 @@ import os
 import sys
 import time
 
-from ckptio.backends.cached import CachedBackend
 from ckptio.backends.local import LocalBackend
+from ckptio.cache import CachedBackend
 
 
 class SlowLocal(LocalBackend):

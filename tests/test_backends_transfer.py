@@ -173,13 +173,13 @@ def test_s3_payload_signing_follows_botocores_rule_without_hashing_on_the_loop(u
     import botocore.credentials
     from botocore.awsrequest import AWSRequest
 
-    from ckptio.backends import s3 as s3mod
-    from ckptio.backends._parallel import MemoryBody
+    from ckptio.objectstore import s3_support as s3mod
+    from ckptio.objectstore.body import MemoryBody
 
     body = MemoryBody(b"x" * 1000, sha256="f" * 64)  # a digest computed elsewhere: the signer must take it as is
     req = AWSRequest(method="PUT", url=url, data=body, headers={"x-amz-checksum-crc32": "AAAAAA=="} if crc else {})
     req.context.update({"has_streaming_input": True})
-    auth = s3mod._PREHASHED_SIGNER(botocore.credentials.Credentials("key", "secret"), "s3", "us-east-1")
+    auth = s3mod.PREHASHED_SIGNER(botocore.credentials.Credentials("key", "secret"), "s3", "us-east-1")
     assert auth.payload(req) == ("f" * 64 if signed else "UNSIGNED-PAYLOAD")
 
 

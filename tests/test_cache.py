@@ -1,4 +1,4 @@
-"""The node-local cache (ckptio.backends.cached) with a local directory standing in for remote storage."""
+"""The node-local cache (ckptio.cache) with a local directory standing in for remote storage."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import xxhash
 
 import ckptio
 from ckptio import cli
-from ckptio.backends.cached import CachedBackend
 from ckptio.backends.local import LocalBackend
+from ckptio.cache import CachedBackend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cache_workers.py")
@@ -540,3 +540,31 @@ def test_cache_settings_per_alias_are_typed(remote, cache_dir):
     assert backend.verify is False and backend.max_bytes == 2048
     with pytest.raises(ckptio.SettingsError, match="cache_verify"):
         ckptio.configure(backends={"local": {"cache_verify": "maybe"}})
+
+
+def test_the_cache_settings_table_configures_the_cache_and_the_cli(remote, cache_dir, tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "ckptio.toml"
+    cfg.write_text(f'[cache]\ndir = "{cache_dir}"\nmax_bytes = "1MiB"\n')
+    monkeypatch.setenv("CKPTIO_CONFIG", str(cfg))
+    ckptio.reset()
+    uri = str(remote / "t.bin")
+    ckptio.put(b"x" * 100, uri)
+    assert not isinstance(ckptio.resolve(uri)[0], CachedBackend)  # configured, not turned on
+    backend, resolved = ckptio.resolve(uri, cache=True)
+    assert isinstance(backend, CachedBackend) and backend.cache_dir == cache_dir and backend.max_bytes == 2**20
+    assert backend.read(resolved) == b"x" * 100
+    code, doc = _cli(capsys, "stats")  # no --cache-dir: the table's directory
+    assert code == 0 and doc["cache_dir"] == cache_dir and doc["entries"] == 1
+    code, doc = _cli(capsys, "clear")
+    assert code == 0 and doc["cache_dir"] == cache_dir and doc["bytes_left"] == 0
+
+
+def test_the_cache_settings_table_is_validated(tmp_path):
+    from ckptio.errors import SettingsError
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[cache]\ndri = "/tmp/c"\n')
+    with pytest.raises(SettingsError, match=r"cache\.dri.*did you mean 'dir'"):
+        ckptio.configure(settings_file=str(cfg))
+    with pytest.raises(SettingsError, match=r"cache\.max_bytes"):
+        ckptio.configure(cache={"max_bytes": "lots"})

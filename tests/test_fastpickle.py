@@ -448,7 +448,7 @@ def test_format_inspect_and_verify_report_what_the_cli_shows(where, tmp_path, me
 
 
 def test_cached_backend_loads_from_its_local_entry(memory_uri, tmp_path):
-    from ckptio.backends.cached import CachedBackend
+    from ckptio.cache import CachedBackend
 
     state = {"w": torch.randn(64, 64), "step": 3}
     uri = f"{memory_uri}/c.fpk"

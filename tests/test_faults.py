@@ -17,7 +17,7 @@ import torch
 
 import ckptio
 from ckptio.errors import AccessDeniedError, CredentialsError, NotFoundError, TransferError
-from ckptio.retry import RetryPolicy
+from ckptio.objectstore.retry import RetryPolicy
 from faultproxy import FAST, Fault, MiB
 from servers import s3_client
 

@@ -17,9 +17,9 @@ import io
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, ClassVar, Literal
+from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
 from ..errors import NotFoundError
@@ -216,7 +216,8 @@ class Backend(abc.ABC):
     prefixes: ClassVar[tuple[str, ...]] = ()
     # Capability: writes land in place (a local file), so a writer holds no part buffers a caller
     # would need to bound. Object stores buffer parts and say so with ``max_buffer_bytes``.
-    writes_in_place: ClassVar[bool] = False
+    # (A class default; wrappers set their wrapped backend's on the instance.)
+    writes_in_place: bool = False
     # Capability: the bound on the bytes one writer buffers (an option of S3/GCS), None where there is none.
     max_buffer_bytes: int | None = None
 
@@ -337,6 +338,12 @@ class Backend(abc.ABC):
             raise ValueError(f"{self!r} cannot derive a backend with options {sorted(changed)}")
         return self
 
+    @property
+    def node_cache(self) -> NodeCache | None:
+        """Capability: the node-local cache this backend reads through (:mod:`ckptio.cache`), or None.
+        :mod:`ckptio.distributed` fills it on one rank per node and pins what it validated."""
+        return None
+
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:
         """A local file holding the object's bytes for the duration of the block (a temporary copy)."""
@@ -351,6 +358,20 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: nothing to release by default
         """Release clients and pools. The backend may be used again afterwards (it reconnects)."""
+
+
+class NodeCache(Protocol):
+    """What :attr:`Backend.node_cache` returns: fill entries ahead of use and hold them."""
+
+    def fill(self, uri: str, info: ObjectInfo | None = None) -> ObjectInfo: ...
+
+    def fill_many(self, uris: Iterable[str], *, threads: int | None = None) -> dict[str, ObjectInfo]: ...
+
+    def pinned(
+        self, infos: Mapping[str, ObjectInfo] | Iterable[ObjectInfo]
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+    def stats(self) -> dict[str, int]: ...
 
 
 def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:

@@ -8,7 +8,7 @@ streamed into the caller's buffer (``part_size``, 64 MiB, each; uploads use ``up
 by default ``part_size``, and ``max_buffer_bytes`` bounds a streaming writer's copies).
 ``mode="create"`` sends ``ifGenerationMatch=0``; the version token is the object's generation.
 
-Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (gcsfs's own retry
+Every request runs under the backend's :class:`~ckptio.objectstore.retry.RetryPolicy` (gcsfs's own retry
 decorator is not on this path). A resumable-upload chunk that fails is retried alone: the
 upload's status is queried first and only the bytes the server has not persisted are re-sent.
 A killed writer's resumable upload session needs no cleanup: GCS discards it a week after it
@@ -25,7 +25,6 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-from .. import retry as _retry
 from ..errors import (
     AccessDeniedError,
     AlreadyExistsError,
@@ -35,9 +34,12 @@ from ..errors import (
     NotFoundError,
     TransferError,
 )
-from . import _parallel
+from ..objectstore import body as _body
+from ..objectstore import multipart as _multipart
+from ..objectstore import ranged as _ranged
+from ..objectstore import retry as _retry
+from ..objectstore.backend import Entry, ObjectStoreBackend, check_versions
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
-from .objectstore import Entry, ObjectStoreBackend, check_versions
 
 # checked before the imports below: an old release can fail there with a less helpful error
 MIN_VERSIONS = {"gcsfs": "2025.2.0"}  # = the gcs extra's floor in pyproject.toml
@@ -72,7 +74,7 @@ def _q(key: str) -> str:
 
 
 def classify(e: BaseException) -> str:
-    """TRANSIENT / EXPIRED / PERMANENT for any error on the GCS path (see :mod:`ckptio.retry`)."""
+    """TRANSIENT / EXPIRED / PERMANENT for any error on the GCS path (see :mod:`ckptio.objectstore.retry`)."""
     if isinstance(e, _HTTPStatus):
         return _retry.EXPIRED if e.status == 401 else _retry.classify_status(e.status)
     if isinstance(e, (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, json.JSONDecodeError)):
@@ -106,9 +108,10 @@ class GCSBackend(ObjectStoreBackend):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         credential_provider: Any = None,
-        max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+        max_buffer_bytes: int | str = _multipart.DEFAULT_MAX_BUFFER_BYTES,
         upload_part_size: int | str | None = None,
     ) -> None:
+        self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
             part_size=part_size,
             concurrency=concurrency,
@@ -122,7 +125,7 @@ class GCSBackend(ObjectStoreBackend):
             max_buffer_bytes=max_buffer_bytes,
         )
         self.part_size = -(-self.part_size // CHUNK_ALIGN) * CHUNK_ALIGN
-        up = _parallel.size_option("upload_part_size", upload_part_size) if upload_part_size else self.part_size
+        up = _multipart.size_option("upload_part_size", upload_part_size) if upload_part_size else self.part_size
         self.upload_part_size = -(-up // CHUNK_ALIGN) * CHUNK_ALIGN
         self._bearer: str | None = None
         if self._refresher.provider is not None:
@@ -193,7 +196,7 @@ class GCSBackend(ObjectStoreBackend):
         """One HTTP request. ``into``: stream the body (of a ranged GET from ``range_start``) there
         and return its length as the body."""
         stall = self.policy.stall_timeout
-        session = _parallel.no_hidden_retries(await self._fs._set_session())
+        session = _body.no_hidden_retries(await self._fs._set_session())
         hdrs = self._fs._get_headers(headers)
         if self._bearer is not None:
             hdrs["Authorization"] = f"Bearer {self._bearer}"
@@ -260,7 +263,7 @@ class GCSBackend(ObjectStoreBackend):
         session = getattr(self._fs, "_session", None)
         if session is not None and not session.closed and self._loop.is_running():
             try:
-                _parallel.run(self._loop, session.close)
+                _ranged.run(self._loop, session.close)
             except Exception:  # closing a dead connection pool must not fail reset()
                 pass
             self._fs._session = None
@@ -340,7 +343,7 @@ class GCSBackend(ObjectStoreBackend):
         self._run(uri, go)
 
 
-class _GCSWriter(_parallel.MultipartWriter):
+class _GCSWriter(_multipart.MultipartWriter):
     ordered = True  # a resumable upload takes its chunks in order
     min_part_size = part_align = CHUNK_ALIGN
 
@@ -380,7 +383,7 @@ class _GCSWriter(_parallel.MultipartWriter):
         await self._b._request(
             "POST",
             f"{self._b._upload_url}/b/{self._bucket}/o",
-            data=_parallel.MemoryBody(data),
+            data=_body.MemoryBody(data),
             params={"uploadType": "media", "name": self._key, **self._cond},
             headers={"Content-Type": "application/octet-stream"},
             uri=self.uri,
@@ -413,7 +416,7 @@ class _GCSWriter(_parallel.MultipartWriter):
             if state["done"] or (state["sent"] >= n and total is None):
                 return
             start = offset + state["sent"]
-            body = _parallel.MemoryBody(mv[state["sent"] :])
+            body = _body.MemoryBody(mv[state["sent"] :])
             await self._b._attempt(
                 "PUT",
                 handle,

@@ -251,6 +251,8 @@ class LocalBackend(Backend):
         unknown = sorted(set(options) - set(opts))
         if unknown:
             raise ValueError(f"{self!r} has no option(s) {unknown}")
+        if all(opts[k] == v for k, v in options.items()):
+            return self
         derived = LocalBackend(**{**opts, **options})
         derived.name = self.name
         return derived

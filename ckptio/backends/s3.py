@@ -2,7 +2,7 @@
 
 s3fs provides the session, credentials chain, endpoint handling and IO loop; the data path calls
 the client directly so that reads stream into the caller's buffer in parallel ranges and writes
-go up as parallel multipart uploads with bounded memory (see :mod:`._parallel`).
+go up as parallel multipart uploads with bounded memory (see :mod:`ckptio.objectstore`).
 ``mode="create"`` sends ``If-None-Match: *`` on the PUT or on CompleteMultipartUpload.
 
 Credentials, highest first: ``access_key_id``/``secret_access_key``/``session_token`` options,
@@ -23,7 +23,7 @@ have to checksum the whole object again at completion. ``checksum="none"`` (also
 boto3's ``request_checksum_calculation`` is ``when_required``, in the environment or the AWS config
 file) is for S3-compatible stores that reject checksum headers.
 
-Every request runs under the backend's :class:`~ckptio.retry.RetryPolicy` (``max_attempts`` or
+Every request runs under the backend's :class:`~ckptio.objectstore.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
 two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
 
@@ -40,13 +40,11 @@ import asyncio
 import base64
 import errno
 import hashlib
-import json
 import os
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from .. import retry as _retry
 from .. import uri as _uri
 from ..errors import (
     AccessDeniedError,
@@ -57,33 +55,44 @@ from ..errors import (
     NotFoundError,
     TransferError,
 )
-from . import _parallel
+from ..objectstore import body as _body
+from ..objectstore import multipart as _multipart
+from ..objectstore import ranged as _ranged
+from ..objectstore import retry as _retry
+from ..objectstore.backend import Entry, ObjectStoreBackend, check_versions
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
-from .objectstore import Entry, ObjectStoreBackend, check_versions
 
 # checked before the imports below: an old release can fail there with a less helpful error
 MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's floors in pyproject.toml
 check_versions("s3", MIN_VERSIONS)
 
 try:
-    import aiohttp
     import s3fs
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
-        FlexibleChecksumError,
-        HTTPClientError,
-        IncompleteReadError,
         NoCredentialsError,
         PartialCredentialsError,
-        ResponseStreamingError,
     )
     from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.parsers import ResponseParserError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'"
     ) from _e
+
+from ..objectstore.s3_support import (  # noqa: E402 - after the version check
+    BAD_CREDENTIALS,
+    CREDENTIALS_HINT,
+    DENIED,
+    EXISTS,
+    NOT_FOUND,
+    PREHASHED_SIGNER,
+    checksum_option,
+    choose_prehashed_signer,
+    classify,
+    error_code,
+    load_credentials_file,
+)
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
@@ -92,81 +101,6 @@ MAX_PARTS = 10_000
 READ_PART_SIZE = 64 * 1024 * 1024
 UPLOAD_PART_SIZE = 8 * 1024 * 1024
 _INLINE_HASH_MAX = 64 * 1024  # smaller upload bodies are hashed on the IO loop itself
-CREDENTIALS_HINT = (
-    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the s3 backend access_key_id/"
-    "secret_access_key, credentials_file or profile (in ckptio.toml [backends.s3] or "
-    "ckptio.configure), or anon=true for public buckets"
-)
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
-_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
-_BAD_CREDENTIALS = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "TokenRefreshRequired",
-    "AuthorizationHeaderMalformed",
-}
-_DENIED = {"AccessDenied", "403", "AllAccessDisabled", "Forbidden"}
-# FlexibleChecksumError: the body did not match the checksum S3 sent with it (truncated or damaged in flight)
-_TRANSIENT_CLIENT = (
-    ResponseStreamingError,
-    BotoConnectionError,
-    HTTPClientError,
-    IncompleteReadError,
-    FlexibleChecksumError,
-    ResponseParserError,
-    aiohttp.ClientPayloadError,
-    aiohttp.ClientConnectionError,
-)
-
-
-def _code(e: ClientError) -> tuple[str, int | None]:
-    """The S3 error code and the HTTP status of a botocore ClientError."""
-    code = str(e.response.get("Error", {}).get("Code", ""))
-    return code, e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def classify(e: BaseException) -> str:
-    """TRANSIENT / EXPIRED / PERMANENT for any error the S3 client raises (see :mod:`ckptio.retry`)."""
-    if isinstance(e, ClientError):
-        code, status = _code(e)
-        return _retry.classify_status(status, code)
-    if isinstance(e, _TRANSIENT_CLIENT):
-        return _retry.TRANSIENT
-    common = _retry.classify_common(e)
-    return common if common is not None else _retry.PERMANENT
-
-
-def _load_credentials_file(path: str) -> dict[str, str]:
-    try:
-        with open(os.path.expanduser(path)) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise CredentialsError(path, "S3 credentials file not found") from None
-    except (OSError, ValueError) as e:
-        raise CredentialsError(path, f"S3 credentials file is not readable JSON ({type(e).__name__})") from None
-    if not isinstance(data, dict):
-        raise CredentialsError(path, "S3 credentials file must hold a JSON object")
-    return {str(k).lower(): v for k, v in data.items()}
-
-
-def _checksum_option(value: str | None, profile: str | None) -> str:
-    """``crc32`` or ``none``; unset follows boto3's ``request_checksum_calculation`` (the
-    ``AWS_REQUEST_CHECKSUM_CALCULATION`` variable or the AWS config file, for ``profile``)."""
-    if value is None:
-        import botocore.exceptions
-        import botocore.session
-
-        try:
-            setting = botocore.session.Session(profile=profile).get_config_variable("request_checksum_calculation")
-        except botocore.exceptions.BotoCoreError:  # e.g. no such profile: reported when credentials are needed
-            setting = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION")
-        return "none" if str(setting or "").strip().lower() == "when_required" else "crc32"
-    v = str(value).strip().lower()
-    if v not in ("crc32", "none"):
-        raise ValueError(f"s3 option checksum must be 'crc32' or 'none', got {value!r}")
-    return v
 
 
 class S3Backend(ObjectStoreBackend):
@@ -197,10 +131,11 @@ class S3Backend(ObjectStoreBackend):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         credential_provider: Any = None,
-        max_buffer_bytes: int | str = _parallel.DEFAULT_MAX_BUFFER_BYTES,
+        max_buffer_bytes: int | str = _multipart.DEFAULT_MAX_BUFFER_BYTES,
         upload_part_size: int | str | None = None,
         checksum: str | None = None,
     ) -> None:
+        self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
             part_size=part_size,
             concurrency=concurrency,
@@ -214,7 +149,7 @@ class S3Backend(ObjectStoreBackend):
             max_buffer_bytes=max_buffer_bytes,
         )
         self.upload_part_size = (
-            _parallel.size_option("upload_part_size", upload_part_size)
+            _multipart.size_option("upload_part_size", upload_part_size)
             if upload_part_size
             else min(self.part_size, UPLOAD_PART_SIZE)
         )
@@ -222,10 +157,10 @@ class S3Backend(ObjectStoreBackend):
             raise ValueError(
                 f"part_size must be >= 5 MiB for S3 multipart uploads, got {min(self.part_size, self.upload_part_size)}"
             )
-        self.checksum = _checksum_option(checksum, profile)
+        self.checksum = checksum_option(checksum, profile)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
-        creds = _load_credentials_file(credentials_file) if credentials_file else {}
+        creds = load_credentials_file(credentials_file) if credentials_file else {}
         self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
         self.region = (
             region
@@ -291,14 +226,14 @@ class S3Backend(ObjectStoreBackend):
         if hs is not None and get is not None and not getattr(hs, "_ckptio_owned", False):
 
             async def get_session(*a: Any, **kw: Any) -> Any:
-                return _parallel.no_hidden_retries(await get(*a, **kw))
+                return _body.no_hidden_retries(await get(*a, **kw))
 
             hs._get_session, hs._ckptio_owned = get_session, True
         events = getattr(getattr(client, "meta", None), "events", None)
-        if events is not None and _PREHASHED_SIGNER is not None:
+        if events is not None and PREHASHED_SIGNER is not None:
             for op in ("UploadPart", "PutObject"):
                 events.register_first(
-                    f"choose-signer.s3.{op}", _choose_prehashed_signer, unique_id=f"ckptio-prehashed-sha256-{op}"
+                    f"choose-signer.s3.{op}", choose_prehashed_signer, unique_id=f"ckptio-prehashed-sha256-{op}"
                 )
         return client
 
@@ -374,13 +309,13 @@ class S3Backend(ObjectStoreBackend):
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
                 out = NotFoundError(uri, "no such bucket")
-            elif code in _NOT_FOUND:
+            elif code in NOT_FOUND:
                 out = NotFoundError(uri)
-            elif code in _EXISTS:
+            elif code in EXISTS:
                 out = AlreadyExistsError(uri)
-            elif code in _BAD_CREDENTIALS:
+            elif code in BAD_CREDENTIALS:
                 out = CredentialsError(uri, f"S3 rejected the credentials ({code}); {CREDENTIALS_HINT}")
-            elif code in _DENIED:
+            elif code in DENIED:
                 out = AccessDeniedError(uri, f"S3 denied access ({code})")
             else:
                 message = str(err.get("Message", ""))
@@ -407,7 +342,7 @@ class S3Backend(ObjectStoreBackend):
         for client in clients:
             if self._loop.is_running():
                 try:
-                    _parallel.run(self._loop, client.close)
+                    _ranged.run(self._loop, client.close)
                 except Exception:  # closing a dead connection pool must not fail reset()
                     pass
 
@@ -532,61 +467,7 @@ class S3Backend(ObjectStoreBackend):
         self._call(src, "copy_object", Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
 
 
-def _make_prehashed_signer() -> Any:
-    """An ``s3v4`` signer that takes the payload SHA-256 a :class:`_parallel.MemoryBody` carries
-    (computed off the event-loop thread) instead of reading the body to hash it there."""
-    import botocore.auth
-
-    class PrehashedSha256Auth(botocore.auth.S3SigV4Auth):
-        def _should_sha256_sign_payload(self, request: Any) -> bool:
-            # botocore leaves an upload's payload unsigned over https when the request carries a checksum
-            # header that botocore added itself; the writer adds its CRC32 itself, so apply the same rule
-            # (TLS + CRC32), or the IO loop would SHA-256 every part
-            s3_config = getattr(request.context.get("client_config"), "s3", None) or {}
-            if (
-                s3_config.get("payload_signing_enabled") is None
-                and request.url.startswith("https")
-                and request.context.get("has_streaming_input", False)
-                and any(k.lower().startswith("x-amz-checksum-") for k in request.headers)
-            ):
-                return False
-            return bool(super()._should_sha256_sign_payload(request))
-
-        def payload(self, request: Any) -> str:
-            body = getattr(request.body, "__wrapped__", request.body)
-            digest = getattr(body, "sha256", None)
-            if (
-                digest
-                and isinstance(body, _parallel.MemoryBody)
-                and body.tell() == 0
-                and not self._is_streaming_checksum_payload(request)
-                and self._should_sha256_sign_payload(request)
-            ):
-                return digest
-            return super().payload(request)
-
-    botocore.auth.AUTH_TYPE_MAPS[_PREHASHED_SIGNER_NAME] = PrehashedSha256Auth
-    return PrehashedSha256Auth
-
-
-_PREHASHED_SIGNER_NAME = "ckptio-s3v4-sha256"
-_PREHASHED_SIGNER = _make_prehashed_signer()
-
-
-def _choose_prehashed_signer(
-    signing_name: str = "", signature_version: Any = None, context: Any = None, **kwargs: Any
-) -> str | None:
-    """choose-signer hook for this backend's clients: plain ``s3v4`` requests (not presigned URLs or
-    POSTs, not S3 Express) use :data:`_PREHASHED_SIGNER`; everything else is left to botocore."""
-    import botocore.handlers
-
-    if not isinstance(signature_version, str) or signature_version.endswith(("-query", "-presign-post")):
-        return None
-    chosen = botocore.handlers.set_operation_specific_signer(context=context or {}, signing_name=signing_name, **kwargs)
-    return _PREHASHED_SIGNER_NAME if chosen == "s3v4" else None
-
-
-class _S3Writer(_parallel.MultipartWriter):
+class _S3Writer(_multipart.MultipartWriter):
     min_part_size = MIN_PART_SIZE
     part_align = 1024 * 1024
     max_parts = MAX_PARTS
@@ -617,7 +498,7 @@ class _S3Writer(_parallel.MultipartWriter):
             if (
                 ambiguous
                 and committed is not None
-                and _code(e)[0] in (_EXISTS | {"NoSuchUpload"})
+                and error_code(e)[0] in (EXISTS | {"NoSuchUpload"})
                 and await committed()
             ):
                 return None
@@ -639,7 +520,7 @@ class _S3Writer(_parallel.MultipartWriter):
         https = not ep or ep.lower().startswith("https:")  # no endpoint: AWS, over https
         crc = self._b.checksum == "crc32"
         # SigV4 signs the payload unless it goes over https with a checksum (see PrehashedSha256Auth)
-        sha = _PREHASHED_SIGNER is not None and not self._b.anon and not (https and crc)
+        sha = PREHASHED_SIGNER is not None and not self._b.anon and not (https and crc)
         if not (sha or crc):
             return None, {}
 
@@ -664,7 +545,7 @@ class _S3Writer(_parallel.MultipartWriter):
         await self._request(
             "PUT",
             lambda s3: s3.put_object(
-                Bucket=self._bucket, Key=self._key, Body=_parallel.MemoryBody(data, sha256=digest), **crc, **self._cond
+                Bucket=self._bucket, Key=self._key, Body=_body.MemoryBody(data, sha256=digest), **crc, **self._cond
             ),
             lambda: self._etag_is(hashlib.md5(data).hexdigest()),
         )
@@ -675,7 +556,7 @@ class _S3Writer(_parallel.MultipartWriter):
                 await self._b._op(self.uri, "HEAD", lambda s3: s3.head_object(Bucket=self._bucket, Key=self._key))
                 raise AlreadyExistsError(self.uri)
             except ClientError as e:
-                if e.response.get("Error", {}).get("Code") not in _NOT_FOUND:
+                if e.response.get("Error", {}).get("Code") not in NOT_FOUND:
                     raise
         algo = {"ChecksumAlgorithm": "CRC32"} if self._b.checksum == "crc32" else {}
         r = await self._request(
@@ -693,7 +574,7 @@ class _S3Writer(_parallel.MultipartWriter):
                 Key=self._key,
                 UploadId=handle,
                 PartNumber=number,
-                Body=_parallel.MemoryBody(data, sha256=digest),
+                Body=_body.MemoryBody(data, sha256=digest),
                 **crc,
             ),
         )
@@ -716,5 +597,5 @@ class _S3Writer(_parallel.MultipartWriter):
                 lambda s3: s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle),
             )
         except ClientError as e:
-            if _code(e)[0] not in _NOT_FOUND:  # already gone (an earlier attempt's answer was lost)
+            if error_code(e)[0] not in NOT_FOUND:  # already gone (an earlier attempt's answer was lost)
                 raise

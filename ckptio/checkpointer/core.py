@@ -263,7 +263,7 @@ class Checkpointer:
         ``keys``: the parts to restore (default: every part of ``state``). ``strict=False`` restores
         what matches and reports missing/unexpected keys (warning and ``self.last_load``);
         ``strict=True`` raises ``KeyError`` on any mismatch. ``cache`` (True, a directory or a mapping)
-        reads the data through the node-local cache (:mod:`ckptio.backends.cached`).
+        reads the data through the node-local cache (:mod:`ckptio.cache`).
 
         The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
         Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its

@@ -1,11 +1,11 @@
 """What the object-store backends (S3, GCS) share: URIs, the retry and transfer options, reads,
-``stat`` and paged ``list``.
+``stat``, paged ``list`` and ``with_options``.
 
 A store subclass supplies ``_loop`` (the client's IO loop), ``translate``, ``classify`` and a few
 request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memory),
 :meth:`~ObjectStoreBackend._head` and :meth:`~ObjectStoreBackend._list_page`; plus its writer,
 ``delete`` and ``close``. Reads split into ``part_size`` ranges, ``concurrency`` at a time
-(see :mod:`._parallel`).
+(see :mod:`.ranged`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
-from .. import retry as _retry
 from .. import uri as _uri
+from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
-from . import _parallel
-from .base import Backend, Buffer, ObjectInfo
+from . import retry as _retry
+from .multipart import size_option
+from .ranged import parallel_readinto, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -55,6 +56,7 @@ class ObjectStoreBackend(Backend):
     """Base of the backends over a bucket/key store reached through an asyncio client."""
 
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
+    _options: dict[str, Any]  # the constructor's arguments, set by the subclass (see with_options)
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
 
     def __init__(
@@ -72,7 +74,7 @@ class ObjectStoreBackend(Backend):
         max_buffer_bytes: int | str,
     ) -> None:
         super().__init__(part_size=part_size, concurrency=concurrency)
-        self.max_buffer_bytes = _parallel.size_option("max_buffer_bytes", max_buffer_bytes)
+        self.max_buffer_bytes = size_option("max_buffer_bytes", max_buffer_bytes)
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries,
             max_attempts=max_attempts,
@@ -83,6 +85,18 @@ class ObjectStoreBackend(Backend):
         self.retries = self.policy.max_attempts - 1
         self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
 
+    def with_options(self, **options: Any) -> Backend:
+        """A new backend of this store with the same settings and ``options`` changed (self when
+        nothing changes). Clients are not shared: each backend opens, refreshes and closes its own."""
+        if all(getattr(self, k, object()) == v for k, v in options.items()):
+            return self
+        unknown = sorted(set(options) - set(self._options))
+        if unknown:
+            raise ValueError(f"{self!r} has no option(s) {unknown}")
+        derived = type(self)(**{**self._options, **options})
+        derived.name = self.name
+        return derived
+
     # ---- hooks -------------------------------------------------------------------------------
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -90,7 +104,7 @@ class ObjectStoreBackend(Backend):
 
     @staticmethod
     def classify(e: BaseException) -> str:
-        """TRANSIENT / EXPIRED / PERMANENT for an error of this store's client (see :mod:`ckptio.retry`)."""
+        """TRANSIENT / EXPIRED / PERMANENT for an error of this store's client (see :mod:`ckptio.objectstore.retry`)."""
         raise NotImplementedError
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
@@ -150,7 +164,7 @@ class ObjectStoreBackend(Backend):
     def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``coro_fn()`` on the IO loop; its errors come out translated."""
         try:
-            return _parallel.run(self._loop, coro_fn)
+            return run(self._loop, coro_fn)
         except Exception as e:
             raise self.translate(e, uri) from None
 
@@ -160,7 +174,7 @@ class ObjectStoreBackend(Backend):
         mv = memoryview(buf).cast("B")
 
         async def go() -> int:
-            return await _parallel.parallel_readinto(
+            return await parallel_readinto(
                 lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency
             )
 

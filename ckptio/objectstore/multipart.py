@@ -1,21 +1,12 @@
-"""Parallel transfers shared by the object-store backends (S3, GCS).
+"""The streaming multipart writer the object-store backends (S3, GCS) share.
 
-Both clients are asyncio-based and run on fsspec's IO loop thread. This module provides the two
-halves every fast object store needs, independent of the client:
-
-* :func:`parallel_readinto`: split a read into ``part_size`` ranges and fetch up to
-  ``concurrency`` of them at once, each streamed straight into its slice of the caller's buffer.
-* :class:`MultipartWriter`: a streaming :class:`~ckptio.backends.base.Writer` that uploads parts
-  with at most ``concurrency`` in flight and the bytes it copies bounded by ``max_buffer_bytes``
-  (large writes go up straight from the caller's memory), commits on ``close`` and aborts the
-  upload on failure; every error it raises is translated. Small objects (one part) go up in a
-  single request. ``ordered=True`` (GCS resumable uploads) uploads parts one after another while
-  the caller fills the next one.
-* :class:`MemoryBody`: a request body over the caller's memory that neither botocore nor aiohttp
-  copies.
-
-A backend supplies the client calls as coroutines; errors are translated by the backend's
-``translate(exc, uri)`` so callers only ever see :mod:`ckptio.errors`.
+:class:`MultipartWriter` is a :class:`~ckptio.backends.base.Writer` that uploads parts with at
+most ``concurrency`` in flight and the bytes it copies bounded by ``max_buffer_bytes`` (large
+writes go up straight from the caller's memory), commits on ``close`` and aborts the upload on
+failure; every error it raises is translated. Small objects (one part) go up in a single request.
+``ordered=True`` (GCS resumable uploads) uploads parts one after another while the caller fills
+the next one. A backend supplies the client calls as coroutines and ``translate(exc, uri)``, so
+callers only ever see :mod:`ckptio.errors`.
 """
 
 from __future__ import annotations
@@ -23,19 +14,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
-import aiohttp.payload
-from fsspec.asyn import sync
-
-from .base import Buffer, BytesReader, Writer
+from ..backends.base import Buffer, Writer
+from .ranged import run
 
 DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
-SEND_CHUNK = 1024 * 1024  # what an upload hands the socket at a time
 
-FetchInto = Callable[[int, int, memoryview], Awaitable[int]]
+
+def constructor_options(local_vars: dict[str, Any]) -> dict[str, Any]:
+    """A backend constructor's arguments, from its ``locals()`` taken before anything else is bound."""
+    return {k: v for k, v in local_vars.items() if k != "self" and not k.startswith("__")}
 
 
 def size_option(name: str, value: Any) -> int:
@@ -48,120 +37,13 @@ def size_option(name: str, value: Any) -> int:
     return n
 
 
-def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """Run ``coro_fn(*args)`` on ``loop`` (fsspec's IO thread) and wait for the result."""
-    return sync(loop, coro_fn, *args)
-
-
-async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
-    """Like ``asyncio.gather`` but cancels (and awaits) the rest as soon as one fails."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return []
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.wait(pending)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
-    return [t.result() for t in tasks]
-
-
-async def parallel_readinto(
-    fetch_into: FetchInto, buf: memoryview, offset: int, part_size: int, concurrency: int
-) -> int:
-    """Fill ``buf`` with the object's bytes from ``offset`` using parallel ranged reads.
-
-    ``fetch_into(start, end, view)`` reads bytes ``[start, end)`` into ``view`` and returns the count
-    (short or 0 past the end of the object). All ranges are requested at once, so no size lookup
-    is needed; the result is the length of the contiguous prefix that was filled.
-    """
-    n = len(buf)
-    if n <= part_size:
-        return await fetch_into(offset, offset + n, buf) if n else 0
-    sem = asyncio.Semaphore(concurrency)
-    bounds = [(s, min(s + part_size, n)) for s in range(0, n, part_size)]
-
-    async def one(s: int, e: int) -> int:
-        async with sem:
-            return await fetch_into(offset + s, offset + e, buf[s:e])
-
-    got = await gather_or_cancel([one(s, e) for s, e in bounds])
-    total = 0
-    for (s, e), g in zip(bounds, got, strict=True):
-        total += g
-        if g < e - s:
-            break
-    return total
-
-
-class MemoryBody(BytesReader):
-    """A read-only, seekable file over a buffer, sent without copying it.
-
-    botocore hashes and measures it through ``read``/``seek``/``tell``; aiohttp sends it through
-    :class:`_MemoryPayload` in ``SEND_CHUNK`` slices. A plain ``bytes``/``bytearray`` body would be
-    handed to the socket transport whole, which (Python < 3.12) copies the unsent rest of it, i.e.
-    a second copy of every part in flight. Make a new one for each attempt of a request.
-    ``sha256``: the hex SHA-256 of the whole view, when the caller computed it (a signer may use it
-    instead of reading the body on the event-loop thread).
-    """
-
-    def __init__(self, data: Buffer, uri: str = "<memory>", sha256: str | None = None) -> None:
-        super().__init__(data, uri)
-        self.sha256 = sha256
-
-    @property
-    def view(self) -> memoryview:
-        return self._mv
-
-    def __len__(self) -> int:
-        return self.size
-
-    def read(self, size: int | None = -1) -> bytes:  # one copy (RawIOBase.read makes two)
-        end = self.size if size is None or size < 0 else min(self.size, self._pos + size)
-        out = bytes(self._mv[self._pos : end]) if end > self._pos else b""
-        self._pos = max(self._pos, end)
-        return out
-
-    def close(self) -> None:  # aiohttp closes payloads; the view stays usable for a retry's new body
-        pass
-
-
-class _MemoryPayload(aiohttp.payload.Payload):
-    """aiohttp's payload for :class:`MemoryBody`: slices of the caller's memory, with backpressure."""
-
-    def __init__(self, value: Any, *args: Any, **kwargs: Any) -> None:
-        body = getattr(value, "__wrapped__", value)  # aiobotocore wraps file objects in a proxy
-        kwargs.setdefault("content_type", "application/octet-stream")
-        super().__init__(body, *args, **kwargs)
-        self._size = len(body.view) - body.tell()
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return bytes(self._value.view[self._value.tell() :]).decode(encoding, errors)
-
-    async def write(self, writer: Any) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        view = self._value.view[self._value.tell() :]
-        if content_length is not None:
-            view = view[:content_length]
-        for i in range(0, len(view), SEND_CHUNK):
-            await writer.write(view[i : i + SEND_CHUNK])  # drains when the transport holds > 64 KiB
-
-
-aiohttp.payload.register_payload(_MemoryPayload, MemoryBody, order=aiohttp.payload.Order.try_first)
-
-
 class MultipartWriter(Writer):
     """Streaming writer over an object store's multipart (or resumable) upload.
 
     Subclasses implement the coroutines ``put_single``, ``begin``, ``upload_part``, ``complete`` and
     ``abort_upload``, and ``translate``. ``upload_part(handle, number, offset, data, total)`` gets
     ``total`` (the object's size) only for the last part, and ``None`` before it; ``data`` may be
-    the caller's memory (send it with :class:`MemoryBody`, never keep it).
+    the caller's memory (send it with :class:`~.body.MemoryBody`, never keep it).
 
     Memory: the bytes copied into part buffers (the part being filled, parts in flight, free
     buffers) stay within ``max_buffer_bytes``: streamed parts are ``part_size`` or smaller, so that
@@ -417,13 +299,3 @@ class MultipartWriter(Writer):
         tokens = [f.result() for f in self._futures]
         run(self._loop, self.complete, self._handle, tokens, self._offset)
         self._state = "closed"
-
-
-def no_hidden_retries(session: Any) -> Any:
-    """Stop an ``aiohttp.ClientSession`` from silently re-sending an idempotent request (GET, PUT,
-    HEAD, DELETE) once when a pooled connection breaks: :class:`ckptio.retry.RetryPolicy` owns
-    retries, and a hidden re-send of an upload chunk can corrupt a resumable upload's offsets.
-    aiohttp has no public switch; the private flag is set only where it exists."""
-    if hasattr(session, "_retry_connection"):
-        session._retry_connection = False
-    return session

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CkptioError, SettingsError, TransferError
+from ..errors import CkptioError, SettingsError, TransferError
 
 log = logging.getLogger("ckptio.retry")
 

@@ -1,6 +1,6 @@
 """The node-local cache's files: names, block checksums, verified reads, and the directory scan.
 
-The layout and the locking protocol are described in :mod:`ckptio.backends.cached`; this module
+The layout and the locking protocol are described in :mod:`ckptio.cache.store`; this module
 holds the parts that only touch files (no locks, no remote backend). Hashing is xxh3-64 over
 blocks read 1 MiB at a time (small enough to stay in the CPU cache between the copy and the hash).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from .local import _preadinto
+from ..backends.local import _preadinto
 
 MIN_BLOCK = 1 << 20
 MAX_BLOCKS = 1 << 14  # so an entry's metadata stays under ~300 kB whatever its size

@@ -1,0 +1,82 @@
+"""The cache's options: where they come from and how they become :class:`~ckptio.cache.CachedBackend`
+keyword arguments.
+
+Three sources, highest first: the ``cache=`` argument of a call (True, False, a directory or a
+mapping), the settings file's ``[cache]`` table (``dir``, ``max_bytes``, ``verify``, ``fsync``,
+``lock_timeout``; see :mod:`ckptio.config`), and, for compatibility, the cache options a
+``[backends.NAME]`` table or an alias may carry (``cache_dir``, ``max_bytes``, ``cache_verify``,
+``cache_fsync``), which win over the table for that backend. The table configures the cache; it
+does not turn it on: a call turns it on with ``cache=True`` (or a directory or a mapping), and a
+backend's settings with ``cache_dir`` (then every read of that backend goes through it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import SettingsError
+
+ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
+DEFAULT_LOCK_TIMEOUT = 1800.0
+
+
+def default_cache_dir() -> str:
+    """``$CKPTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptio``, else ``~/.cache/ckptio``."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return os.path.expanduser(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ckptio")
+
+
+# the old spelling: cache options inside a backend's (or an alias's) options
+CACHE_OPTIONS = ("cache_dir", "max_bytes", "cache_verify", "cache_fsync")
+# the ``[cache]`` table's keys, and what they are called among CachedBackend's keyword arguments
+TABLE_KEYS = {
+    "dir": "cache_dir",
+    "max_bytes": "max_bytes",
+    "verify": "verify",
+    "fsync": "fsync",
+    "lock_timeout": "lock_timeout",
+}
+_ARGUMENT_KEYS = ("cache_dir", "max_bytes", "verify", "fsync", "lock_timeout")
+
+
+def cache_options(
+    cache: Any, backend_options: dict[str, Any], table: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """Pop cache settings out of ``backend_options`` and combine them with the ``[cache]`` ``table``
+    (already validated) and a ``cache=`` argument; CachedBackend keyword arguments, or None for no cache.
+
+    ``cache``: None (use the cache when the backend's settings give ``cache_dir``), False (never),
+    True (the settings' directory, else the default one), a path (the directory), or a mapping with ``cache_dir``,
+    ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``.
+    """
+    from ..config import coerce_options
+
+    found = {k: backend_options.pop(k) for k in CACHE_OPTIONS if k in backend_options}
+    table = table or {}
+    if cache is False:
+        return None
+    if cache is None and "cache_dir" not in found:
+        return None
+    opts: dict[str, Any] = {"cache_dir": None, "max_bytes": None, "verify": False, "fsync": False}
+    opts.update({TABLE_KEYS[k]: v for k, v in table.items()})
+    renamed = {"cache_verify": "verify", "cache_fsync": "fsync"}
+    opts.update({renamed.get(k, k): v for k, v in found.items()})
+    if isinstance(cache, (str, os.PathLike)):
+        opts["cache_dir"] = os.fspath(cache)
+    elif isinstance(cache, Mapping):
+        given_cache: Mapping[str, Any] = cache
+        bad = set(given_cache) - set(_ARGUMENT_KEYS)
+        if bad:
+            raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected {', '.join(_ARGUMENT_KEYS)}")
+        names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
+        given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
+        opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
+    elif cache not in (None, True):
+        raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")
+    opts["cache_dir"] = os.path.abspath(os.path.expanduser(opts["cache_dir"] or default_cache_dir()))
+    return opts

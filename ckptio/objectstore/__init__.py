@@ -1,0 +1,11 @@
+"""The machinery the object-store backends (S3, GCS) share; the storages themselves live in
+:mod:`ckptio.backends` and keep only their request hooks.
+
+- :mod:`.backend`: :class:`~.backend.ObjectStoreBackend`, the template (URIs, options, reads,
+  ``stat``, paged ``list``, ``with_options``) a store fills in with request hooks;
+- :mod:`.ranged`: parallel ranged reads into the caller's buffer, and running on the IO loop;
+- :mod:`.multipart`: the bounded-memory streaming multipart writer;
+- :mod:`.body`: request bodies over the caller's memory (no copies in botocore or aiohttp);
+- :mod:`.retry`: the retry policy, error classes and credential refresh every request runs under;
+- :mod:`.s3_support`: S3-only machinery (error classification, credentials files, the signer).
+"""
