@@ -12,6 +12,7 @@ import ckptio
 from ckptio.backends.local import LocalBackend
 from ckptio.backends.memory import MemoryBackend
 from ckptio.cache import CachedBackend
+from ckptio.formats.fastpickle import read as fpk_read
 from ckptio.wrappers.counting import CountingBackend
 
 
@@ -49,9 +50,15 @@ def test_counting_declines_the_writer_descriptor_and_has_no_attribute_forwarding
     assert counted.with_options(concurrency=counted.concurrency) is counted
 
 
-def test_progress_load_of_a_local_fpk_is_counted_whole(tmp_path):
+def test_progress_load_of_a_local_fpk_is_counted_whole(tmp_path, monkeypatch):
     uri = str(tmp_path / "s.fpk")
     ckptio.dump({"w": torch.arange(1000)}, uri)
+
+    class NoRangedReads(fpk_read.BackendSource):
+        def __init__(self, *a, **kw):
+            raise AssertionError("a progress= load of a local .fpk must read through the file descriptor")
+
+    monkeypatch.setattr(fpk_read, "BackendSource", NoRangedReads)  # the fast path is kept under the wrapper
     calls: list[tuple[int, int]] = []
     out = ckptio.load(uri, progress=lambda done, total: calls.append((done, total)))
     assert torch.equal(out["w"], torch.arange(1000))
