@@ -37,25 +37,12 @@ does it for a whole bucket.
 from __future__ import annotations
 
 import asyncio
-import base64
 import errno
-import hashlib
-import os
-import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from .. import uri as _uri
-from ..errors import (
-    AccessDeniedError,
-    AlreadyExistsError,
-    CkptioError,
-    CredentialsError,
-    MissingDependencyError,
-    NotFoundError,
-    TransferError,
-)
-from ..objectstore import body as _body
+from ..errors import MissingDependencyError, TransferError
 from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
@@ -67,40 +54,22 @@ MIN_VERSIONS = {"s3fs": "2025.2.0", "aiobotocore": "2.23.0"}  # = the s3 extra's
 check_versions("s3", MIN_VERSIONS)
 
 try:
-    import s3fs
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-    from botocore.exceptions import ConnectionError as BotoConnectionError
+    import s3fs  # noqa: F401 - the dependency named in the message below
+    from botocore.exceptions import ClientError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'"
     ) from _e
 
-from ..objectstore.s3_support import (  # noqa: E402 - after the version check
-    BAD_CREDENTIALS,
-    CREDENTIALS_HINT,
-    DENIED,
-    EXISTS,
-    NOT_FOUND,
-    PREHASHED_SIGNER,
-    checksum_option,
-    choose_prehashed_signer,
-    classify,
-    error_code,
-    load_credentials_file,
-)
+# after the version check:
+from ..objectstore.s3_client import S3ClientConfig, credentials_from, own_retries  # noqa: E402
+from ..objectstore.s3_multipart import MAX_PARTS, MIN_PART_SIZE, S3Writer  # noqa: E402
+from ..objectstore.s3_support import checksum_option, classify, translate  # noqa: E402
 
-MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
-MAX_PARTS = 10_000
 # Ranged reads are ``part_size`` (fewer, larger GETs: servers such as moto pay per request about
 # what a whole-object read costs); uploads go in ``upload_part_size`` parts (boto3's 8 MiB).
 READ_PART_SIZE = 64 * 1024 * 1024
 UPLOAD_PART_SIZE = 8 * 1024 * 1024
-_INLINE_HASH_MAX = 64 * 1024  # smaller upload bodies are hashed on the IO loop itself
 
 
 class S3Backend(ObjectStoreBackend):
@@ -160,48 +129,22 @@ class S3Backend(ObjectStoreBackend):
         self.checksum = checksum_option(checksum, profile)
         self._old_clients: list[Any] = []  # replaced by a credential refresh, closed when their requests end
         self._in_flight: dict[int, int] = {}  # id(client) -> requests using it (touched only on the IO loop)
-        creds = load_credentials_file(credentials_file) if credentials_file else {}
-        self.endpoint_url = endpoint_url or creds.get("endpoint_url") or None
-        self.region = (
-            region
-            or creds.get("region_name")
-            or creds.get("region")
-            or os.environ.get("AWS_REGION")
-            or os.environ.get("AWS_DEFAULT_REGION")
-            or "us-east-1"
+        config = S3ClientConfig.from_options(
+            endpoint_url=endpoint_url,
+            region=region,
+            profile=profile,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            session_token=session_token,
+            credentials_file=credentials_file,
+            anon=anon,
+            provider=self._refresher.provider,
         )
-        self.anon = bool(anon)
-        key = access_key_id or creds.get("aws_access_key_id") or creds.get("access_key_id")
-        secret = secret_access_key or creds.get("aws_secret_access_key") or creds.get("secret_access_key")
-        token = session_token or creds.get("aws_session_token") or creds.get("session_token")
-        if bool(key) != bool(secret):
-            raise CredentialsError(
-                credentials_file or "s3 options", "S3 credentials need both an access key id and a secret access key"
-            )
-        if self._refresher.provider is not None and not self.anon:  # the provider is the credentials' source
-            key, secret, token = self._credentials_from(self._refresher.provider())
-        extra = {"profile": profile} if profile else {}
-        self._fs = s3fs.S3FileSystem(
-            anon=self.anon,
-            key=key,
-            secret=secret,
-            token=token,
-            endpoint_url=self.endpoint_url,
-            client_kwargs={"region_name": self.region},
-            skip_instance_cache=True,
-            use_listings_cache=False,
-            # botocore's retries are off: RetryPolicy owns them (read_timeout: no bytes for that long)
-            config_kwargs={
-                "connect_timeout": float(connect_timeout),
-                "read_timeout": min(float(read_timeout), self.policy.stall_timeout),
-                "retries": {"total_max_attempts": 1, "mode": "standard"},
-                "max_pool_connections": max(10, 2 * self.concurrency),
-                # the writer sends its own CRC32 and SHA-256 (hashed off the IO thread, see
-                # _S3Writer._digests); botocore would hash every part again on the IO thread
-                # (reads are still checked)
-                "request_checksum_calculation": "when_required",
-            },
-            **extra,
+        self.endpoint_url, self.region, self.anon = config.endpoint_url, config.region, config.anon
+        self._fs = config.filesystem(
+            connect_timeout=connect_timeout,
+            read_timeout=min(float(read_timeout), self.policy.stall_timeout),
+            max_pool_connections=max(10, 2 * self.concurrency),
         )
         self._client: Any = None
 
@@ -215,47 +158,13 @@ class S3Backend(ObjectStoreBackend):
 
     async def _s3(self) -> Any:
         if self._client is None:
-            self._client = self._own_retries(await self._fs.set_session())
+            self._client = own_retries(await self._fs.set_session())
         return self._client
 
-    @staticmethod
-    def _own_retries(client: Any) -> Any:
-        """Make aiobotocore's aiohttp sessions leave retries to our policy (see ``no_hidden_retries``)."""
-        hs = getattr(getattr(client, "_endpoint", None), "http_session", None)
-        get = getattr(hs, "_get_session", None)
-        if hs is not None and get is not None and not getattr(hs, "_ckptio_owned", False):
-
-            async def get_session(*a: Any, **kw: Any) -> Any:
-                return _body.no_hidden_retries(await get(*a, **kw))
-
-            hs._get_session, hs._ckptio_owned = get_session, True
-        events = getattr(getattr(client, "meta", None), "events", None)
-        if events is not None and PREHASHED_SIGNER is not None:
-            for op in ("UploadPart", "PutObject"):
-                events.register_first(
-                    f"choose-signer.s3.{op}", choose_prehashed_signer, unique_id=f"ckptio-prehashed-sha256-{op}"
-                )
-        return client
-
-    @staticmethod
-    def _credentials_from(creds: Any) -> tuple[str | None, str | None, str | None]:
-        if not isinstance(creds, dict):
-            raise CredentialsError(
-                "s3 credential_provider",
-                "the S3 credential_provider must return a dict with "
-                "access_key_id, secret_access_key and optionally session_token",
-            )
-        c = {str(k).lower(): v for k, v in creds.items()}
-        return (
-            c.get("access_key_id") or c.get("aws_access_key_id"),
-            c.get("secret_access_key") or c.get("aws_secret_access_key"),
-            c.get("session_token") or c.get("aws_session_token") or c.get("token"),
-        )
-
     async def _apply_credentials(self, creds: Any) -> None:
-        self._fs.key, self._fs.secret, self._fs.token = self._credentials_from(creds)
+        self._fs.key, self._fs.secret, self._fs.token = credentials_from(creds)
         old = self._client
-        self._client = self._own_retries(await self._fs.set_session(refresh=True))
+        self._client = own_retries(await self._fs.set_session(refresh=True))
         if old is not None:
             if self._in_flight.get(id(old)):
                 self._old_clients.append(old)  # requests in flight still use it: closed when the last one ends
@@ -300,41 +209,7 @@ class S3Backend(ObjectStoreBackend):
         return self._run(uri, lambda: self._op(uri, method, lambda s3: getattr(s3, method)(**kwargs)))
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
-        if isinstance(e, CkptioError):
-            return e
-        out: BaseException
-        if isinstance(e, ClientError):
-            err = e.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "NoSuchBucket":
-                out = NotFoundError(uri, "no such bucket")
-            elif code in NOT_FOUND:
-                out = NotFoundError(uri)
-            elif code in EXISTS:
-                out = AlreadyExistsError(uri)
-            elif code in BAD_CREDENTIALS:
-                out = CredentialsError(uri, f"S3 rejected the credentials ({code}); {CREDENTIALS_HINT}")
-            elif code in DENIED:
-                out = AccessDeniedError(uri, f"S3 denied access ({code})")
-            else:
-                message = str(err.get("Message", ""))
-                hint = ""
-                if self.checksum != "none" and code not in _retry.DAMAGED_CODES and "checksum" in message.lower():
-                    hint = " (if this store does not support S3 checksum headers, set the s3 option checksum = 'none')"
-                out = TransferError(errno.EIO, f"S3 error {code} (HTTP {status}) for {uri}: {message}{hint}", uri)
-        elif isinstance(e, (NoCredentialsError, PartialCredentialsError)):
-            out = CredentialsError(uri, f"no S3 credentials found; {CREDENTIALS_HINT}")
-        elif isinstance(e, (BotoConnectionError, OSError, asyncio.TimeoutError)):
-            out = TransferError(
-                errno.EIO, f"cannot reach S3 endpoint {self.endpoint_url or 'aws'} for {uri}: {type(e).__name__}", uri
-            )
-        elif isinstance(e, BotoCoreError):
-            out = TransferError(errno.EIO, f"S3 client error for {uri}: {type(e).__name__}: {e}", uri)
-        else:
-            return e
-        out.__cause__ = e
-        return out
+        return translate(e, uri, checksum=self.checksum, endpoint_url=self.endpoint_url)
 
     def close(self) -> None:
         clients = [c for c in (self._client, *self._old_clients) if c is not None]
@@ -382,7 +257,7 @@ class S3Backend(ObjectStoreBackend):
         part_size = self.upload_part_size
         if size_hint and -(-size_hint // part_size) > MAX_PARTS:
             part_size = -(-size_hint // MAX_PARTS)
-        return _S3Writer(self, uri, bucket, key, mode, part_size)
+        return S3Writer(self, uri, bucket, key, mode, part_size)
 
     def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
         mv = memoryview(data).cast("B")
@@ -465,137 +340,3 @@ class S3Backend(ObjectStoreBackend):
         if mode == "create" or self.stat(src).size > 5 * 1024**3:
             return super().copy(src, dst, mode=mode)  # create: streamed, so the commit is conditional
         self._call(src, "copy_object", Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
-
-
-class _S3Writer(_multipart.MultipartWriter):
-    min_part_size = MIN_PART_SIZE
-    part_align = 1024 * 1024
-    max_parts = MAX_PARTS
-
-    def __init__(self, backend: S3Backend, uri: str, bucket: str, key: str, mode: WriteMode, part_size: int) -> None:
-        super().__init__(uri, backend._loop, part_size, backend.concurrency, backend.max_buffer_bytes)
-        self._b, self._bucket, self._key = backend, bucket, key
-        self._cond = {"IfNoneMatch": "*"} if mode == "create" else {}
-
-    def translate(self, exc: BaseException) -> BaseException:
-        return self._b.translate(exc, self.uri)
-
-    async def _request(
-        self, what: str, fn: Callable[[Any], Awaitable[Any]], committed: Callable[[], Awaitable[bool]] | None = None
-    ) -> Any:
-        """One request under the retry policy. If an attempt may have reached S3 (the connection
-        broke, no answer) and a retry then fails its precondition, ``committed()`` checks whether
-        that earlier attempt in fact succeeded, so a lost response never turns into a false error."""
-        ambiguous = False
-
-        async def on_retry(e: BaseException) -> None:
-            nonlocal ambiguous
-            ambiguous = ambiguous or not isinstance(e, ClientError)
-
-        try:
-            return await self._b._op(self.uri, what, fn, on_retry)
-        except ClientError as e:
-            if (
-                ambiguous
-                and committed is not None
-                and error_code(e)[0] in (EXISTS | {"NoSuchUpload"})
-                and await committed()
-            ):
-                return None
-            raise
-
-    async def _etag_is(self, etag: str) -> bool:
-        try:
-            h = await self._b._op(self.uri, "HEAD", lambda s3: s3.head_object(Bucket=self._bucket, Key=self._key))
-        except ClientError:
-            return False
-        return str(h.get("ETag", "")).strip('"') == etag
-
-    async def _digests(self, data: Buffer) -> tuple[str | None, dict[str, str]]:
-        """Hashes of a body, computed once per part and reused by every attempt of it: the SHA-256
-        when SigV4 signs the payload (plain http, or https without a CRC32), and the CRC32 S3 checks
-        the part against (given as request arguments, so botocore does not hash again). Large bodies are
-        hashed on a worker thread (both hashes release the GIL) so the event loop keeps sending other parts."""
-        ep = self._b.endpoint_url
-        https = not ep or ep.lower().startswith("https:")  # no endpoint: AWS, over https
-        crc = self._b.checksum == "crc32"
-        # SigV4 signs the payload unless it goes over https with a checksum (see PrehashedSha256Auth)
-        sha = PREHASHED_SIGNER is not None and not self._b.anon and not (https and crc)
-        if not (sha or crc):
-            return None, {}
-
-        def run() -> tuple[str | None, dict[str, str]]:
-            digest = hashlib.sha256(data).hexdigest() if sha else None
-            args = (
-                {
-                    "ChecksumAlgorithm": "CRC32",
-                    "ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode(),
-                }
-                if crc
-                else {}
-            )
-            return digest, args
-
-        if memoryview(data).nbytes <= _INLINE_HASH_MAX:  # cheaper than the hop to a thread
-            return run()
-        return await asyncio.get_running_loop().run_in_executor(None, run)
-
-    async def put_single(self, data: Buffer) -> None:
-        digest, crc = await self._digests(data)
-        await self._request(
-            "PUT",
-            lambda s3: s3.put_object(
-                Bucket=self._bucket, Key=self._key, Body=_body.MemoryBody(data, sha256=digest), **crc, **self._cond
-            ),
-            lambda: self._etag_is(hashlib.md5(data).hexdigest()),
-        )
-
-    async def begin(self) -> Any:
-        if self._cond:  # fail before uploading gigabytes; the conditional complete stays authoritative
-            try:
-                await self._b._op(self.uri, "HEAD", lambda s3: s3.head_object(Bucket=self._bucket, Key=self._key))
-                raise AlreadyExistsError(self.uri)
-            except ClientError as e:
-                if e.response.get("Error", {}).get("Code") not in NOT_FOUND:
-                    raise
-        algo = {"ChecksumAlgorithm": "CRC32"} if self._b.checksum == "crc32" else {}
-        r = await self._request(
-            "CreateMultipartUpload", lambda s3: s3.create_multipart_upload(Bucket=self._bucket, Key=self._key, **algo)
-        )
-        return r["UploadId"]
-
-    async def upload_part(self, handle: Any, number: int, offset: int, data: Buffer, total: int | None) -> Any:
-        n = memoryview(data).nbytes
-        digest, crc = await self._digests(data)
-        r = await self._request(
-            f"part {number} (bytes {offset}-{offset + n - 1})",
-            lambda s3: s3.upload_part(
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=handle,
-                PartNumber=number,
-                Body=_body.MemoryBody(data, sha256=digest),
-                **crc,
-            ),
-        )
-        return {"PartNumber": number, "ETag": r["ETag"], **({"ChecksumCRC32": crc["ChecksumCRC32"]} if crc else {})}
-
-    async def complete(self, handle: Any, tokens: list[Any], total: int) -> None:
-        digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens)).hexdigest()
-        await self._request(
-            f"CompleteMultipartUpload ({len(tokens)} parts)",
-            lambda s3: s3.complete_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=handle, MultipartUpload={"Parts": tokens}, **self._cond
-            ),
-            lambda: self._etag_is(f"{digest}-{len(tokens)}"),
-        )
-
-    async def abort_upload(self, handle: Any) -> None:
-        try:
-            await self._request(
-                "AbortMultipartUpload",
-                lambda s3: s3.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=handle),
-            )
-        except ClientError as e:
-            if error_code(e)[0] not in NOT_FOUND:  # already gone (an earlier attempt's answer was lost)
-                raise

@@ -2,6 +2,7 @@
 this node, verified on every read.
 
 - :mod:`.store`: the directory layout, locking protocol, fills, pins and eviction (:class:`CacheStore`);
+- :mod:`.eviction`: least-recently-used eviction down to ``max_bytes``, and ``clear``;
 - :mod:`.entries`: an entry's files, block checksums, verified reads and the directory scan;
 - :mod:`.locks`: the ``flock``-based file lock that survives an evictor unlinking its file;
 - :mod:`.backend`: :class:`CachedBackend`, the wrapper;

@@ -1,4 +1,4 @@
-"""The node-local cache's store: its directory layout, locking, fills, pins and eviction.
+"""The node-local cache's store: its directory layout, locking, fills, pins and eviction (see :mod:`.eviction`).
 
 :class:`CacheStore` owns ``cache_dir``; :class:`~ckptio.cache.backend.CachedBackend` wraps a backend
 and serves its reads from the store (writes, listings and deletes pass through). Layout::
@@ -60,8 +60,9 @@ from typing import Any, BinaryIO
 from .. import uri as _uri
 from ..backends.base import Backend, ObjectInfo
 from ..errors import AccessDeniedError, CkptioError, IntegrityError
-from .entries import BlockHasher, Damaged, Entry, Item, block_size, scan
+from .entries import BlockHasher, Damaged, Entry, block_size
 from .entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
+from .eviction import shrink
 from .locks import FileLock
 from .settings import DEFAULT_LOCK_TIMEOUT, ENV_CACHE_DIR, default_cache_dir
 
@@ -382,40 +383,7 @@ class CacheStore:
     # ---- eviction ----------------------------------------------------------------------------
     def _evict(self) -> None:
         if self.max_bytes is not None:
-            self._shrink(self.max_bytes)
-
-    def _shrink(self, limit: int, *, everything: bool = False) -> None:
-        """Remove leftovers of dead fills, then entries by least recent use, until the cache holds at
-        most ``limit`` bytes (``everything``: all that is not in use). Never waits for a lock."""
-        items = sorted(scan(self.cache_dir), key=lambda it: (it.kind == "entry", it.mtime))
-        total = sum(it.size for it in items)
-        for it in items:
-            if total <= limit and not everything:
-                break
-            lockp = os.path.join(self._locks, f"{it.key}.lock")
-            lock = FileLock.try_exclusive(lockp)
-            if lock is None:
-                continue  # in use or being filled
-            with lock:
-                if self._remove(it):
-                    total -= it.size
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lockp)  # holders re-check the inode, so this is safe
-
-    def _remove(self, it: Item) -> bool:
-        """Holding ``it``'s exclusive lock: remove its files unless they changed since the scan."""
-        if it.kind == "entry":
-            if not os.path.exists(it.paths[0]):
-                return False  # evicted by someone else
-            self._count(evictions=1)
-        elif it.kind == "meta":
-            with contextlib.suppress(FileNotFoundError):
-                if any(n.startswith(it.key + "-") for n in os.listdir(os.path.dirname(it.paths[0]))):
-                    return False  # its fill completed after the scan
-        for p in it.paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-        return True
+            shrink(self.cache_dir, self.max_bytes, evicted=lambda: self._count(evictions=1))
 
     def cached_bytes(self) -> int:
         """Bytes the cache holds on disk (entries, their metadata, fills in progress or killed)."""
@@ -427,7 +395,7 @@ class CacheStore:
 
     def clear(self) -> None:
         """Remove every entry and leftover not in use."""
-        self._shrink(0, everything=True)
+        shrink(self.cache_dir, 0, everything=True, evicted=lambda: self._count(evictions=1))
 
     # ---- filling ahead of use ------------------------------------------------------------------
     def fill(self, inner: Backend, uri: str, info: ObjectInfo | None = None) -> ObjectInfo:

@@ -7,5 +7,8 @@
 - :mod:`.multipart`: the bounded-memory streaming multipart writer;
 - :mod:`.body`: request bodies over the caller's memory (no copies in botocore or aiohttp);
 - :mod:`.retry`: the retry policy, error classes and credential refresh every request runs under;
-- :mod:`.s3_support`: S3-only machinery (error classification, credentials files, the signer).
+- :mod:`.s3_support`: S3-only machinery (error classification and translation, credentials files,
+  the signer);
+- :mod:`.s3_client`: the S3 client's configuration (endpoint, region, credentials, client hooks);
+- :mod:`.s3_multipart`: the S3 multipart writer.
 """

@@ -1,28 +1,34 @@
 """S3-only request machinery, kept out of :mod:`ckptio.backends.s3` so the storage keeps its
-request hooks: the error codes and their retry classification, ``credentials_file`` and the
-``checksum`` option, and the ``s3v4`` signer that uses a payload SHA-256 computed off the IO loop.
+request hooks: the error codes, their retry classification (:func:`classify`) and their translation
+into :mod:`ckptio.errors` (:func:`translate`), ``credentials_file`` and the ``checksum`` option, and
+the ``s3v4`` signer that uses a payload SHA-256 computed off the IO loop.
 
 Imported by :mod:`ckptio.backends.s3` after its client-version check (it imports botocore).
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import os
 from typing import Any
 
 import aiohttp
 from botocore.exceptions import (
+    BotoCoreError,
     ClientError,
     FlexibleChecksumError,
     HTTPClientError,
     IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
     ResponseStreamingError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.parsers import ResponseParserError
 
-from ..errors import CredentialsError
+from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, CredentialsError, NotFoundError, TransferError
 from . import body as _body
 from . import retry as _retry
 
@@ -70,6 +76,47 @@ def classify(e: BaseException) -> str:
         return _retry.TRANSIENT
     common = _retry.classify_common(e)
     return common if common is not None else _retry.PERMANENT
+
+
+def translate(e: BaseException, uri: str, *, checksum: str, endpoint_url: str | None) -> BaseException:
+    """A ckptio error naming ``uri`` for an error the S3 client raised (the client's error is the
+    ``__cause__``); ``e`` itself when it is a ckptio error or not the client's. ``checksum`` and
+    ``endpoint_url`` are the backend's, for the hints in messages."""
+    if isinstance(e, CkptioError):
+        return e
+    out: BaseException
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            out = NotFoundError(uri, "no such bucket")
+        elif code in NOT_FOUND:
+            out = NotFoundError(uri)
+        elif code in EXISTS:
+            out = AlreadyExistsError(uri)
+        elif code in BAD_CREDENTIALS:
+            out = CredentialsError(uri, f"S3 rejected the credentials ({code}); {CREDENTIALS_HINT}")
+        elif code in DENIED:
+            out = AccessDeniedError(uri, f"S3 denied access ({code})")
+        else:
+            message = str(err.get("Message", ""))
+            hint = ""
+            if checksum != "none" and code not in _retry.DAMAGED_CODES and "checksum" in message.lower():
+                hint = " (if this store does not support S3 checksum headers, set the s3 option checksum = 'none')"
+            out = TransferError(errno.EIO, f"S3 error {code} (HTTP {status}) for {uri}: {message}{hint}", uri)
+    elif isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+        out = CredentialsError(uri, f"no S3 credentials found; {CREDENTIALS_HINT}")
+    elif isinstance(e, (BotoConnectionError, OSError, asyncio.TimeoutError)):
+        out = TransferError(
+            errno.EIO, f"cannot reach S3 endpoint {endpoint_url or 'aws'} for {uri}: {type(e).__name__}", uri
+        )
+    elif isinstance(e, BotoCoreError):
+        out = TransferError(errno.EIO, f"S3 client error for {uri}: {type(e).__name__}: {e}", uri)
+    else:
+        return e
+    out.__cause__ = e
+    return out
 
 
 def load_credentials_file(path: str) -> dict[str, str]:

@@ -1,0 +1,108 @@
+"""Writing safetensors byte for byte as ``safetensors.torch.save_file`` does: :func:`prepare`
+checks the tensors and metadata and builds the padded header (TypeError before anything is
+written); :func:`write_tensors` sends the header, then each tensor's bytes straight from its memory
+(small ones gathered into vectored writes, device tensors through fastpickle's staging buffer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# fastpickle's writer sink: one implementation of gathered writes for both formats
+from ..fastpickle.layout import MAX_IOV
+from ..fastpickle.write import GATHER, WRITE_CHUNK, Sink, write_device
+from .layout import CODE_OF, RANK
+
+
+def prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[torch.Tensor]]:
+    """The padded header (with its length) and the tensors in file order. TypeError before any write."""
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"safetensors stores a flat dict[str, Tensor], got {type(obj).__name__}")
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    items = []
+    for key, t in obj.items():
+        if type(key) is not str:
+            raise TypeError(f"key {key!r}: safetensors keys must be str, got {type(key).__name__}")
+        if key == "__metadata__":
+            raise TypeError("key '__metadata__' is reserved by safetensors; pass metadata=... instead")
+        if not isinstance(t, torch.Tensor):
+            hint = " (flatten nested dicts first, e.g. {'a.b': tensor})" if isinstance(t, Mapping) else ""
+            raise TypeError(f"key {key!r}: safetensors stores tensors only, got {type(t).__name__}{hint}")
+        if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested or isinstance(t, dtensor):
+            raise TypeError(
+                f"key {key!r}: safetensors stores dense tensors with data, got a {t.layout} "
+                f"{'quantized ' if t.is_quantized else ''}{'meta ' if t.is_meta else ''}"
+                f"{type(t).__name__} (convert it first, e.g. .to_dense() / .full_tensor())"
+            )
+        code = CODE_OF.get(t.dtype)
+        if code is None:
+            raise TypeError(f"key {key!r}: dtype {t.dtype} has no safetensors equivalent")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TypeError(f"key {key!r} is not valid Unicode text") from None
+        t = t.detach().resolve_conj().resolve_neg()
+        items.append((key, code, t if t.is_contiguous() else t.contiguous()))
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
+        for k, v in metadata.items():
+            if type(k) is not str or type(v) is not str:
+                raise TypeError(
+                    f"metadata[{k!r}]: safetensors metadata maps str to str, got {type(k).__name__}: {type(v).__name__}"
+                )
+    items.sort(key=lambda it: (-RANK[it[1]], it[0]))
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    pos = 0
+    for key, code, t in items:
+        shape = list(t.shape)
+        if code == "F4":
+            shape = [*shape[:-1], shape[-1] * 2] if shape else [2]
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    try:
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TypeError(f"metadata is not valid Unicode text ({e})") from None
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, [t for _, _, t in items]
+
+
+def write_tensors(header: bytes, tensors: list[torch.Tensor], out: Sink) -> None:
+    """Header, then each tensor's bytes straight from its memory; small ones gathered into vectored writes."""
+    batch, batched = [memoryview(header)], len(header)
+    for t in tensors:
+        n = t.nbytes
+        if n == 0:
+            continue
+        if batch and (n >= GATHER or t.device.type != "cpu"):
+            out.writev(batch, batched)
+            batch, batched = [], 0
+        if t.device.type != "cpu":  # through fastpickle's reused (pinned) staging buffer
+            write_device(
+                torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                    t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,)
+                ),
+                out.write,
+            )
+            continue
+        mv = memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+        if n >= GATHER:
+            step = WRITE_CHUNK if out.fd is not None else n
+            for i in range(0, n, step):
+                out.write(mv[i : i + step])
+            continue
+        batch.append(mv)
+        batched += n
+        if batched >= GATHER or len(batch) >= MAX_IOV:
+            out.writev(batch, batched)
+            batch, batched = [], 0
+    if batch:
+        out.writev(batch, batched)
