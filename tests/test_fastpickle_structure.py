@@ -114,6 +114,10 @@ def _ext(code: int, value=None, raw: bytes | None = None) -> msgpack.ExtType:
         (_ext(fp.EXT_TUPLE, raw=b"\x92\x01"), "incomplete"),
         (_ext(fp.EXT_TUPLE, raw=b"\x91" * 2000 + b"\xc0"), "nested more than msgpack"),
         (msgpack.ExtType(0x7F, b""), "unknown extension"),
+        (msgpack.ExtType(fp.EXT_NPDTYPE, b","), "invalid numpy dtype"),  # numpy's parser raised SyntaxError
+        (msgpack.ExtType(fp.EXT_NPDTYPE, b"i4,i4"), "invalid numpy dtype"),  # structured: never written
+        (msgpack.ExtType(fp.EXT_NPDTYPE, b"(2,)i4"), "invalid numpy dtype"),  # subarray
+        (_ext(fp.EXT_NPSCALAR, [",", b"\0"]), "invalid numpy dtype"),
     ],
 )
 def test_malformed_trees_say_what_is_wrong(loader, tree, why):

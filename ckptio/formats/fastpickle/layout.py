@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -285,12 +286,17 @@ def _valid_qextra(extra: Any, shape: list) -> bool:
     return False
 
 
+_NP_DTYPE_NAME = re.compile(r"[<>|=]?[a-zA-Z]+[0-9]*(\[[a-zA-Z0-9]+\])?")  # "<f8", "U10", "M8[ns]", "bool"
+
+
 def np_dtype(s: Any, where: str) -> np.dtype:
     try:
         if type(s) is not str or len(s) > 32:
             raise TypeError("not a short string")
+        if not _NP_DTYPE_NAME.fullmatch(s):  # numpy parses "a,b" and "(2,)i4" as structured/subarray dtypes
+            raise ValueError("not a plain dtype name")
         dt = np.dtype(s)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, SyntaxError) as e:
         raise FormatError(f"{where}: invalid numpy dtype {repr(s)[:40]}") from e
     if dt.kind not in NP_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise FormatError(f"{where}: numpy dtype {s!r} is not allowed")
