@@ -14,9 +14,9 @@ Layout under a root (a Checkpointer's ``root_uri`` with ``incremental=True``)::
   already holds the same bytes), reading one into a caller's buffer with its hash checked, and the
   sweep of content no step references, only once it is older than a grace period.
 - :mod:`.backend`: :class:`IncrementalBackend`, a backend wrapper whose writers cut the byte stream
-  into blocks (at payload boundaries a format marks with ``Writer.mark_boundary``, between
-  ``min_block`` and ``max_block`` bytes; else every ``max_block`` bytes), write the unknown ones and
-  on close the recipe; its reads see the logical bytes.
+  into blocks (where a large write call starts, at payload boundaries a format marks with
+  ``Writer.mark_boundary`` once a block has ``min_block`` bytes, at most ``max_block`` bytes), write
+  the unknown ones and on close the recipe; its reads see the logical bytes.
 
 Safety: a content object is durable (its writer closed) before the recipe that names it is written,
 and the recipe before the commit marker of its step. Only content referenced by a committed step (or

@@ -1,10 +1,13 @@
 """``IncrementalBackend``: a backend wrapper that stores objects as recipes over content blocks.
 
-Writes: the writer cuts the byte stream into blocks, at a boundary the format marks
+Writes: the writer cuts the byte stream into blocks: where a ``write`` call of at least
+``min_block`` bytes starts and ends (formats hand a tensor's payload over in one call: ``torch.save``
+does; the small records between become small blocks of their own), at a boundary the format marks
 (``Writer.mark_boundary``, between payloads) once the block has ``min_block`` bytes, and always at
-``max_block`` bytes; it hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to
-``concurrency`` at once) and, once they are all durable, writes the recipe at the object's own URI
-with the writer's mode. An object smaller than ``min_block`` is written plainly.
+``max_block`` bytes; so an unchanged payload is an unchanged block, wherever it lies in the file. It
+hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to ``concurrency`` at
+once) and, once they are all durable, writes the recipe at the object's own URI with the writer's
+mode. An object smaller than ``min_block`` is written plainly.
 :attr:`IncrementalBackend.logical_bytes` and :attr:`~IncrementalBackend.bytes_written` count what
 its writers were given and what they stored.
 
@@ -191,6 +194,9 @@ class _BlockWriter(Writer):
         n = len(mv)
         self._size += n
         top = self._store.max_block
+        large = n >= self._store.min_block
+        if large and self._pending:  # a large write (a payload) is a block of its own
+            self._cut()
         while len(mv):
             if not self._pending and len(mv) >= top:  # a whole block of the caller's bytes: hash in place
                 self._emit(mv[:top], owned=False)
@@ -201,6 +207,8 @@ class _BlockWriter(Writer):
             mv = mv[take:]
             if len(self._pending) >= top:
                 self._cut()
+        if large and self._pending:
+            self._cut()
         return n
 
     def mark_boundary(self) -> None:
