@@ -1,4 +1,4 @@
-"""The ``ckptio`` command: ls, cp, rm, info, verify, cache, config, bench.
+"""The ``ckptio`` command: ls, cp, rm, info, verify, du, cache, config, bench.
 
 Every command takes ``--json`` (one JSON document on stdout), ``--quiet`` (no progress, no
 summary lines) and ``-v`` (a traceback on errors). Errors go to stderr as one line and a hint.
@@ -18,7 +18,8 @@ Exit status:
 
 This module only builds the parser, runs commands and formats their output. The work is done by
 library calls users can make too: :func:`ckptio.transfer.copy` (``cp``), :func:`ckptio.info` and
-:func:`ckptio.verify` (``info``, ``verify``; each format inspects and checks its own files).
+:func:`ckptio.verify` (``info``, ``verify``; each format inspects and checks its own files),
+:func:`ckptio.checkpointer.usage` (``du``).
 ``ckptio.cli.copy``/``info``/``verify`` are re-exports of them.
 """
 
@@ -334,6 +335,28 @@ def cmd_bench(args: argparse.Namespace, out: Out) -> int:
 # parser and error handling
 
 
+def cmd_du(args: argparse.Namespace, out: Out) -> int:
+    from .checkpointer import usage
+
+    data = usage(args.uri)
+
+    def text() -> str:
+        lines = [f"{'step':>12}  {'logical':>10}  {'own':>10}"]
+        for r in data["steps"]:
+            inc = "" if r["incremental"] else "  (not incremental)"
+            lines.append(
+                f"{r['step']:>12}  {human_bytes(r['logical_bytes']):>10}  {human_bytes(r['own_bytes']):>10}{inc}"
+            )
+        lines.append(
+            f"physical {human_bytes(data['physical_bytes'])} (content {human_bytes(data['content_bytes'])}, "
+            f"unreferenced {human_bytes(data['unreferenced_content_bytes'])})"
+        )
+        return "\n".join(lines)
+
+    out.emit(data, text)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
@@ -392,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("verify", parents=[common], help="check stored checksums (exit 1 on corruption)")
     a.add_argument("uri")
     a.set_defaults(func=cmd_verify)
+
+    a = sub.add_parser(
+        "du", parents=[common], help="a Checkpointer root: per step logical and own bytes, physical total"
+    )
+    a.add_argument("uri")
+    a.set_defaults(func=cmd_du)
 
     a = sub.add_parser("cache", parents=[common], help="node-local cache: stats | clear")
     a.add_argument("action", choices=["stats", "clear"])

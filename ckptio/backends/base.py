@@ -85,6 +85,10 @@ class Writer(abc.ABC):
         A wrapper that must see every byte (counting, for progress) returns None."""
         return None
 
+    def mark_boundary(self) -> None:  # noqa: B027 - optional: a no-op unless the writer cuts blocks
+        """Capability: the bytes written so far end a unit (a tensor payload), a good place to cut the
+        stream into blocks (:mod:`ckptio.incremental`). Default: nothing."""
+
     def write_borrowed(self, data: Buffer) -> int:
         """``write`` for a caller that keeps ``data`` unchanged until ``close``/``abort`` returns, so
         the writer may upload from it later instead of copying it. Default: plain ``write``."""

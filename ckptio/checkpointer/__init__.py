@@ -8,25 +8,29 @@ The package's modules, each stating its part of the contract:
 - :mod:`.formats`: writing, reading and discarding the data of a ``dcp``, ``pt`` or ``fpk`` checkpoint;
 - :mod:`.state`: ``Stateful`` parts, restoring in place, :class:`RNGState`, :class:`LoadResult`;
 - :mod:`.staging`: async save's snapshot copies and background thread;
-- :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves.
+- :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves;
+- :mod:`.content`: incremental saves (``incremental=True``): the content store, its sweep, :func:`usage`.
 """
 
 from __future__ import annotations
 
+from .content import usage
 from .core import Checkpointer
 from .manifest import FORMATS as FORMATS
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointInfo, CheckpointWarning
 from .manifest import STEP_DIGITS as STEP_DIGITS
 from .retention import STALE_AFTER as STALE_AFTER
-from .state import LoadResult, RNGState
+from .state import LoadResult, RNGState, SaveResult
 from .state import tree_has as tree_has
 
 __all__ = [
     "Checkpointer",
+    "usage",
     "CheckpointWarning",
     "CheckpointInfo",
     "LoadResult",
     "RNGState",
+    "SaveResult",
     "MARKER_NAME",
     "POINTER_NAME",
 ]

@@ -37,10 +37,11 @@ from typing import Any
 
 from ..errors import AlreadyExistsError, CkptioError
 from . import formats
+from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
-from .state import LoadResult, restore, state_dicts
+from .state import LoadResult, SaveResult, restore, state_dicts
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -62,6 +63,9 @@ class Checkpointer:
     ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads. With ``"dcp"``, failures raise the
     failed rank's error as :func:`ckptio.dcp.save`/``load`` do, never torch's ``CheckpointException``.
     ``load`` runs no code from the files by default (see :meth:`load`'s ``allow_pickle``).
+    ``incremental=True`` (``fpk``/``pt``): data already stored under root is not written again
+    (:mod:`.content`); content no kept step references is deleted after ``content_grace`` seconds.
+    ``last_save``: what the last finished save wrote (:class:`SaveResult`).
     """
 
     def __init__(
@@ -82,12 +86,18 @@ class Checkpointer:
         load_options: Mapping[str, Any] | None = None,
         background_nice: int | None = 10,
         stale_after: float | None = STALE_AFTER,
+        incremental: bool = False,
+        content_grace: float = 3600.0,
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         check_rules(keep_last, keep_every, keep_best, best_metric, best_mode)
         if stale_after is not None and not float(stale_after) >= 0:
             raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
+        if incremental and format == "dcp":
+            raise ValueError("incremental=True supports format='fpk' and 'pt' (not yet 'dcp')")
+        if not float(content_grace) >= 0:
+            raise ValueError(f"content_grace must be >= 0 seconds, got {content_grace!r}")
         self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
         self.format = format
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
@@ -101,7 +111,9 @@ class Checkpointer:
         self.stale_after = None if stale_after is None else float(stale_after)
         self._swept = stale_after is None
         self.last_load: LoadResult | None = None
+        self.last_save: SaveResult | None = None
         self._layout = Layout(self.root_uri)
+        self._content = Content(self._layout, content_grace) if incremental else None
         self._stager = _Stager()
         self._background = Background()
         self._pg = None
@@ -204,6 +216,8 @@ class Checkpointer:
         self._on_rank0(self._prepare, step)
         if self.format == "dcp":
             files = formats.write_dcp(sd, self.uri(step), self._pg, self.save_options)
+        elif self._content is not None:
+            files = self._on_rank0(self._content.write, self.format, step, sd, self.save_options)
         else:
             files = self._on_rank0(formats.write_file, self.format, self.uri(step), sd, self.save_options)
         manifest = {
@@ -215,8 +229,16 @@ class Checkpointer:
             "time": time.time(),
             "world_size": self._world,
         }
+        if self._content is not None:
+            manifest[CONTENT_KEY] = CONTENT_HASH
         self._on_rank0(self._commit, step, manifest)
-        log.info("saved checkpoint %s in %.2fs", self.uri(step), time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        logical, written = self._content.last if self._content is not None else (None, None)
+        self.last_save = SaveResult(step, self.uri(step), took, logical, written)
+        if written is None:
+            log.info("saved checkpoint %s in %.2fs", self.uri(step), took)
+        else:
+            log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", self.uri(step), took, logical, written)
 
     def _prepare(self, step: int) -> None:
         """Step 1 of the protocol (rank 0): sweep stale writes once, clear the way for ``step``."""
@@ -238,6 +260,8 @@ class Checkpointer:
     def _commit(self, step: int, manifest: dict[str, Any]) -> None:
         self._layout.commit(step, manifest)
         cleanup(self, self._layout, step)
+        if self._content is not None:
+            self._content.sweep()
 
     # ---- delete ----------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
@@ -273,7 +297,7 @@ class Checkpointer:
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
         self.wait()
-        s, d, fmt, name = self._on_rank0(self._layout.resolve_target, step)
+        s, d, fmt, name, content = self._on_rank0(self._layout.resolve_target, step)
         if s is None:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
@@ -289,7 +313,7 @@ class Checkpointer:
             source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle)
         else:
             source, ckpt_parts = formats.read_file(
-                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle
+                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content
             )
         restore(state, parts, source, res, ckpt_parts if keys is None else None)
         self.last_load = res

@@ -54,9 +54,17 @@ def write_file(fmt: str, uri: str, sd: dict[str, Any], options: Mapping[str, Any
 
 
 def read_file(
-    fmt: str, d: str, name: str, options: dict[str, Any], weights_only: bool, cache: Any, allow_pickle: bool
+    fmt: str,
+    d: str,
+    name: str,
+    options: dict[str, Any],
+    weights_only: bool,
+    cache: Any,
+    allow_pickle: bool,
+    incremental: bool = False,
 ) -> tuple[Mapping[str, Any], list[str]]:
-    """The parts of the ``pt``/``fpk`` checkpoint file ``d``/``name`` and their names."""
+    """The parts of the ``pt``/``fpk`` checkpoint file ``d``/``name`` and their names (``incremental``:
+    read through the content store of ``d``'s root, :mod:`.content`)."""
     from ..io import load as _load
 
     kw = dict(options)
@@ -68,7 +76,17 @@ def read_file(
         kw.setdefault("weights_only", weights_only and not kw.get("allow_pickle", False))
         kw.setdefault("map_location", "cpu")
     data_uri = _uri.join_path(d, name)
-    source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
+    if incremental:
+        from ..registry import formats
+        from .content import read_backend
+
+        backend, resolved = read_backend(d, kw.pop("cache", None))
+        try:
+            source = formats.by_name(_FILE_FORMAT[fmt]).instance().load(backend, _uri.join_path(resolved, name), **kw)  # type: ignore[union-attr]
+        finally:
+            backend.close()
+    else:
+        source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
     if not isinstance(source, Mapping):
         raise FormatError(f"{data_uri}: holds a {type(source).__name__}, not a checkpoint's mapping of parts")
     return source, list(source)

@@ -66,7 +66,8 @@ def _parse_manifest(data: bytes, marker: str) -> Any:
 
 
 def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
-    """(step, format, data file name) of a commit marker, checked before anything it names is read.
+    """(step, format, data file name) of a commit marker, checked before anything it names is read
+    (its ``content`` key too: a data file read through the content store, :mod:`.content`).
 
     The marker cannot choose a deserializer or a path: its format must be one of :data:`FORMATS`
     (each loads without running code unless the caller opts in), its files plain names inside the
@@ -100,6 +101,9 @@ def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
     name = (files[0] if files else _DATA_FILE[fmt]) if fmt in _DATA_FILE else None
     if name is not None and not name.endswith("." + fmt):
         raise bad("files", f"names {name!r} for a {fmt!r} checkpoint, whose data file ends in '.{fmt}'")
+    content = m.get("content")
+    if content is not None and (content != "xxh3_128" or name is None):
+        raise bad("content", f"is {content!r}; incremental 'fpk'/'pt' checkpoints have 'xxh3_128'")
     return step, fmt, name
 
 
@@ -214,8 +218,8 @@ class Layout:
             self.manifests[step] = m
         return m
 
-    def resolve_target(self, step: Any) -> tuple[int | None, str | None, str | None, str | None]:
-        """(step, directory URI, format, data file name) to load; all None when there is nothing yet.
+    def resolve_target(self, step: Any) -> tuple[int | None, str | None, str | None, str | None, bool]:
+        """(step, directory URI, format, data file name, incremental) to load; None when there is nothing yet.
 
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
         """
@@ -223,25 +227,25 @@ class Layout:
             if step == "latest":
                 step = self.latest()
                 if step is None:
-                    return None, None, None, None
+                    return None, None, None, None, False
             else:
                 self.step_dirs()  # learns the directory names (unpadded ones too)
-            _, fmt, name = _check_manifest(self.manifest(step), self.user_uri(step, MARKER_NAME))
-            return step, self.uri(step), fmt, name
+            m = self.manifest(step)
+            _, fmt, name = _check_manifest(m, self.user_uri(step, MARKER_NAME))
+            return step, self.uri(step), fmt, name, m.get("content") is not None
         if isinstance(step, (str, os.PathLike)):
             u = os.fspath(step).rstrip("/")
             backend, d = resolve(u)
             if backend.isfile(_uri.join_path(d, MARKER_NAME)):
                 marker = _uri.join_path(u, MARKER_NAME)
-                s, fmt, name = _check_manifest(
-                    _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker), marker
-                )
-                return s, u, fmt, name
+                m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
+                s, fmt, name = _check_manifest(m, marker)
+                return s, u, fmt, name, m.get("content") is not None
             if backend.isfile(_uri.join_path(d, ".metadata")):
-                return 0, u, "dcp", None
+                return 0, u, "dcp", None, False
             for fmt, name in _DATA_FILE.items():
                 if d.endswith(name[5:]) and backend.isfile(d):
-                    return 0, _uri.parent(u), fmt, _uri.basename(u)
+                    return 0, _uri.parent(u), fmt, _uri.basename(u), False
             raise IncompleteCheckpointError(
                 f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
             )

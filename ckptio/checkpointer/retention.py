@@ -8,9 +8,10 @@ so a crash mid-delete leaves an uncommitted directory, never a committed one wit
 never the latest.
 
 Before its first save, rank 0 also discards what killed saves left under root and storage keeps:
-S3 multipart uploads and local temporary files (``.latest.txt.ckptio-tmp-*``) of the pointer and
-of step directories, started more than ``stale_after`` seconds ago (6 hours by default, so never
-a save still running in another process), through the backend's ``list_pending_writes``.
+S3 multipart uploads and local temporary files (``.latest.txt.ckptio-tmp-*``) of the pointer, of
+step directories and of content objects (``.content/``, :mod:`.content`), started more than
+``stale_after`` seconds ago (6 hours by default, so never a save still running in another
+process), through the backend's ``list_pending_writes``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..incremental import CONTENT_DIR
 from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_step_name
 
 log = logging.getLogger("ckptio.checkpointer")
@@ -88,7 +90,8 @@ def abort_stale_writes(layout: Layout, stale_after: float | None) -> None:
 
     def ours(uri: str) -> bool:  # the pointer, or something in a step directory
         rel = uri[len(prefix) :] if uri.startswith(prefix) else ""
-        return rel == POINTER_NAME or ("/" in rel and _is_step_name(rel.split("/", 1)[0]))
+        top = rel.split("/", 1)[0] if "/" in rel else None
+        return rel == POINTER_NAME or top == CONTENT_DIR or (top is not None and _is_step_name(top))
 
     cutoff = time.time() - (stale_after or 0.0)
     try:

@@ -28,6 +28,18 @@ class LoadResult:
     unexpected_keys: list[str] = field(default_factory=list)
 
 
+@dataclass
+class SaveResult:
+    """What the last finished :meth:`Checkpointer.save` did (``Checkpointer.last_save``; rank 0 has the
+    byte counts of ``incremental`` saves: ``logical_bytes`` given, ``bytes_written`` stored)."""
+
+    step: int
+    uri: str
+    seconds: float
+    logical_bytes: int | None = None
+    bytes_written: int | None = None
+
+
 def tree_has(tree: Any, path: Sequence[Any]) -> bool:
     for p in path:
         try:

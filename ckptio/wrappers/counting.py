@@ -12,7 +12,8 @@ never disappears or appears by accident):
   its descriptor; the object's size is counted as read when the block ends without an error (the
   caller read the file itself). ``get_local_path`` is forwarded and not counted (the io layer
   reports what is left as done when the call returns).
-- ``Writer.local_fileno``: declined (None): the counting writer must see every byte written.
+- ``Writer.local_fileno``: declined (None): the counting writer must see every byte written;
+  ``Writer.mark_boundary``: forwarded.
 - ``with_options``: the wrapped backend's derived backend, counted into the same ``add``.
 - ``writes_in_place``, ``max_buffer_bytes``, ``node_cache``: the wrapped backend's (counting
   buffers nothing; what a node cache fetches ahead of use is not the caller's reads).
@@ -44,6 +45,9 @@ class _CountingWriter(Writer):
         n = self._inner.write_borrowed(data)
         self._add(n)
         return n
+
+    def mark_boundary(self) -> None:
+        self._inner.mark_boundary()
 
     def local_fileno(self) -> int | None:
         return None  # declined: a caller writing to the descriptor would bypass the count

@@ -63,16 +63,22 @@ class Sink:
 
     A local file is written with ``os.writev`` on its descriptor (thousands of small payloads cost a
     few dozen system calls instead of one each); any other writer gets the pieces one by one (an
-    object-store writer copies them into its part buffers anyway). ``write_behind`` (a local file
-    that will be fsynced): every WRITE_BEHIND bytes, writeback of what was just written is started
-    with ``sync_file_range``, so the disk works while later payloads are copied and the final fsync
-    has little left to do.
+    object-store writer copies them into its part buffers anyway), and ``mark``
+    (``Writer.mark_boundary``) where each payload and the metadata start. ``write_behind`` (a local
+    file that will be fsynced): every WRITE_BEHIND bytes, writeback of what was just written is
+    started with ``sync_file_range``, so the disk works while later payloads are copied and the final
+    fsync has little left to do.
     """
 
     def __init__(
-        self, write: Callable[[Any], Any], fd: int | None = None, name: str = "", write_behind: bool = False
+        self,
+        write: Callable[[Any], Any],
+        fd: int | None = None,
+        name: str = "",
+        write_behind: bool = False,
+        mark: Callable[[], None] | None = None,
     ) -> None:
-        self._write, self.fd, self.name = write, fd, name
+        self._write, self.fd, self.name, self.mark = write, fd, name, mark
         self._behind = write_behind and sync_file_range() is not None
         self._pos = self._synced = 0
 
@@ -117,7 +123,7 @@ def sink_for(w: Writer, durable: bool) -> Sink:
     fd = w.local_fileno()
     if fd is not None:
         return Sink(w.write, fd, w.uri, write_behind=durable)
-    return Sink(w.write, None, w.uri)
+    return Sink(w.write, None, w.uri, mark=w.mark_boundary)
 
 
 def _hash_into(items: list[tuple[Storage, memoryview]]) -> None:
@@ -161,7 +167,11 @@ def write_stream(enc: Encoder, tree: bytes, out: Sink) -> int:
             pos = s.offset + s.nbytes
             if s.nbytes == 0:
                 s.checksum = _EMPTY_HASH
-            elif s.location != "cpu":
+                continue
+            if out.mark is not None:  # a writer that cuts blocks where payloads start (incremental saves)
+                flush()
+                out.mark()
+            if s.location != "cpu":
                 flush()
                 s.checksum = write_device(
                     torch.empty(0, dtype=torch.uint8, device=s.data.device).set_(s.data), out.write
@@ -185,6 +195,8 @@ def write_stream(enc: Encoder, tree: bytes, out: Sink) -> int:
                 if gathered >= GATHER or len(gather) >= MAX_IOV:
                     flush()
         flush()
+        if out.mark is not None:
+            out.mark()
         _hash_into(to_hash)
         for fut in futures:
             fut.result()

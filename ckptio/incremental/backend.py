@@ -1,0 +1,269 @@
+"""``IncrementalBackend``: a backend wrapper that stores objects as recipes over content blocks.
+
+Writes: the writer cuts the byte stream into blocks: where a ``write`` call of at least
+``min_block`` bytes starts and ends (formats hand a tensor's payload over in one call: ``torch.save``
+does; the small records between become small blocks of their own), at a boundary the format marks
+(``Writer.mark_boundary``, between payloads) once the block has ``min_block`` bytes, and always at
+``max_block`` bytes; so an unchanged payload is an unchanged block, wherever it lies in the file. It
+hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to ``concurrency`` at
+once) and, once they are all durable, writes the recipe at the object's own URI with the writer's
+mode. An object smaller than ``min_block`` is written plainly.
+:attr:`IncrementalBackend.logical_bytes` and :attr:`~IncrementalBackend.bytes_written` count what
+its writers were given and what they stored.
+
+Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
+(parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
+the caller's buffer, each hash checked (partly read blocks are fetched whole, to check them, and the
+last few are kept). Plain objects are the wrapped backend's.
+
+Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
+a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
+declines any change; ``node_cache`` is None (a cache under the wrapper caches content objects);
+``writes_in_place`` False (blocks are buffered), ``max_buffer_bytes`` the wrapped backend's.
+``stat`` gives a recipe's logical size; ``list`` is the wrapped backend's (stored sizes).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..wrappers.forwarding import ForwardingBackend
+from .recipe import MAGIC, MAX_RECIPE_BYTES, Recipe, pack_recipe, parse_recipe
+from .store import BlockStore, block_hash
+
+_PROBE = 64 << 10  # the first read of an object: a recipe of up to ~1,000 blocks is read whole at once
+_KEEP_BLOCKS = 4  # partly read blocks kept, for the small sequential reads of a buffered reader
+
+
+class IncrementalBackend(ForwardingBackend):
+    """``inner`` with objects stored as recipes over ``store``'s content blocks (module docstring)."""
+
+    def __init__(self, inner: Backend, store: BlockStore) -> None:
+        super().__init__(inner)
+        self.name = inner.name
+        self.store = store
+        self.writes_in_place = False
+        self.logical_bytes = 0
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._recipes: dict[str, Recipe | None] = {}
+        self._blocks: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"<IncrementalBackend over {self.inner!r}>"
+
+    def _count(self, logical: int, written: int) -> None:
+        with self._lock:
+            self.logical_bytes += logical
+            self.bytes_written += written
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckptio-blocks")
+            return self._pool
+
+    # ---- recipes ------------------------------------------------------------------------------
+    def recipe(self, uri: str) -> Recipe | None:
+        """The recipe stored at ``uri``, or None for a plain object (FormatError: a damaged recipe)."""
+        with self._lock:
+            if uri in self._recipes:
+                return self._recipes[uri]
+        head = self.inner.read_range(uri, 0, _PROBE)
+        r = None
+        if head.startswith(MAGIC):
+            data = head
+            if len(head) == _PROBE:
+                size = self.inner.stat(uri).size
+                data = head if size <= _PROBE else head + self.inner.read_range(uri, _PROBE, MAX_RECIPE_BYTES + 1)
+            r = parse_recipe(data, uri)
+        with self._lock:
+            self._recipes[uri] = r
+        return r
+
+    # ---- reads --------------------------------------------------------------------------------
+    def stat(self, uri: str) -> ObjectInfo:
+        info = self.inner.stat(uri)
+        r = self.recipe(uri) if not info.is_dir else None
+        return info if r is None else replace(info, size=r.size)
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        r = self.recipe(uri)
+        if r is None:
+            return self.inner.read_range(uri, start, end)
+        end = r.size if end is None else min(end, r.size)
+        buf = bytearray(max(0, end - start))
+        n = self.readinto(uri, buf, start)
+        return bytes(buf[:n])
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        r = self.recipe(uri)
+        if r is None:
+            return self.inner.readinto(uri, buf, offset)
+        mv = memoryview(buf).cast("B")
+        end = min(offset + len(mv), r.size)
+        jobs: list[Callable[[], None]] = []
+        for i in r.span(offset, end):
+            lo, hi = r.offsets[i], r.offsets[i] + r.lengths[i]
+            if offset <= lo and hi <= end:  # the whole block: straight into the caller's buffer
+                jobs.append(functools.partial(self.store.read_into, r.hashes[i], mv[lo - offset : hi - offset], uri))
+            else:
+                a, b = max(lo, offset), min(hi, end)
+                part = mv[a - offset : b - offset]
+                jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
+        if len(jobs) == 1:
+            jobs[0]()
+        elif jobs:
+            for f in [self._executor().submit(job) for job in jobs]:
+                f.result()
+        return max(0, end - offset)
+
+    def _read_part(self, h: str, out: memoryview, uri: str, length: int, skip: int) -> None:
+        with self._lock:
+            data = self._blocks.get(h)
+            if data is not None:
+                self._blocks.move_to_end(h)
+        if data is None:
+            whole = bytearray(length)
+            self.store.read_into(h, memoryview(whole), uri)
+            data = bytes(whole)
+            with self._lock:
+                self._blocks[h] = data
+                while len(self._blocks) > _KEEP_BLOCKS:
+                    self._blocks.popitem(last=False)
+        out[:] = data[skip : skip + len(out)]
+
+    @contextlib.contextmanager
+    def local_file(self, uri: str) -> Iterator[str | None]:
+        if self.recipe(uri) is not None:
+            yield None
+            return
+        with self.inner.local_file(uri) as path:
+            yield path
+
+    # ---- writes -------------------------------------------------------------------------------
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        with self._lock:
+            self._recipes.pop(uri, None)
+        return _BlockWriter(self, uri, mode, durable)
+
+    def delete(self, uri: str) -> None:
+        with self._lock:
+            self._recipes.pop(uri, None)
+        self.inner.delete(uri)
+
+    # ---- capabilities -------------------------------------------------------------------------
+    def with_options(self, **options: Any) -> Backend:
+        return Backend.with_options(self, **options)  # declines any change
+
+    def close(self) -> None:
+        """Stop the read threads; the wrapped backend belongs to its owner."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._blocks.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class _BlockWriter(Writer):
+    """Cuts what it is given into blocks, writes the unknown ones, then the recipe (module docstring)."""
+
+    def __init__(self, backend: IncrementalBackend, uri: str, mode: WriteMode, durable: bool) -> None:
+        self.uri, self._b, self._store = uri, backend, backend.store
+        self._mode, self._durable = mode, durable
+        self._pending = bytearray()
+        self._blocks: list[tuple[str, int]] = []
+        self._size = self._written = 0
+        self._uploads: collections.deque[Future[int]] = collections.deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._done = False
+
+    def write(self, data: Buffer) -> int:
+        if self._done:
+            raise ValueError(f"write to a closed writer: {self.uri}")
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        self._size += n
+        top = self._store.max_block
+        large = n >= self._store.min_block
+        if large and self._pending:  # a large write (a payload) is a block of its own
+            self._cut()
+        while len(mv):
+            if not self._pending and len(mv) >= top:  # a whole block of the caller's bytes: hash in place
+                self._emit(mv[:top], owned=False)
+                mv = mv[top:]
+                continue
+            take = min(len(mv), top - len(self._pending))
+            self._pending += mv[:take]
+            mv = mv[take:]
+            if len(self._pending) >= top:
+                self._cut()
+        if large and self._pending:
+            self._cut()
+        return n
+
+    def mark_boundary(self) -> None:
+        if len(self._pending) >= self._store.min_block:
+            self._cut()
+
+    def _cut(self) -> None:
+        data, self._pending = self._pending, bytearray()
+        self._emit(memoryview(data), owned=True)
+
+    def _emit(self, mv: memoryview, owned: bool) -> None:
+        h = block_hash(mv)
+        self._blocks.append((h, len(mv)))
+        if not self._store.claim(h):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._b.concurrency, thread_name_prefix="ckptio-put")
+        while len(self._uploads) >= self._b.concurrency:  # bounded: at most `concurrency` blocks in memory
+            self._written += self._uploads.popleft().result()
+        data = mv if owned else bytes(mv)
+        self._uploads.append(self._pool.submit(self._put, h, data))
+
+    def _put(self, h: str, data: Buffer) -> int:
+        try:
+            return self._store.put(h, data, self._durable)
+        except BaseException:
+            self._store.unclaim(h)
+            raise
+
+    def _drain(self) -> None:
+        try:
+            while self._uploads:
+                self._written += self._uploads.popleft().result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if not self._blocks and len(self._pending) < self._store.min_block:  # small: written plainly
+            self._b.inner.write(self.uri, self._pending, mode=self._mode, durable=self._durable)
+            self._b._count(self._size, self._size)
+            return
+        if self._pending:
+            self._cut()
+        self._drain()  # every block durable before the recipe names them
+        recipe = pack_recipe(self._size, self._blocks)
+        self._b.inner.write(self.uri, recipe, mode=self._mode, durable=self._durable)
+        self._b._count(self._size, self._written + len(recipe))
+
+    def abort(self) -> None:
+        self._done = True
+        self._pending = bytearray()
+        with contextlib.suppress(Exception):  # what was written stays until a sweep removes it
+            self._drain()

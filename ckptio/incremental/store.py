@@ -1,0 +1,125 @@
+"""The content objects under ``<root>/.content``: which are known, writing, reading and sweeping them.
+
+A block is *known* when a committed step references it (:meth:`BlockStore.settle`, called by the
+owner with what its committed steps reference) or the save in progress wrote it (since the last
+:meth:`BlockStore.begin`); a writer skips known blocks. Writes use ``mode="create"``: an object that
+already exists holds the same bytes (its name is their hash), so ``AlreadyExistsError`` is success.
+Reads check each block's xxh3-128; a mismatch, a short or missing object is an
+:class:`IntegrityError` naming the content object and the file that uses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import xxhash
+
+from .. import uri as _uri
+from ..backends.base import Backend, Buffer, ObjectInfo
+from ..errors import IntegrityError
+
+CONTENT_DIR = ".content"
+_NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
+
+
+def block_hash(data: Buffer) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class BlockStore:
+    """The content objects of one root, on ``backend`` under ``content_dir`` (a resolved URI)."""
+
+    def __init__(self, backend: Backend, content_dir: str, *, min_block: int = 1 << 20, max_block: int = 16 << 20):
+        if not 0 < min_block <= max_block:
+            raise ValueError(f"need 0 < min_block <= max_block, got {min_block}, {max_block}")
+        self.backend, self.dir = backend, content_dir.rstrip("/")
+        self.min_block, self.max_block = int(min_block), int(max_block)
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+        self._fresh: set[str] = set()
+
+    def uri(self, h: str) -> str:
+        """The content object of hash ``h`` (32 lowercase hex digits, checked by the recipe parser)."""
+        return _uri.join_path(self.dir, h[:2], h)
+
+    # ---- known blocks ---------------------------------------------------------------------------
+    def settle(self, referenced: Iterable[str]) -> None:
+        """Known := what committed steps reference (a save just committed, or steps were deleted)."""
+        with self._lock:
+            self._known = set(referenced)
+            self._fresh.clear()
+
+    def begin(self) -> None:
+        """A save starts: forget what an earlier, failed save wrote (a sweep may remove it)."""
+        with self._lock:
+            self._fresh.clear()
+
+    def claim(self, h: str) -> bool:
+        """True when ``h`` must be written (unknown); it is known from now on."""
+        with self._lock:
+            if h in self._known or h in self._fresh:
+                return False
+            self._fresh.add(h)
+            return True
+
+    def unclaim(self, h: str) -> None:
+        with self._lock:
+            self._fresh.discard(h)
+
+    # ---- one block ------------------------------------------------------------------------------
+    def put(self, h: str, data: Buffer, durable: bool = True) -> int:
+        """Write block ``h``; returns the bytes written (0 when it already existed)."""
+        try:
+            self.backend.write(self.uri(h), data, mode="create", durable=durable)
+        except FileExistsError:
+            return 0
+        return memoryview(data).nbytes
+
+    def read_into(self, h: str, out: memoryview, file_uri: str) -> None:
+        """Fill ``out`` (the block's length) with block ``h``, its hash checked."""
+        u = self.uri(h)
+        try:
+            n = self.backend.readinto(u, out, 0)
+        except FileNotFoundError:
+            raise IntegrityError(f"{file_uri}: its content object {u} is missing") from None
+        if n != len(out) or block_hash(out) != h:
+            raise IntegrityError(
+                f"{file_uri}: its content object {u} is damaged ({n} of {len(out)} bytes read, hash mismatch "
+                "or short); every checkpoint using it fails to load"
+            )
+
+    # ---- sweep ------------------------------------------------------------------------------------
+    def sweep(self, referenced: set[str], grace: float) -> tuple[int, int]:
+        """Delete content objects not in ``referenced`` and older than ``grace`` seconds (objects whose
+        age the storage does not report only when ``grace`` is 0); returns (objects, bytes) deleted."""
+        cutoff = time.time() - grace
+        count = size = 0
+        for info, h in self._entries():
+            if h in referenced:
+                continue
+            if (info.mtime is None and grace > 0) or (info.mtime is not None and info.mtime > cutoff):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.backend.delete(info.uri)
+                count, size = count + 1, size + info.size
+        return count, size
+
+    def sizes(self) -> dict[str, int]:
+        """Hash -> stored size of every content object."""
+        return {h: info.size for info, h in self._entries()}
+
+    def _entries(self) -> Iterator[tuple[ObjectInfo, str]]:
+        """(info, hash) of every content object (temporary files and other names are skipped)."""
+        prefix = self.dir + "/"
+        try:
+            entries = list(self.backend.list(self.dir, recursive=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for info in entries:
+            m = _NAME.fullmatch(info.uri[len(prefix) :]) if info.uri.startswith(prefix) else None
+            if not info.is_dir and m is not None and m.group(1) == m.group(2)[:2]:
+                yield info, m.group(2)

@@ -1,0 +1,254 @@
+"""Incremental checkpoints (``Checkpointer(incremental=True)``): unchanged content is stored once.
+
+Real storage throughout (local, memory, S3 on moto): bytes written per save, exact loads of every
+kept step, the sweep after retention and its grace period, damaged content objects, crafted recipes,
+a save killed mid-way, and ``ckptio du``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.checkpointer import Checkpointer, usage
+from ckptio.cli import main as cli_main
+from ckptio.errors import FormatError, IntegrityError
+from ckptio.incremental import CONTENT_DIR, MAGIC, recipe
+from conftest import flip_byte
+from test_checkpointer_crash import Events
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
+FROZEN = 8  # 1 MiB tensors that never change
+
+
+def make_state(step: int, frozen_seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(frozen_seed)
+    model = {f"backbone.{i}": torch.randn(512, 512, generator=g) for i in range(FROZEN)}
+    model["head"] = torch.full((64, 64), float(step))
+    return {"model": model, "trainer": {"step": step}}
+
+
+def check(ck: Checkpointer, step: int, frozen_seed: int = 0) -> None:
+    st: dict = {"model": {}, "trainer": {}}
+    assert ck.load(st, step=step, strict=False) == step
+    want = make_state(step, frozen_seed)
+    assert st["trainer"] == want["trainer"]
+    assert st["model"].keys() == want["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(st["model"][k], v), (step, k)
+
+
+def content_files(root: str) -> list[str]:
+    out = []
+    for d, _, files in os.walk(os.path.join(root, CONTENT_DIR)):
+        out += [os.path.join(d, f) for f in files]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "pt"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_round_trip_writes_only_what_changed(fmt, where, tmp_path, memory_uri):
+    root = str(tmp_path / "run") if where == "local" else memory_uri + "/run"
+    ck = Checkpointer(root, format=fmt, incremental=True)
+    for step in range(1, 6):
+        ck.save(step, make_state(step))
+        res = ck.last_save
+        assert res is not None and res.step == step and res.logical_bytes > FROZEN << 20
+        if step == 1:
+            assert res.bytes_written >= res.logical_bytes
+        else:  # the head, the metadata and the recipe: a few hundred KiB of 8 MiB
+            assert res.bytes_written < res.logical_bytes * 0.1, (step, res)
+    assert ck.list() == [1, 2, 3, 4, 5]
+    for step in ck.list():
+        check(ck, step)
+        check(Checkpointer(root, format=fmt), step)  # a Checkpointer without incremental=True reads them too
+    report = usage(root)
+    assert [r["step"] for r in report["steps"]] == [1, 2, 3, 4, 5]
+    assert all(r["incremental"] and r["own_bytes"] < r["logical_bytes"] * 0.1 for r in report["steps"])
+    assert report["unreferenced_content_bytes"] == 0
+    assert report["physical_bytes"] < 2 * report["steps"][0]["logical_bytes"]
+
+
+def test_async_save(tmp_path):
+    root = str(tmp_path)
+    with Checkpointer(root, format="fpk", incremental=True, async_save=True, keep_last=2, content_grace=0) as ck:
+        for step in range(1, 5):
+            ck.save(step, make_state(step))
+        ck.wait()
+        assert ck.last_save.step == 4 and ck.last_save.bytes_written < ck.last_save.logical_bytes * 0.1
+        for step in ck.list():
+            check(ck, step)
+
+
+def test_retention_sweeps_unreferenced_content(tmp_path):
+    root = str(tmp_path)
+    ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0)
+    ck.save(1, make_state(1, frozen_seed=1))
+    old = {p for p in content_files(root) if os.path.getsize(p) == 1 << 20}  # step 1's backbone
+    assert len(old) == FROZEN
+    ck.save(2, make_state(2, frozen_seed=2))  # new backbone: step 1's content is kept while step 1 is
+    assert old <= set(content_files(root))
+    ck.save(3, make_state(3, frozen_seed=2))  # step 1 deleted: its backbone is referenced by nothing
+    assert ck.list() == [2, 3]
+    assert not old & set(content_files(root))
+    check(ck, 2, frozen_seed=2)
+    check(ck, 3, frozen_seed=2)
+    assert usage(root)["unreferenced_content_bytes"] == 0
+
+
+def test_grace_period_keeps_young_content(tmp_path):
+    root = str(tmp_path)
+    ck = Checkpointer(root, format="fpk", incremental=True, keep_last=1)  # content_grace: one hour
+    ck.save(1, make_state(1, frozen_seed=1))
+    ck.save(2, make_state(2, frozen_seed=2))
+    assert ck.list() == [2]
+    assert usage(root)["unreferenced_content_bytes"] >= FROZEN << 20  # step 1's backbone: too young to go
+    Checkpointer(root, format="fpk", incremental=True, keep_last=1, content_grace=0).save(3, make_state(3, 2))
+    assert usage(root)["unreferenced_content_bytes"] == 0
+
+
+def test_damaged_content_fails_every_step_using_it(tmp_path):
+    root = str(tmp_path)
+    ck = Checkpointer(root, format="fpk", incremental=True)
+    for step in (1, 2, 3):
+        ck.save(step, make_state(step))
+    sizes = {p: os.path.getsize(p) for p in content_files(root)}
+    victim = next(p for p, n in sizes.items() if n == 1 << 20)  # a backbone tensor's block
+    flip_byte(victim, 12345)
+    for step in (1, 2, 3):
+        with pytest.raises(IntegrityError, match=os.path.basename(victim)) as e:
+            check(ck, step)
+        assert f"{step:012d}" in str(e.value)  # and the step's file
+    os.remove(victim)
+    with pytest.raises(IntegrityError, match="missing"):
+        check(ck, 2)
+
+
+H = "0" * 32
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"hash": "xxh3_128", "size": 4, "blocks": [["../../../../etc/passwd", 4]]},
+        {"hash": "xxh3_128", "size": 4, "blocks": [["../" + H[3:], 4]]},
+        {"hash": "xxh3_128", "size": 4, "blocks": [[H.upper().replace("0", "A"), 4]]},
+        {"hash": "xxh3_128", "size": 4, "blocks": [[H + "0", 4]]},
+        {"hash": "xxh3_128", "size": 5, "blocks": [[H, 4]]},
+        {"hash": "xxh3_128", "size": 0, "blocks": [[H, 0]]},
+        {"hash": "xxh3_128", "size": -4, "blocks": [[H, -4]]},
+        {"hash": "xxh3_128", "size": 1 << 40, "blocks": [[H, 1 << 40]]},
+        {"hash": "xxh3_128", "size": 4, "blocks": [[H, 4.0]]},
+        {"hash": "sha1", "size": 4, "blocks": [[H, 4]]},
+        {"hash": "xxh3_128", "size": 4, "blocks": [[H, 4]], "path": "/etc"},
+        {"hash": "xxh3_128", "size": 4, "blocks": {"a": 1}},
+        [1, 2],
+    ],
+)
+def test_crafted_recipe_is_refused(tmp_path, body):
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, format="fpk", incremental=True)
+    ck.save(1, make_state(1))
+    outside = tmp_path / "etc"
+    outside.mkdir()
+    (outside / "passwd").write_bytes(b"root")
+    data = os.path.join(ck.uri(1), "state.fpk")
+    with open(data, "wb") as f:
+        f.write(MAGIC + json.dumps(body).encode())
+    with pytest.raises(FormatError, match="not a valid ckptio recipe"):
+        check(ck, 1)
+
+
+def test_recipe_block_count_is_bounded(monkeypatch):
+    monkeypatch.setattr(recipe, "MAX_BLOCKS", 3)
+    body = {"hash": "xxh3_128", "size": 4, "blocks": [[H, 1]] * 4}
+    with pytest.raises(FormatError, match="at most 3"):
+        recipe.parse_recipe(MAGIC + json.dumps(body).encode(), "x")
+    with pytest.raises(FormatError, match="not JSON"):
+        recipe.parse_recipe(MAGIC + b"{", "x")
+
+
+def test_dcp_is_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="incremental=True supports format='fpk' and 'pt'"):
+        Checkpointer(str(tmp_path), format="dcp", incremental=True)
+
+
+def test_s3_round_trip(s3_uri):
+    root = s3_uri + "/run"
+    ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0)
+    for step in range(1, 5):
+        ck.save(step, make_state(step, frozen_seed=0 if step < 3 else 1))
+        if step in (2, 4):
+            assert ck.last_save.bytes_written < ck.last_save.logical_bytes * 0.1
+    assert ck.list() == [3, 4]
+    for step in ck.list():
+        check(ck, step, frozen_seed=1)
+    assert usage(root)["unreferenced_content_bytes"] == 0
+
+
+def test_du_cli(tmp_path, capsys):
+    root = str(tmp_path)
+    ck = Checkpointer(root, format="fpk", incremental=True)
+    for step in (1, 2):
+        ck.save(step, make_state(step))
+    assert cli_main(["du", "--json", root]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in data["steps"]] == [1, 2] and data["physical_bytes"] > FROZEN << 20
+    assert cli_main(["du", root]) == 0
+    assert "physical" in capsys.readouterr().out
+
+
+# ---- a save killed mid-way ---------------------------------------------------------------------
+
+
+def _child(root: str, kill_at: int, log: str) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            warnings.simplefilter("ignore")
+            backend, _ = ckptio.resolve(root)
+            Events(type(backend), kill_at, log)
+            ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0)
+            for step in range(1, 4):
+                ck.save(step, make_state(step, frozen_seed=step // 2))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_killed_save_leaves_committed_steps_and_is_cleaned_up(tmp_path):
+    make_state(0)
+    log = str(tmp_path / "events.jsonl")
+    assert _child(str(tmp_path / "dry"), 0, log) == 0
+    events = [json.loads(line) for line in open(log)]
+    points = [n for n, kind, _ in events if kind != "chunk"]
+    points = sorted(set(points[:: max(1, len(points) // 10)] + [n for n, k, u in events if "checkpoint.json" in u]))
+    for n in points:
+        root = str(tmp_path / f"k{n}")
+        status = _child(root, n, log)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, n
+        ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0, stale_after=0)
+        for step in ck.list():
+            check(ck, step, frozen_seed=step // 2)
+        nxt = (ck.list() or [0])[-1] + 1
+        time.sleep(0.01)
+        ck.save(nxt, make_state(nxt, frozen_seed=nxt // 2))
+        for step in ck.list():
+            check(ck, step, frozen_seed=step // 2)
+        assert usage(root)["unreferenced_content_bytes"] == 0, n
