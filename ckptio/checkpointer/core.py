@@ -21,7 +21,8 @@ one, in which case :meth:`Checkpointer.latest` falls back to the newest complete
 which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
 DCP data is written by all ranks, ``pt``/``fpk`` files, the marker, the pointer and cleanup by rank 0,
 with outcomes shared over a gloo group whose collectives time out after ``timeout`` seconds.
-Async save: :mod:`.staging`.
+Async save: :mod:`.staging`. Tiered (``local_tier=``): steps 3-5 run on the local tier, then the
+step is replicated to root in the background (:mod:`.tiered`, :mod:`.replication`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
 from .state import LoadResult, SaveResult, restore, state_dicts
+from .tiered import Tier, open_layouts
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -66,6 +68,10 @@ class Checkpointer:
     ``incremental=True`` (``fpk``/``pt``): data already stored under root is not written again
     (:mod:`.content`); content no kept step references is deleted after ``content_grace`` seconds.
     ``last_save``: what the last finished save wrote (:class:`SaveResult`).
+    ``local_tier`` (a node-local directory): saves commit there and replicate to ``root_uri`` in the
+    background; the tier keeps the newest ``keep_local`` steps and every step not yet replicated; at most
+    ``max_pending`` steps wait for replication, past which a save blocks (``on_backlog="block"``) or raises
+    :class:`BacklogError` (``"raise"``); see :mod:`.tiered` and :meth:`status`.
     """
 
     def __init__(
@@ -88,6 +94,10 @@ class Checkpointer:
         stale_after: float | None = STALE_AFTER,
         incremental: bool = False,
         content_grace: float = 3600.0,
+        local_tier: str | os.PathLike | None = None,
+        keep_local: int = 2,
+        max_pending: int = 4,
+        on_backlog: str = "block",
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -112,7 +122,10 @@ class Checkpointer:
         self._swept = stale_after is None
         self.last_load: LoadResult | None = None
         self.last_save: SaveResult | None = None
-        self._layout = Layout(self.root_uri)
+        self._tier: Tier | None = None
+        if local_tier is not None and incremental:
+            raise ValueError("local_tier= does not combine with incremental=True yet")
+        remote, self._layout = open_layouts(self.root_uri, local_tier) if local_tier else (None, Layout(self.root_uri))
         self._content = Content(self._layout, content_grace) if incremental else None
         self._stager = _Stager()
         self._background = Background()
@@ -127,26 +140,51 @@ class Checkpointer:
                 if process_group is not None
                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
             )
+        if remote is not None:
+            if format == "dcp" and self._world > 1:
+                raise ValueError("local_tier= under torch.distributed supports format='fpk' and 'pt' (not yet 'dcp')")
+            self._tier = Tier(
+                remote,
+                self._layout,
+                self,
+                keep_local=keep_local,
+                max_pending=max_pending,
+                on_backlog=on_backlog,
+                nice=background_nice,
+                start=self._rank == 0,
+            )
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
 
     # ---- queries -----------------------------------------------------------------------------
     def uri(self, step: int) -> str:
-        """The (unresolved) URI of the directory for ``step``."""
-        return self._layout.uri(step)
+        """The (unresolved) URI of the directory for ``step`` (tiered: at the remote root)."""
+        return self._layout.uri(step) if self._tier is None else self._tier.remote.uri(step)
 
     def list(self) -> builtins.list[int]:
-        """Steps of the complete checkpoints under root, ascending."""
-        return self._layout.list()
+        """Steps of the complete checkpoints under root (tiered: on either tier), ascending."""
+        return self._layout.list() if self._tier is None else self._on_rank0(self._tier.list)
 
-    def latest(self) -> int | None:
-        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete."""
-        return self._layout.latest()
+    def latest(self, durable: str | None = None) -> int | None:
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete.
+        Tiered: the newest on either tier, or on this node's tier (``durable="local"``) or the remote root
+        (``durable="remote"``)."""
+        if self._tier is None:
+            if durable is not None:
+                raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
+            return self._layout.latest()
+        return self._on_rank0(self._tier.latest, durable)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The commit marker's contents for ``step`` (format, files, metrics, time)."""
-        return self._layout.manifest(step)
+        return self._layout.manifest(step) if self._tier is None else self._tier.manifest(step)
+
+    def status(self) -> dict[int, str]:
+        """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
+        if self._tier is None:
+            return {s: "remote" for s in self._layout.list()}
+        return self._on_rank0(self._tier.status)
 
     # ---- distributed helpers -------------------------------------------------------------------
     def _on_rank0(self, fn, *args: Any) -> Any:
@@ -188,7 +226,9 @@ class Checkpointer:
                 CheckpointWarning,
                 stacklevel=2,
             )
-        self.wait()
+        self._background.wait()
+        if self._tier is not None and self._tier.replicator is not None:
+            self._tier.replicator.admit()
         sd = state_dicts(state)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         if not self.async_save:
@@ -198,12 +238,20 @@ class Checkpointer:
         self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics)
 
     def wait(self) -> None:
-        """Wait for the background save, if any; re-raise its exception if it failed."""
+        """Wait for the background save, if any; re-raise its exception if it failed. Tiered: then wait for
+        replication (:class:`ReplicationError` if an attempt fails meanwhile; the step is retried later)."""
         self._background.wait()
+        if self._tier is not None:
+            self._on_rank0(self._tier.wait)
 
     def close(self) -> None:
-        """Wait for the background save (raising its error) and stop the background thread."""
-        self._background.close()
+        """Wait for the background save (raising its error) and stop the background thread (tiered: and
+        the replicator, after replication)."""
+        try:
+            self._background.close()
+        finally:
+            if self._tier is not None:
+                self._on_rank0(self._tier.close)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -215,11 +263,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._on_rank0(self._prepare, step)
         if self.format == "dcp":
-            files = formats.write_dcp(sd, self.uri(step), self._pg, self.save_options)
+            files = formats.write_dcp(sd, self._layout.uri(step), self._pg, self.save_options)
         elif self._content is not None:
             files = self._on_rank0(self._content.write, self.format, step, sd, self.save_options)
         else:
-            files = self._on_rank0(formats.write_file, self.format, self.uri(step), sd, self.save_options)
+            files = self._on_rank0(formats.write_file, self.format, self._layout.uri(step), sd, self.save_options)
         manifest = {
             "step": step,
             "format": self.format,
@@ -234,11 +282,12 @@ class Checkpointer:
         self._on_rank0(self._commit, step, manifest)
         took = time.perf_counter() - t0
         logical, written = self._content.last if self._content is not None else (None, None)
-        self.last_save = SaveResult(step, self.uri(step), took, logical, written)
+        d = self._layout.uri(step)
+        self.last_save = SaveResult(step, d, took, logical, written)
         if written is None:
-            log.info("saved checkpoint %s in %.2fs", self.uri(step), took)
+            log.info("saved checkpoint %s in %.2fs", d, took)
         else:
-            log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", self.uri(step), took, logical, written)
+            log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", d, took, logical, written)
 
     def _prepare(self, step: int) -> None:
         """Step 1 of the protocol (rank 0): sweep stale writes once, clear the way for ``step``."""
@@ -258,6 +307,8 @@ class Checkpointer:
         formats.discard(self.format, self._layout, step)
 
     def _commit(self, step: int, manifest: dict[str, Any]) -> None:
+        if self._tier is not None:
+            return self._tier.commit(step, manifest)  # local commit, replication queued, local eviction
         self._layout.commit(step, manifest)
         cleanup(self, self._layout, step)
         if self._content is not None:
@@ -267,7 +318,7 @@ class Checkpointer:
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
         self.wait()
-        self._on_rank0(self._layout.delete, step)
+        self._on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
         self._barrier()
 
     # ---- load ------------------------------------------------------------------------------------
@@ -296,8 +347,9 @@ class Checkpointer:
         (:mod:`ckptio.dcp.checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
-        self.wait()
-        s, d, fmt, name, content = self._on_rank0(self._layout.resolve_target, step)
+        self._background.wait()
+        target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
+        s, d, fmt, name, content = self._on_rank0(target, step)
         if s is None:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
@@ -306,15 +358,21 @@ class Checkpointer:
         unknown = [k for k in parts if k not in state]
         if unknown:
             raise KeyError(f"keys {unknown} are not in the state given to load()")
+
+        def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
+            if fmt == "dcp":
+                parted = {k: state[k] for k in parts}
+                return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle)
+            return formats.read_file(fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content)
+
+        try:
+            source, ckpt_parts = read(d)
+        except (OSError, CkptioError) as e:
+            if self._tier is None or self._world > 1 or not self._tier.is_local(d):
+                raise
+            d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
+            source, ckpt_parts = read(d)
         res = LoadResult(s, d)
-        source: Mapping[str, Any]
-        if fmt == "dcp":
-            parted = {k: state[k] for k in parts}
-            source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle)
-        else:
-            source, ckpt_parts = formats.read_file(
-                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content
-            )
         restore(state, parts, source, res, ckpt_parts if keys is None else None)
         self.last_load = res
         if res.missing_keys or res.unexpected_keys:
