@@ -297,9 +297,8 @@ class Tier:
         return self.remote_target(step)
 
     def remote_target(self, step: int) -> tuple[int | None, str | None, str | None, str | None, bool]:
-        self.remote.step_dirs()
         try:
-            return self.remote.resolve_target(step)
+            return self.remote.resolve_target(step)  # learns the remote directory names itself
         except NotFoundError:
             raise NotFoundError(
                 self.remote.uri(step), f"no checkpoint for step {step} at the remote root nor on this node's tier"

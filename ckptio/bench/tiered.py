@@ -1,0 +1,124 @@
+"""Tiered checkpoints (issue 17): blocking time of a save and restore time, tiered vs plain, on moto S3.
+
+For a state of ``size`` bytes (:func:`ckptio.bench.workload.make_state`), per repeat, each in a fresh root:
+
+* save, blocking time: a plain local-root save (sync), a tiered save (sync: the local commit; the
+  replication runs after), today's async save to S3 and a tiered async save (both: until ``save``
+  returns); the replication time of the tiered save (``wait``) is reported too;
+* restore: a plain local restore vs a tiered restore on the same node (the verified local copy), and
+  today's remote restore vs a tiered restore on a "fresh node" (an empty local tier: the remote copy).
+
+Every load faults in every page (:func:`~ckptio.bench.workload.touch`). Reported: the median of the
+repeats and the ratios the issue targets (tiered sync save <= 1.1x local; restore same node >= 0.9x
+of local speed; fresh node no slower than remote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .workload import make_state, same, touch
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _blank(ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {"model": {k: torch.empty_like(v) for k, v in ref.items()}}
+
+
+@contextlib.contextmanager
+def _s3() -> Iterator[str]:
+    import ckptio
+
+    from .servers import MOTO_S3_OPTIONS, MotoServer, make_s3_bucket
+
+    with MotoServer() as srv:
+        make_s3_bucket(srv.url, "bench")
+        ckptio.configure(backends={"s3": {"endpoint_url": srv.url, **MOTO_S3_OPTIONS}})
+        yield "s3://bench"
+
+
+def one_round(base: str, tmp: str, fmt: str, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Seconds of every measurement, once, each in fresh roots."""
+    from ..checkpointer import Checkpointer
+
+    run = uuid.uuid4().hex[:8]
+    out: dict[str, float] = {}
+    sd = {"model": state}
+
+    def load(ck: Checkpointer, step: int = 1) -> float:
+        target = _blank(state)
+
+        def go() -> None:
+            ck.load(target, step=step)
+            touch(target)
+
+        took = _timed(go)
+        assert same(state, target["model"]), "restored state differs"
+        return took
+
+    plain_local = Checkpointer(f"{tmp}/{run}-plain", format=fmt)
+    out["save local (sync)"] = _timed(lambda: plain_local.save(1, sd))
+    tiered = Checkpointer(f"{base}/{run}-tiered", format=fmt, local_tier=f"{tmp}/{run}-tier")
+    out["save tiered (sync)"] = _timed(lambda: tiered.save(1, sd))
+    out["replication (wait)"] = _timed(tiered.wait)
+    plain_async = Checkpointer(f"{base}/{run}-async", format=fmt, async_save=True)
+    out["save s3 (async)"] = _timed(lambda: plain_async.save(1, sd))
+    plain_async.wait()
+    tiered_async = Checkpointer(f"{base}/{run}-tasync", format=fmt, async_save=True, local_tier=f"{tmp}/{run}-tasync")
+    out["save tiered (async)"] = _timed(lambda: tiered_async.save(1, sd))
+    tiered_async.wait()
+    out["restore local"] = load(plain_local)
+    out["restore tiered, same node"] = load(tiered)
+    out["restore s3"] = load(Checkpointer(f"{base}/{run}-tiered"))
+    fresh = Checkpointer(f"{base}/{run}-tiered", format=fmt, local_tier=f"{tmp}/{run}-fresh")
+    out["restore tiered, fresh node"] = load(fresh)
+    for ck in (tiered, tiered_async, fresh, plain_async):
+        ck.close()
+    return out
+
+
+RATIOS = (
+    ("tiered sync save / local sync save (target <= 1.1)", "save tiered (sync)", "save local (sync)"),
+    ("tiered async save / s3 async save (target ~1)", "save tiered (async)", "save s3 (async)"),
+    ("local restore / tiered same-node restore (speed, target >= 0.9)", "restore local", "restore tiered, same node"),
+    ("tiered fresh-node restore / s3 restore (target <= 1)", "restore tiered, fresh node", "restore s3"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=256, help="state size in MiB (default 256)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds (median)")
+    p.add_argument("--format", default="fpk", choices=["fpk", "pt", "dcp"])
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    state = make_state(args.size << 20)
+    rounds = []
+    with _s3() as base, tempfile.TemporaryDirectory(prefix="ckptio-tier-") as tmp:
+        one_round(base, tmp, args.format, make_state(1 << 20))  # warm-up: imports, clients, threads
+        for _ in range(args.repeats):
+            rounds.append(one_round(base, tmp, args.format, state))
+            shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print(f"== tiered checkpoints ({args.format}, {args.size} MiB, moto S3, median of {args.repeats})")
+    for k, v in med.items():
+        print(f"{k:<30} {v:8.3f} s")
+    for label, a, b in RATIOS:
+        print(f"{label:<66} {med[a] / med[b]:6.2f}")
+    return 0
