@@ -20,8 +20,7 @@ import torch
 
 import ckptio
 from ckptio import cli
-from ckptio.checkpointer import Checkpointer, CheckpointWarning
-from ckptio.checkpointer import tiered
+from ckptio.checkpointer import Checkpointer, CheckpointWarning, tiered
 from ckptio.checkpointer.replication import BacklogError, ReplicationError
 from multiproc import results, run_ranks
 from test_checkpointer_crash import CHILD_TIMEOUT, Events, kill_points

@@ -183,7 +183,7 @@ class Checkpointer:
     def status(self) -> dict[int, str]:
         """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
         if self._tier is None:
-            return {s: "remote" for s in self._layout.list()}
+            raise ValueError("status() needs a tiered Checkpointer (local_tier=)")
         return self._on_rank0(self._tier.status)
 
     # ---- distributed helpers -------------------------------------------------------------------
@@ -354,6 +354,8 @@ class Checkpointer:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
             return None
+        if self._tier is not None and self._pg is not None:
+            d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
         parts = list(state) if keys is None else list(keys)
         unknown = [k for k in parts if k not in state]
         if unknown:

@@ -79,6 +79,11 @@ class Replicator:
                 self._queue.sort()
             self._cond.notify_all()
 
+    @property
+    def scanning(self) -> bool:
+        """Whether the thread is still scheduling the steps found on the local tier at start."""
+        return self._scanning
+
     def pending(self) -> set[int]:
         """Steps queued or being replicated."""
         with self._cond:

@@ -222,6 +222,8 @@ class Tier:
         complete = sorted(s for s in dirs if local.committed(s))
         if not complete:
             return
+        if self.replicator is not None and self.replicator.scanning:
+            return  # the steps found at start are not scheduled yet
         busy = self.replicator.pending() if self.replicator is not None else set()
         for s in complete[: -self.keep_local]:
             if s in self.replicated and s not in busy:
@@ -303,6 +305,22 @@ class Tier:
             raise NotFoundError(
                 self.remote.uri(step), f"no checkpoint for step {step} at the remote root nor on this node's tier"
             ) from None
+
+    def agree(self, step: int, d: str, process_group: Any) -> str:
+        """Under ``torch.distributed`` (every rank): the local copy ``d`` that rank 0 chose, if every rank
+        has it verified on its node; else the remote copy (each rank reads the same)."""
+        if not self.is_local(d):
+            return d
+        import torch.distributed as dist
+
+        ok = verify(self.local, step) is None
+        flags: builtins.list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(flags, ok, group=process_group)
+        if all(flags):
+            return d
+        rd = self.remote_target(step)[1]
+        assert rd is not None
+        return rd
 
     def fallback(self, step: int, d: str, err: BaseException) -> str:
         """Reading the local copy ``d`` of ``step`` failed with ``err``: the remote copy's directory URI."""
