@@ -53,46 +53,70 @@ def _s3() -> Iterator[str]:
         yield "s3://bench"
 
 
-def one_round(base: str, tmp: str, fmt: str, state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Seconds of every measurement, once, each in fresh roots."""
+def one_round(base: str, tmp: str, fmt: str, state: dict[str, torch.Tensor], flip: bool = False) -> dict[str, float]:
+    """Seconds of every measurement, once, each in fresh roots; the two sides of each comparison run in
+    turn, the tiered one second (``flip``: first), so neither always pays for the other's writeback."""
     from ..checkpointer import Checkpointer
 
     run = uuid.uuid4().hex[:8]
     out: dict[str, float] = {}
     sd = {"model": state}
 
-    def load(ck: Checkpointer, step: int = 1) -> float:
+    def load(ck: Checkpointer) -> float:
         target = _blank(state)
 
         def go() -> None:
-            ck.load(target, step=step)
+            ck.load(target, step=1)
             touch(target)
 
         took = _timed(go)
         assert same(state, target["model"]), "restored state differs"
         return took
 
-    plain_local = Checkpointer(f"{tmp}/{run}-plain", format=fmt)
-    out["save local (sync)"] = _timed(lambda: plain_local.save(1, sd))
+    def pair(a: tuple[str, Callable[[], float]], b: tuple[str, Callable[[], float]]) -> None:
+        for name, fn in (b, a) if flip else (a, b):
+            out[name] = fn()
+
+    plain = Checkpointer(f"{tmp}/{run}-plain", format=fmt)
     tiered = Checkpointer(f"{base}/{run}-tiered", format=fmt, local_tier=f"{tmp}/{run}-tier")
-    out["save tiered (sync)"] = _timed(lambda: tiered.save(1, sd))
+    pair(
+        ("save local (sync)", lambda: _timed(lambda: plain.save(1, sd))),
+        ("save tiered (sync)", lambda: _timed(lambda: tiered.save(1, sd))),
+    )
     out["replication (wait)"] = _timed(tiered.wait)
     plain_async = Checkpointer(f"{base}/{run}-async", format=fmt, async_save=True)
-    out["save s3 (async)"] = _timed(lambda: plain_async.save(1, sd))
-    plain_async.wait()
     tiered_async = Checkpointer(f"{base}/{run}-tasync", format=fmt, async_save=True, local_tier=f"{tmp}/{run}-tasync")
-    out["save tiered (async)"] = _timed(lambda: tiered_async.save(1, sd))
-    tiered_async.wait()
-    out["restore local"] = load(plain_local)
-    out["restore tiered, same node"] = load(tiered)
-    out["restore s3"] = load(Checkpointer(f"{base}/{run}-tiered"))
+
+    def save_async(ck: Checkpointer) -> float:
+        took = _timed(lambda: ck.save(1, sd))
+        ck.wait()
+        return took
+
+    pair(
+        ("save s3 (async)", lambda: save_async(plain_async)), ("save tiered (async)", lambda: save_async(tiered_async))
+    )
+    pair(("restore local", lambda: load(plain)), ("restore tiered, same node", lambda: load(tiered)))
     fresh = Checkpointer(f"{base}/{run}-tiered", format=fmt, local_tier=f"{tmp}/{run}-fresh")
-    out["restore tiered, fresh node"] = load(fresh)
+    pair(
+        ("restore s3", lambda: load(Checkpointer(f"{base}/{run}-tiered"))),
+        ("restore tiered, fresh node", lambda: load(fresh)),
+    )
     for ck in (tiered, tiered_async, fresh, plain_async):
         ck.close()
-    return out
+    return {k: out[k] for k in ORDER}
 
 
+ORDER = (
+    "save local (sync)",
+    "save tiered (sync)",
+    "replication (wait)",
+    "save s3 (async)",
+    "save tiered (async)",
+    "restore local",
+    "restore tiered, same node",
+    "restore s3",
+    "restore tiered, fresh node",
+)
 RATIOS = (
     ("tiered sync save / local sync save (target <= 1.1)", "save tiered (sync)", "save local (sync)"),
     ("tiered async save / s3 async save (target ~1)", "save tiered (async)", "save s3 (async)"),
@@ -112,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     with _s3() as base, tempfile.TemporaryDirectory(prefix="ckptio-tier-") as tmp:
         one_round(base, tmp, args.format, make_state(1 << 20))  # warm-up: imports, clients, threads
-        for _ in range(args.repeats):
-            rounds.append(one_round(base, tmp, args.format, state))
+        for i in range(args.repeats):
+            rounds.append(one_round(base, tmp, args.format, state, flip=i % 2 == 1))
             shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"== tiered checkpoints ({args.format}, {args.size} MiB, moto S3, median of {args.repeats})")
