@@ -277,6 +277,7 @@ def _rank(rank: int, world: int, port: int, root: str, local: str, out_dir: str)
         assert ck.load(st, step=1) == 1 and ck.last_load.uri == f"{root}/000000000001"
         check(st, 1)
         ck.close()
+        _dcp_on_two_nodes(rank, root + "-dcp", f"{local}-node{rank}")
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -285,11 +286,29 @@ def _rank(rank: int, world: int, port: int, root: str, local: str, out_dir: str)
         f.write(result)
 
 
+def _dcp_on_two_nodes(rank: int, root: str, local: str) -> None:
+    """DCP, each rank with its own local tier (as on two nodes): each replicates its own files, rank 0
+    commits once both ranks' files are remote; a load reads the remote copy (no node has every file)."""
+    ck = Checkpointer(root, format="dcp", local_tier=local, keep_local=1, timeout=60)
+    for s in (1, 2, 3):
+        ck.save(s, {"model": {"w": torch.full((32, 32), float(s * 10 + rank))}, "trainer": {"step": s}})
+    ck.wait()
+    assert ck.status() == {1: "remote", 2: "remote", 3: "local+remote"}, ck.status()
+    sizes = Checkpointer(root).manifest(3)["sizes"]
+    assert {n.split("_")[2] for n in sizes if n.startswith("__")} == {"0", "1"}, sizes
+    st = {"model": {"w": torch.zeros(32, 32)}, "trainer": {"step": -1}}
+    assert ck.load(st) == 3 and ck.last_load.uri == f"{root}/000000000003", ck.last_load
+    assert st["trainer"] == {"step": 3} and torch.all(st["model"]["w"] == 30.0)  # replicated: saved once
+    ck.close()
+    here = sorted(n for n in os.listdir(local) if n.isdigit())
+    assert here == ["000000000003"], here  # the older steps left this node once committed remotely
+
+
 def test_two_gloo_ranks(tmp_path):
     root, local = str(tmp_path / "remote"), str(tmp_path / "local")
     run_ranks(_rank, 2, root, local, str(tmp_path))
     assert results(str(tmp_path), 2) == ["ok", "ok"]
-    assert Checkpointer(root).list() == [1, 2, 3]
+    assert Checkpointer(root).list() == [1, 2, 3] and Checkpointer(root + "-dcp").list() == [1, 2, 3]
 
 
 # ---- SIGKILL across local commit, replication and eviction ------------------------------------------

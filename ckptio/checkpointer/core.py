@@ -141,8 +141,6 @@ class Checkpointer:
                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
             )
         if remote is not None:
-            if format == "dcp" and self._world > 1:
-                raise ValueError("local_tier= under torch.distributed supports format='fpk' and 'pt' (not yet 'dcp')")
             self._tier = Tier(
                 remote,
                 self._layout,
@@ -151,7 +149,9 @@ class Checkpointer:
                 max_pending=max_pending,
                 on_backlog=on_backlog,
                 nice=background_nice,
-                start=self._rank == 0,
+                rank=self._rank,
+                per_rank=format == "dcp" and self._world > 1,
+                timeout=self.timeout,
             )
 
     def __repr__(self) -> str:
@@ -242,7 +242,7 @@ class Checkpointer:
         replication (:class:`ReplicationError` if an attempt fails meanwhile; the step is retried later)."""
         self._background.wait()
         if self._tier is not None:
-            self._on_rank0(self._tier.wait)
+            self._tier.wait(self._pg)
 
     def close(self) -> None:
         """Wait for the background save (raising its error) and stop the background thread (tiered: and
@@ -251,7 +251,7 @@ class Checkpointer:
             self._background.close()
         finally:
             if self._tier is not None:
-                self._on_rank0(self._tier.close)
+                self._tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -279,7 +279,11 @@ class Checkpointer:
         }
         if self._content is not None:
             manifest[CONTENT_KEY] = CONTENT_HASH
+        if self._tier is not None:  # every rank: the files of every rank's node (DCP); replication scheduled
+            self._tier.prepare(step, manifest, self._pg)
         self._on_rank0(self._commit, step, manifest)
+        if self._tier is not None and self._rank != 0:
+            self._tier.follow(step, manifest)
         took = time.perf_counter() - t0
         logical, written = self._content.last if self._content is not None else (None, None)
         d = self._layout.uri(step)

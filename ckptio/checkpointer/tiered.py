@@ -17,6 +17,17 @@ Protocol of a save of ``step``:
 3. the local tier keeps the newest ``keep_local`` steps and, whatever their age, every step not yet
    committed remotely (eviction: after each local commit and each replication; marker first).
 
+Under ``torch.distributed``: with ``fpk``/``pt`` rank 0 writes, commits and replicates. With ``dcp`` each
+rank writes its data objects to its own node's tier; before the local commit the ranks gather every
+rank's file sizes (a collective inside ``save``, which every rank calls anyway) into the marker; each
+rank's replicator then copies the files it wrote (``__<rank>_*``; rank 0 also ``.metadata``), and rank
+0's replicator commits remotely once the remote root lists every file of the marker with its size,
+waiting up to the Checkpointer's ``timeout``. The remote root is the rendezvous: no collective runs on
+a background thread, so replication can never deadlock with (or be misordered against) training's
+collectives; the only collective of replication is in ``wait()``, which every rank calls. Other
+nodes' tiers hold no marker; a rank deletes its node's step directories past the newest
+``keep_local`` once they are committed remotely.
+
 A step's state (:meth:`Tier.status`): ``"local"`` (committed on this node only, nothing scheduled),
 ``"replicating"`` (committed locally, replication queued or running), ``"remote"`` (committed at
 ``root`` only), ``"local+remote"``. A process killed before replication finished leaves the step
@@ -28,6 +39,8 @@ Restore (:meth:`Tier.resolve_target`): ``"latest"`` is the newest step committed
 local copy is read when it is committed and every file has the size its marker lists (the format then
 checks its own checksums: ``fpk`` payloads, DCP blocks); otherwise, or when reading the local copy
 fails (single process), the remote copy is read (through the node-local cache when the caller asks).
+Under ``torch.distributed`` the local copy is read only when every rank's node has it verified
+(:meth:`Tier.agree`): a DCP step saved by several nodes is read from the remote root.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import builtins
 import json
 import logging
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -45,7 +59,7 @@ from ..context import resolve
 from ..errors import CkptioError, NotFoundError
 from ..transfer import copy_objects
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
-from .replication import Replicator
+from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup
 
 log = logging.getLogger("ckptio.checkpointer")
@@ -119,7 +133,9 @@ class Tier:
         max_pending: int,
         on_backlog: str,
         nice: int | None,
-        start: bool,
+        rank: int,
+        per_rank: bool,
+        timeout: float,
     ) -> None:
         if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1:
             raise ValueError(f"keep_local must be a positive int, got {keep_local!r}")
@@ -133,7 +149,9 @@ class Tier:
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict
-        if start:  # rank 0: the thread starts by scheduling every local step (re-replication after a restart)
+        self.rank, self.per_rank, self.timeout = rank, per_rank, timeout
+        self.owned: dict[int, dict[str, int]] = {}  # step -> every rank's files (DCP, ranks but 0)
+        if rank == 0 or per_rank:  # the thread starts by scheduling every local step (a restart's)
             self.replicator = Replicator(
                 self.replicate,
                 local.list,
@@ -143,10 +161,35 @@ class Tier:
                 name=remote.root_uri,
             )
 
-    # ---- the save path (rank 0) ------------------------------------------------------------------
+    # ---- the save path ----------------------------------------------------------------------------
+    def prepare(self, step: int, manifest: dict[str, Any], process_group: Any) -> None:
+        """Every rank, before the commit: the marker's ``"sizes"``: the step directory's files (rank 0),
+        or (``per_rank``: DCP under torch.distributed) every rank's own files, gathered."""
+        if not self.per_rank:
+            if self.rank == 0:
+                manifest[SIZES_KEY] = file_sizes(self.local, step)
+            return
+        import torch.distributed as dist
+
+        parts: builtins.list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(parts, self.mine(file_sizes(self.local, step)), group=process_group)
+        manifest[SIZES_KEY] = {k: v for part in parts for k, v in part.items()}
+
+    def mine(self, sizes: dict[str, int]) -> dict[str, int]:
+        """The files this rank replicates: all of them, or (``per_rank``) the DCP data objects it wrote
+        (``__<rank>_*``; rank 0 also ``.metadata``)."""
+        if not self.per_rank:
+            return dict(sizes)
+        return {k: v for k, v in sizes.items() if _owner(k) == self.rank}
+
+    def follow(self, step: int, manifest: dict[str, Any]) -> None:
+        """Ranks but 0 (``per_rank``), after rank 0 committed ``step`` locally: replicate their own files."""
+        if self.replicator is not None:
+            self.owned[step] = manifest[SIZES_KEY]
+            self.replicator.submit(step)
+
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
-        """Commit ``step`` locally (its marker lists its files' sizes), schedule its replication, evict."""
-        manifest = dict(manifest, **{SIZES_KEY: file_sizes(self.local, step)})
+        """Rank 0: commit ``step`` locally (its marker lists its files' sizes), schedule replication, evict."""
         self.replicated.discard(step)
         self.local.commit(step, manifest)
         if self.replicator is not None:
@@ -157,16 +200,25 @@ class Tier:
         """Copy committed local ``step`` to the remote root and commit it there (the replicator's job)."""
         local, remote = self.local, self.remote
         marker = local.user_uri(step, MARKER_NAME)
-        try:
-            data = local.backend.read(_uri.join_path(local.dir(step), MARKER_NAME))
-        except FileNotFoundError:
-            return  # deleted or replaced meanwhile: nothing to replicate
-        m = _parse_manifest(data, marker)
+        owned = self.owned.pop(step, None)
+        if owned is not None and self.rank != 0:
+            m: Any = {SIZES_KEY: owned}
+        else:
+            try:
+                data = local.backend.read(_uri.join_path(local.dir(step), MARKER_NAME))
+            except FileNotFoundError:
+                return  # deleted or replaced meanwhile (or another node's step): nothing to replicate
+            m = _parse_manifest(data, marker)
         sizes = marker_sizes(m, marker) if isinstance(m, dict) else None
         if sizes is None:  # committed by a plain Checkpointer on this root: list what is there
             sizes = file_sizes(local, step)
             m = dict(m, **{SIZES_KEY: sizes})
         remote.step_dirs()
+        if self.rank != 0:  # per_rank: this rank's files; rank 0 commits once every rank's are there
+            if not remote.committed(step):
+                self._copy(step, self.mine(sizes))
+            self._evict_sent()
+            return
         rmarker = _uri.join_path(remote.dir(step), MARKER_NAME)
         if remote.committed(step):
             theirs = _parse_manifest(remote.backend.read(rmarker), remote.user_uri(step, MARKER_NAME))
@@ -180,7 +232,16 @@ class Tier:
             )
             remote.uncommit(step)
         remote.manifests.pop(step, None)
-        remote.rmtree(remote.dir(step))  # debris of an interrupted replication
+        if not self.per_rank:
+            remote.rmtree(remote.dir(step))  # debris of an interrupted replication
+        self._copy(step, self.mine(sizes))
+        self._await_remote(step, sizes)
+        remote.backend.write(rmarker, json.dumps(m, indent=1, sort_keys=True).encode(), mode="create")
+        remote.manifests[step] = m
+        self._finish(step)
+
+    def _copy(self, step: int, sizes: dict[str, int]) -> None:
+        local, remote = self.local, self.remote
         pairs = [
             (
                 ObjectInfo(_uri.join_path(local.dir(step), *rel.split("/")), size),
@@ -189,13 +250,22 @@ class Tier:
             for rel, size in sorted(sizes.items())
         ]
         copy_objects(local.backend, pairs, remote.backend, jobs=min(4, max(1, len(pairs))))
-        have = file_sizes(remote, step)
-        wrong = {rel: have.get(rel) for rel, size in sizes.items() if have.get(rel) != size}
-        if wrong:
-            raise CkptioError(f"{remote.uri(step)}: after replication, files differ from the marker's sizes: {wrong}")
-        remote.backend.write(rmarker, json.dumps(m, indent=1, sort_keys=True).encode(), mode="create")
-        remote.manifests[step] = m
-        self._finish(step)
+
+    def _await_remote(self, step: int, sizes: dict[str, int]) -> None:
+        """Check that the remote root lists every file with its size (``per_rank``: wait up to ``timeout``
+        seconds for the other ranks' files)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            have = file_sizes(self.remote, step)
+            wrong = {rel: have.get(rel) for rel, size in sizes.items() if have.get(rel) != size}
+            if not wrong:
+                return
+            if not self.per_rank or time.monotonic() > deadline:
+                raise CkptioError(
+                    f"{self.remote.uri(step)}: files missing or of another size than the marker's after "
+                    f"replication{f' (waited {self.timeout:g}s for every rank)' if self.per_rank else ''}: {wrong}"
+                )
+            time.sleep(0.1)
 
     def _finish(self, step: int) -> None:
         """``step`` is committed remotely: move the remote pointer if it is the newest, retention, eviction."""
@@ -231,6 +301,33 @@ class Tier:
         for s in sorted(dirs):
             if s < complete[-1] and s not in complete:
                 local.discard(s)  # an uncommitted directory older than the newest: a killed save's
+
+    def _evict_sent(self) -> None:
+        """Ranks but 0 (``per_rank``): delete this node's step directories that have no marker here (another
+        node's tier holds it), past the newest ``keep_local``, once committed remotely."""
+        local, busy = self.local, self.replicator.pending() if self.replicator is not None else set()
+        for s in sorted(local.step_dirs())[: -self.keep_local]:
+            if s not in busy and not local.committed(s) and self.remote.committed(s):
+                local.rmtree(local.dir(s))
+
+    def wait(self, process_group: Any = None) -> None:
+        """Every rank: wait for its replicator; under torch.distributed, raise on every rank if any failed."""
+        err: BaseException | None = None
+        try:
+            if self.replicator is not None:
+                self.replicator.wait()
+        except (ReplicationError, TimeoutError) as e:
+            err = e
+        if process_group is not None:
+            import torch.distributed as dist
+
+            msgs: builtins.list[Any] = [None] * dist.get_world_size(process_group)
+            dist.all_gather_object(msgs, None if err is None else str(err), group=process_group)
+            failed = [m for m in msgs if m]
+            if failed and err is None:
+                raise ReplicationError(f"replication failed on another rank: {failed[0]}")
+        if err is not None:
+            raise err
 
     # ---- queries -----------------------------------------------------------------------------------
     def _remote_steps(self) -> set[int] | None:
@@ -290,7 +387,7 @@ class Tier:
         why = verify(self.local, step)
         if why is None:
             return self.local.resolve_target(step)
-        if step in self.local.names:
+        if step in self.local.names and not self.per_rank:  # per_rank: other nodes hold some files
             warnings.warn(
                 f"{self.local.uri(step)}: local copy not used ({why}); reading {self.remote.uri(step)}",
                 CheckpointWarning,
@@ -336,10 +433,6 @@ class Tier:
         assert rd is not None
         return rd
 
-    def wait(self) -> None:
-        if self.replicator is not None:
-            self.replicator.wait()
-
     def close(self) -> None:
         if self.replicator is not None:
             self.replicator.close()
@@ -357,6 +450,12 @@ class Tier:
         self.replicated.discard(step)
         if not found:
             raise NotFoundError(self.remote.uri(step), "no checkpoint for this step on either tier")
+
+
+def _owner(name: str) -> int:
+    """The rank that wrote a DCP data object ``__<rank>_<n>...`` (anything else: rank 0)."""
+    head = name.split("_", 3)
+    return int(head[2]) if name.startswith("__") and len(head) > 3 and head[2].isdigit() else 0
 
 
 def state_of(local: bool, remote: bool, busy: bool) -> str:
