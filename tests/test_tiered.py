@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import threading
-import time
-import traceback
 import warnings
 from datetime import timedelta
 
@@ -22,7 +19,7 @@ import ckptio
 from ckptio import cli
 from ckptio.checkpointer import Checkpointer, CheckpointWarning, tiered
 from ckptio.checkpointer.replication import BacklogError, ReplicationError
-from multiproc import results, run_ranks
+from multiproc import forked, report, results, run_ranks
 from test_checkpointer_crash import CHILD_TIMEOUT, Events, kill_points
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -154,6 +151,9 @@ def test_remote_retention_follows_keep_rules(tmp_path):
             ck.wait()
         assert Checkpointer(root).list() == [3, 4]
         assert ck.status() == {2: "local", 3: "local+remote", 4: "local+remote"}  # the local tier keeps 3
+        ck.save(5, state(5))
+        ck.wait()  # step 2 was replicated (then deleted remotely by retention): evicted as any other
+        assert ck.status() == {3: "local", 4: "local+remote", 5: "local+remote"}
 
 
 def test_restore_prefers_a_verified_local_copy_and_falls_back_to_remote(tmp_path):
@@ -257,33 +257,31 @@ def test_backlog_raise_and_block(tmp_path, monkeypatch):
 
 
 def _rank(rank: int, world: int, port: int, root: str, local: str, out_dir: str) -> None:
+    report(out_dir, rank, _ranks_body, rank, world, port, root, local)
+
+
+def _ranks_body(rank: int, world: int, port: int, root: str, local: str) -> None:
     import torch.distributed as dist
 
-    result = "ok"
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1, timeout=60)
-        for s in (1, 2, 3):
-            ck.save(s, state(s))
-        ck.wait()
-        assert ck.status() == {1: "remote", 2: "remote", 3: "local+remote"}, ck.status()
-        assert ck.latest(durable="remote") == 3
-        st = blank()
-        assert ck.load(st) == 3 and ck.last_load.uri == f"{local}/000000000003"
-        check(st, 3)
-        st = blank()
-        assert ck.load(st, step=1) == 1 and ck.last_load.uri == f"{root}/000000000001"
-        check(st, 1)
-        ck.close()
-        _dcp_on_two_nodes(rank, root + "-dcp", f"{local}-node{rank}")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        result = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(result)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1, timeout=60)
+    for s in (1, 2, 3):
+        ck.save(s, state(s))
+    ck.wait()
+    assert ck.status() == {1: "remote", 2: "remote", 3: "local+remote"}, ck.status()
+    assert ck.latest(durable="remote") == 3
+    st = blank()
+    assert ck.load(st) == 3 and ck.last_load.uri == f"{local}/000000000003"
+    check(st, 3)
+    st = blank()
+    assert ck.load(st, step=1) == 1 and ck.last_load.uri == f"{root}/000000000001"
+    check(st, 1)
+    ck.close()
+    _dcp_on_two_nodes(rank, root + "-dcp", f"{local}-node{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _dcp_on_two_nodes(rank: int, root: str, local: str) -> None:
@@ -324,37 +322,22 @@ def _child(root: str, local: str, kill_at: int, tmp: str, async_save: bool) -> t
     for p in paths.values():
         if os.path.exists(p):
             os.remove(p)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            warnings.simplefilter("ignore")
-            backend, _ = ckptio.resolve(local)
-            Events(type(backend), kill_at, paths["events"])
-            ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1, async_save=async_save)
-            with open(paths["done"], "w", buffering=1) as done, open(paths["reports"], "w", buffering=1) as rep:
-                for step in range(1, STEPS + 1):
-                    ck.save(step, state(step))
-                    ck._background.wait()
-                    done.write(f"{step}\n")
-                    rep.write(json.dumps(ck.status()) + "\n")
-                    ck.wait()
-                    rep.write(json.dumps(ck.status()) + "\n")
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + CHILD_TIMEOUT
-    while not (got := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise TimeoutError(f"child (kill_at={kill_at}) did not finish")
-        time.sleep(0.005)
-    status = got[1]
-    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert killed or (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0), f"child failed: {status}"
+
+    def body() -> None:
+        warnings.simplefilter("ignore")
+        backend, _ = ckptio.resolve(local)
+        Events(type(backend), kill_at, paths["events"])
+        ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1, async_save=async_save)
+        with open(paths["done"], "w", buffering=1) as done, open(paths["reports"], "w", buffering=1) as rep:
+            for step in range(1, STEPS + 1):
+                ck.save(step, state(step))
+                ck._background.wait()
+                done.write(f"{step}\n")
+                rep.write(json.dumps(ck.status()) + "\n")
+                ck.wait()
+                rep.write(json.dumps(ck.status()) + "\n")
+
+    killed = forked(body, CHILD_TIMEOUT)
 
     def lines(k: str) -> list:
         return [json.loads(x) for x in open(paths[k])] if os.path.exists(paths[k]) else []

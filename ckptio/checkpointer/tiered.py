@@ -328,6 +328,8 @@ class Tier:
                 raise ReplicationError(f"replication failed on another rank: {failed[0]}")
         if err is not None:
             raise err
+        if self.per_rank and self.rank != 0:
+            self._evict_sent()  # rank 0 has committed what this rank sent
 
     # ---- queries -----------------------------------------------------------------------------------
     def _remote_steps(self) -> set[int] | None:
@@ -336,8 +338,7 @@ class Tier:
         except (OSError, CkptioError) as e:
             warnings.warn(f"{self.remote.root_uri}: cannot list the remote root ({e})", CheckpointWarning, stacklevel=3)
             return None
-        self.replicated &= steps
-        self.replicated |= steps & set(self.local.names)
+        self.replicated |= steps & set(self.local.names)  # kept when remote retention deletes them later
         return steps
 
     def status(self) -> dict[int, str]:
