@@ -21,8 +21,9 @@ one, in which case :meth:`Checkpointer.latest` falls back to the newest complete
 which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
 DCP data is written by all ranks, ``pt``/``fpk`` files, the marker, the pointer and cleanup by rank 0,
 with outcomes shared over a gloo group whose collectives time out after ``timeout`` seconds.
-Async save: :mod:`.staging`. Tiered (``local_tier=``): steps 3-5 run on the local tier, then the
-step is replicated to root in the background (:mod:`.tiered`, :mod:`.replication`).
+Async save: :mod:`.staging`. Tiered (``local_tier=``): steps 1-4 run on the local tier, which then
+evicts (``keep_local``) instead of step 5; the step is replicated to root in the background, where
+retention runs after its commit (:mod:`.tiered`, :mod:`.replication`).
 """
 
 from __future__ import annotations
