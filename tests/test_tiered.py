@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import warnings
 from datetime import timedelta
 
@@ -251,6 +252,28 @@ def test_backlog_raise_and_block(tmp_path, monkeypatch):
     assert Checkpointer(root).list() == [1, 2] and Checkpointer(root + "2").list() == [1, 2]
     ck.close()
     blocking.close()
+
+
+def test_delete_unschedules_and_an_idle_replicator_restarts(tmp_path, monkeypatch):
+    from ckptio.checkpointer import replication
+
+    monkeypatch.setattr(replication, "IDLE_EXIT", 0.2)
+    root = str(tmp_path / "remote")
+    gate = Gate(monkeypatch)
+    ck = Checkpointer(root, format="pt", local_tier=str(tmp_path / "local"), max_pending=8)
+    ck.save(1, state(1))
+    ck.save(2, state(2))
+    ck.delete(2)  # queued behind step 1 (held by the gate): unscheduled and deleted
+    assert 2 not in ck._tier.replicator.pending()
+    gate.open()
+    ck.wait()
+    assert ck.status() == {1: "local+remote"}
+    time.sleep(0.6)
+    assert ck._tier.replicator._thread is None  # idle: gone
+    ck.save(3, state(3))
+    ck.wait()
+    assert ck.status() == {1: "local+remote", 3: "local+remote"}
+    ck.close()
 
 
 # ---- two gloo ranks --------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ class Checkpointer:
     # ---- delete ----------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
-        self.wait()
+        self._background.wait()
         self._on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
         self._barrier()
 

@@ -1,10 +1,13 @@
 """The background replicator of a tiered Checkpointer (:mod:`.tiered`): one thread, a bounded queue of steps.
 
-The thread (a daemon, started with the Checkpointer on rank 0, at the Checkpointer's ``background_nice``)
-first schedules every step committed on the local tier (so a step a killed process never replicated is
-replicated on the next start; a step already remote is only checked), then replicates queued steps
-oldest first, one at a time; each step's files move ``jobs`` at a time through :mod:`ckptio.transfer`,
-each through one part-size buffer, so memory stays bounded whatever the step's size.
+The thread (a daemon, started with the Checkpointer on rank 0, at the Checkpointer's ``background_nice``;
+it exits after ``IDLE_EXIT`` seconds with nothing to do, so an unclosed Checkpointer can be collected,
+and starts again with the next step) first schedules every step committed on the local tier (so a step
+a killed process never replicated is replicated on the next start; a step already remote is only
+checked), then replicates queued steps oldest first, one at a time. A step's files move up to 4 at a
+time through :func:`ckptio.transfer.copy_objects`, which streams each in pieces through one buffer of at
+most the local backend's ``part_size * concurrency / jobs`` bytes (256 MiB in all by default) into the
+remote writer (itself bounded by ``max_buffer_bytes``): memory stays bounded whatever the step's size.
 
 Failures: the backends retry transient errors; when a step still fails, a :class:`CheckpointWarning` is
 issued (and logged), the step stays queued and is retried after ``retry_after`` seconds (at once when
@@ -30,6 +33,7 @@ log = logging.getLogger("ckptio.checkpointer")
 
 BACKLOG_POLICIES = ("block", "raise")
 RETRY_AFTER = 30.0
+IDLE_EXIT = 10.0
 
 
 class BacklogError(CkptioError, RuntimeError):
@@ -68,8 +72,16 @@ class Replicator:
         self._error: BaseException | None = None
         self._retry_at = 0.0
         self._closed = False
-        self._thread = threading.Thread(target=self._run, args=(nice,), name="ckptio-replicator", daemon=True)
-        self._thread.start()
+        self._nice = nice
+        self._thread: threading.Thread | None = None
+        with self._cond:
+            self._start()
+
+    def _start(self) -> None:
+        """Start the thread unless it runs (the caller holds the lock)."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="ckptio-replicator", daemon=True)
+            self._thread.start()
 
     # ---- the caller's side ----------------------------------------------------------------------
     def submit(self, step: int) -> None:
@@ -77,12 +89,22 @@ class Replicator:
             if step not in self._queue:
                 self._queue.append(step)
                 self._queue.sort()
+            self._start()
             self._cond.notify_all()
 
     @property
     def scanning(self) -> bool:
         """Whether the thread is still scheduling the steps found on the local tier at start."""
         return self._scanning
+
+    def forget(self, step: int) -> None:
+        """Unschedule ``step`` (it is being deleted); waits while it is being replicated."""
+        with self._cond:
+            if step in self._queue:
+                self._queue.remove(step)
+            while self._current == step:
+                self._cond.wait()
+            self._cond.notify_all()
 
     def pending(self) -> set[int]:
         """Steps queued or being replicated."""
@@ -130,16 +152,19 @@ class Replicator:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            self._thread.join()
+                thread = self._thread
+            if thread is not None:
+                thread.join()
 
     # ---- the thread ---------------------------------------------------------------------------------
-    def _run(self, nice: int | None) -> None:
-        _lower_priority(nice)
+    def _run(self) -> None:
+        _lower_priority(self._nice)
+        steps = []
         try:
-            steps = list(self._initial())
+            if self._scanning:
+                steps = list(self._initial())
         except BaseException as e:  # noqa: BLE001 - reported; the steps saved from now on still replicate
             self._fail(e, "cannot list the local tier")
-            steps = []
         with self._cond:
             for s in steps:
                 if s not in self._queue:
@@ -150,8 +175,13 @@ class Replicator:
         while True:
             with self._cond:
                 while not self._closed and (not self._queue or time.monotonic() < self._retry_at):
-                    self._cond.wait(None if not self._queue else self._retry_at - time.monotonic())
+                    if self._queue:
+                        self._cond.wait(self._retry_at - time.monotonic())
+                    elif not self._cond.wait(IDLE_EXIT) and not self._queue:
+                        self._thread = None  # idle: the next submit starts another
+                        return
                 if self._closed:
+                    self._thread = None
                     return
                 step = self._current = self._queue.pop(0)
             try:

@@ -442,7 +442,9 @@ class Tier:
         return d is not None and d.startswith(self.local.root_uri.rstrip("/") + "/")
 
     def delete(self, step: int) -> None:
-        """Delete ``step`` from both tiers (waits for the replicator first)."""
+        """Delete ``step`` from both tiers (unscheduled first; waits while it is being replicated)."""
+        if self.replicator is not None:
+            self.replicator.forget(step)
         found = False
         for layout in (self.remote, self.local):
             if step in layout.step_dirs():
