@@ -127,6 +127,29 @@ def test_arguments_are_checked(tmp_path):
     ck.close()
 
 
+def test_settings_checkpointer_table(s3_uri, tmp_path):
+    from ckptio.errors import SettingsError
+
+    toml = tmp_path / "ckptio.toml"
+    toml.write_text(f'[checkpointer]\nlocal_tier = "{tmp_path / "tier"}"\nkeep_local = 1\non_backlog = "raise"\n')
+    ckptio.configure(settings_file=str(toml))
+    assert ckptio.settings()["checkpointer"]["keep_local"] == 1
+    bucket = s3_uri.removeprefix("s3://")
+    with Checkpointer(s3_uri + "/run7", format="pt") as ck:  # a remote root: tiered from the settings
+        assert ck._tier is not None and ck._tier.keep_local == 1
+        assert ck._tier.replicator.on_backlog == "raise"
+        ck.save(1, state(1))
+        ck.save(2, state(2))
+        ck.wait()
+        assert ck.status() == {1: "remote", 2: "local+remote"}
+    assert sorted(os.listdir(tmp_path / "tier" / "s3" / bucket / "run7")) == ["000000000002", "latest.txt"]
+    assert Checkpointer(str(tmp_path / "plain"))._tier is None  # a local root: no tier
+    assert Checkpointer(s3_uri + "/x", local_tier=False)._tier is None
+    toml.write_text('[checkpointer]\non_backlog = "drop"\n')
+    with pytest.raises(SettingsError, match="checkpointer.on_backlog"):
+        ckptio.configure(settings_file=str(toml))
+
+
 # ---- keep_local, restore choice ------------------------------------------------------------------
 
 

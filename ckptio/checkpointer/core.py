@@ -44,7 +44,7 @@ from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
 from .state import LoadResult, SaveResult, restore, state_dicts
-from .tiered import Tier, open_layouts
+from .tiered import Tier, open_layouts, tier_options
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -72,7 +72,9 @@ class Checkpointer:
     ``local_tier`` (a node-local directory): saves commit there and replicate to ``root_uri`` in the
     background; the tier keeps the newest ``keep_local`` steps and every step not yet replicated; at most
     ``max_pending`` steps wait for replication, past which a save blocks (``on_backlog="block"``) or raises
-    :class:`BacklogError` (``"raise"``); see :mod:`.tiered` and :meth:`status`.
+    :class:`BacklogError` (``"raise"``); see :mod:`.tiered` and :meth:`status`. Unset, these come from the
+    settings' ``[checkpointer]`` table (a remote root then gets a tier under its ``local_tier``);
+    ``local_tier=False``: never tiered.
     """
 
     def __init__(
@@ -95,10 +97,10 @@ class Checkpointer:
         stale_after: float | None = STALE_AFTER,
         incremental: bool = False,
         content_grace: float = 3600.0,
-        local_tier: str | os.PathLike | None = None,
-        keep_local: int = 2,
-        max_pending: int = 4,
-        on_backlog: str = "block",
+        local_tier: str | os.PathLike | bool | None = None,
+        keep_local: int | None = None,
+        max_pending: int | None = None,
+        on_backlog: str | None = None,
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -124,9 +126,8 @@ class Checkpointer:
         self.last_load: LoadResult | None = None
         self.last_save: SaveResult | None = None
         self._tier: Tier | None = None
-        if local_tier is not None and incremental:
-            raise ValueError("local_tier= does not combine with incremental=True yet")
-        remote, self._layout = open_layouts(self.root_uri, local_tier) if local_tier else (None, Layout(self.root_uri))
+        tier_dir, tier_opts = tier_options(self.root_uri, local_tier, keep_local, max_pending, on_backlog, incremental)
+        remote, self._layout = open_layouts(self.root_uri, tier_dir) if tier_dir else (None, Layout(self.root_uri))
         self._content = Content(self._layout, content_grace) if incremental else None
         self._stager = _Stager()
         self._background = Background()
@@ -146,9 +147,7 @@ class Checkpointer:
                 remote,
                 self._layout,
                 self,
-                keep_local=keep_local,
-                max_pending=max_pending,
-                on_backlog=on_backlog,
+                **tier_opts,
                 nice=background_nice,
                 rank=self._rank,
                 per_rank=format == "dcp" and self._world > 1,

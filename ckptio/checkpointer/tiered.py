@@ -48,6 +48,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -477,10 +478,44 @@ def status(root_uri: str, local_tier: str | None = None) -> dict[int, str]:
     return {s: state_of(s in local, s in remote, False) for s in sorted(local | remote)}
 
 
+def tier_options(
+    root_uri: str,
+    local_tier: Any,
+    keep_local: int | None,
+    max_pending: int | None,
+    on_backlog: str | None,
+    incremental: bool,
+) -> tuple[str | None, dict[str, Any]]:
+    """(the local tier directory or None, the Tier's options): explicit arguments, else the settings'
+    ``[checkpointer]`` table, else the defaults. With ``local_tier`` unset and the table's
+    ``local_tier`` set, a remote root (an object store, not a local path) gets the tier
+    ``<local_tier>/<scheme>/<bucket>/<key>`` (after aliases and path mapping); ``local_tier=False``: none."""
+    from ..context import default_context
+
+    settings = default_context().settings
+    table = settings.checkpointer
+    opts = {
+        "keep_local": keep_local if keep_local is not None else table.get("keep_local", 2),
+        "max_pending": max_pending if max_pending is not None else table.get("max_pending", 4),
+        "on_backlog": on_backlog if on_backlog is not None else table.get("on_backlog", "block"),
+    }
+    out: str | None = None
+    if local_tier is None and table.get("local_tier") and not incremental:
+        scheme, rest = _uri.split(settings.resolve_alias(settings.map_path(root_uri))[0])
+        if scheme not in ("", "file"):
+            parts = [p for p in rest.split("/") if p not in ("", ".", "..")]
+            out = os.path.join(table["local_tier"], scheme, *parts)
+    elif local_tier is not None and local_tier is not False:
+        if local_tier is True:
+            raise ValueError("local_tier= takes a directory (or False: no tier), not True")
+        if incremental:
+            raise ValueError("local_tier= does not combine with incremental=True yet")
+        out = os.fspath(local_tier)
+    return out, opts
+
+
 def open_layouts(root_uri: str, local_tier: Any) -> tuple[Layout, Layout]:
     """(remote, local) layouts of a tiered Checkpointer."""
-    import os
-
     local = os.fspath(local_tier)
     resolve(local)  # fails early on an unknown scheme
     return Layout(root_uri), Layout(local.rstrip("/") or local)
