@@ -69,12 +69,9 @@ class Checkpointer:
     ``incremental=True`` (``fpk``/``pt``): data already stored under root is not written again
     (:mod:`.content`); content no kept step references is deleted after ``content_grace`` seconds.
     ``last_save``: what the last finished save wrote (:class:`SaveResult`).
-    ``local_tier`` (a node-local directory): saves commit there and replicate to ``root_uri`` in the
-    background; the tier keeps the newest ``keep_local`` steps and every step not yet replicated; at most
-    ``max_pending`` steps wait for replication, past which a save blocks (``on_backlog="block"``) or raises
-    :class:`BacklogError` (``"raise"``); see :mod:`.tiered` and :meth:`status`. Unset, these come from the
-    settings' ``[checkpointer]`` table (a remote root then gets a tier under its ``local_tier``);
-    ``local_tier=False``: never tiered.
+    ``local_tier``, ``keep_local``, ``max_pending``, ``on_backlog``: tiered saves (commit to a node-local
+    directory, replicate to root in the background; default: the settings' ``[checkpointer]`` table):
+    :mod:`.tiered`, :mod:`.replication`.
     """
 
     def __init__(
@@ -125,7 +122,6 @@ class Checkpointer:
         self._swept = stale_after is None
         self.last_load: LoadResult | None = None
         self.last_save: SaveResult | None = None
-        self._tier: Tier | None = None
         tier_dir, tier_opts = tier_options(self.root_uri, local_tier, keep_local, max_pending, on_backlog, incremental)
         remote, self._layout = open_layouts(self.root_uri, tier_dir) if tier_dir else (None, Layout(self.root_uri))
         self._content = Content(self._layout, content_grace) if incremental else None
@@ -142,17 +138,7 @@ class Checkpointer:
                 if process_group is not None
                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
             )
-        if remote is not None:
-            self._tier = Tier(
-                remote,
-                self._layout,
-                self,
-                **tier_opts,
-                nice=background_nice,
-                rank=self._rank,
-                per_rank=format == "dcp" and self._world > 1,
-                timeout=self.timeout,
-            )
+        self._tier = None if remote is None else Tier(remote, self._layout, self, self._rank, self._world, **tier_opts)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
@@ -167,14 +153,11 @@ class Checkpointer:
         return self._layout.list() if self._tier is None else self._on_rank0(self._tier.list)
 
     def latest(self, durable: str | None = None) -> int | None:
-        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete.
-        Tiered: the newest on either tier, or on this node's tier (``durable="local"``) or the remote root
-        (``durable="remote"``)."""
-        if self._tier is None:
-            if durable is not None:
-                raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
-            return self._layout.latest()
-        return self._on_rank0(self._tier.latest, durable)
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete
+        (tiered: on either tier, or ``durable="local"``/``"remote"``: on this node's tier/at root)."""
+        if self._tier is None and durable is not None:
+            raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
+        return self._layout.latest() if self._tier is None else self._on_rank0(self._tier.latest, durable)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The commit marker's contents for ``step`` (format, files, metrics, time)."""
@@ -238,15 +221,13 @@ class Checkpointer:
         self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics)
 
     def wait(self) -> None:
-        """Wait for the background save, if any; re-raise its exception if it failed. Tiered: then wait for
-        replication (:class:`ReplicationError` if an attempt fails meanwhile; the step is retried later)."""
+        """Wait for the background save, if any; re-raise its exception if it failed (tiered: and replication)."""
         self._background.wait()
         if self._tier is not None:
             self._tier.wait(self._pg)
 
     def close(self) -> None:
-        """Wait for the background save (raising its error) and stop the background thread (tiered: and
-        the replicator, after replication)."""
+        """Wait for the background save (raising its error) and stop the background thread (and replicator)."""
         try:
             self._background.close()
         finally:

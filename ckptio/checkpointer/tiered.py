@@ -52,7 +52,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 from .. import uri as _uri
 from ..backends.base import ObjectInfo
@@ -121,6 +121,16 @@ def verify(layout: Layout, step: int) -> str | None:
     return None
 
 
+class _Owner(_Rules, Protocol):
+    """What a Tier reads of its Checkpointer: the retention rules (applied to the remote root), its format,
+    the collectives' ``timeout`` (also how long rank 0 waits for the other ranks' files) and the nice
+    increment of background threads."""
+
+    format: str
+    timeout: float
+    background_nice: int | None
+
+
 class Tier:
     """The local tier and the remote root of one Checkpointer, and its replicator (rank 0 only)."""
 
@@ -128,15 +138,13 @@ class Tier:
         self,
         remote: Layout,
         local: Layout,
-        rules: _Rules,
+        owner: _Owner,
+        rank: int,
+        world: int,
         *,
         keep_local: int,
         max_pending: int,
         on_backlog: str,
-        nice: int | None,
-        rank: int,
-        per_rank: bool,
-        timeout: float,
     ) -> None:
         if not isinstance(keep_local, int) or isinstance(keep_local, bool) or keep_local < 1:
             raise ValueError(f"keep_local must be a positive int, got {keep_local!r}")
@@ -146,19 +154,19 @@ class Tier:
                 CheckpointWarning,
                 stacklevel=3,
             )
-        self.remote, self.local, self.rules, self.keep_local = remote, local, rules, keep_local
+        self.remote, self.local, self.rules, self.keep_local = remote, local, owner, keep_local
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict
-        self.rank, self.per_rank, self.timeout = rank, per_rank, timeout
+        self.rank, self.per_rank, self.timeout = rank, owner.format == "dcp" and world > 1, owner.timeout
         self.owned: dict[int, dict[str, int]] = {}  # step -> every rank's files (DCP, ranks but 0)
-        if rank == 0 or per_rank:  # the thread starts by scheduling every local step (a restart's)
+        if rank == 0 or self.per_rank:  # the thread starts by scheduling every local step (a restart's)
             self.replicator = Replicator(
                 self.replicate,
                 local.list,
                 max_pending=max_pending,
                 on_backlog=on_backlog,
-                nice=nice,
+                nice=owner.background_nice,
                 name=remote.root_uri,
             )
 
@@ -217,7 +225,7 @@ class Tier:
         remote.step_dirs()
         if self.rank != 0:  # per_rank: this rank's files; rank 0 commits once every rank's are there
             if not remote.committed(step):
-                self._copy(step, self.mine(sizes))
+                copy_files(local, remote, step, self.mine(sizes))
             self._evict_sent()
             return
         rmarker = _uri.join_path(remote.dir(step), MARKER_NAME)
@@ -235,38 +243,11 @@ class Tier:
         remote.manifests.pop(step, None)
         if not self.per_rank:
             remote.rmtree(remote.dir(step))  # debris of an interrupted replication
-        self._copy(step, self.mine(sizes))
-        self._await_remote(step, sizes)
+        copy_files(local, remote, step, self.mine(sizes))
+        await_files(remote, step, sizes, self.timeout if self.per_rank else None)
         remote.backend.write(rmarker, json.dumps(m, indent=1, sort_keys=True).encode(), mode="create")
         remote.manifests[step] = m
         self._finish(step)
-
-    def _copy(self, step: int, sizes: dict[str, int]) -> None:
-        local, remote = self.local, self.remote
-        pairs = [
-            (
-                ObjectInfo(_uri.join_path(local.dir(step), *rel.split("/")), size),
-                _uri.join_path(remote.dir(step), *rel.split("/")),
-            )
-            for rel, size in sorted(sizes.items())
-        ]
-        copy_objects(local.backend, pairs, remote.backend, jobs=min(4, max(1, len(pairs))))
-
-    def _await_remote(self, step: int, sizes: dict[str, int]) -> None:
-        """Check that the remote root lists every file with its size (``per_rank``: wait up to ``timeout``
-        seconds for the other ranks' files)."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            have = file_sizes(self.remote, step)
-            wrong = {rel: have.get(rel) for rel, size in sizes.items() if have.get(rel) != size}
-            if not wrong:
-                return
-            if not self.per_rank or time.monotonic() > deadline:
-                raise CkptioError(
-                    f"{self.remote.uri(step)}: files missing or of another size than the marker's after "
-                    f"replication{f' (waited {self.timeout:g}s for every rank)' if self.per_rank else ''}: {wrong}"
-                )
-            time.sleep(0.1)
 
     def _finish(self, step: int) -> None:
         """``step`` is committed remotely: move the remote pointer if it is the newest, retention, eviction."""
@@ -454,6 +435,37 @@ class Tier:
         self.replicated.discard(step)
         if not found:
             raise NotFoundError(self.remote.uri(step), "no checkpoint for this step on either tier")
+
+
+def copy_files(local: Layout, remote: Layout, step: int, sizes: dict[str, int]) -> None:
+    """Copy the files ``sizes`` names from ``local``'s directory of ``step`` to ``remote``'s (4 at a time,
+    each streamed through a bounded buffer into an atomic writer: :func:`ckptio.transfer.copy_objects`)."""
+    pairs = [
+        (
+            ObjectInfo(_uri.join_path(local.dir(step), *rel.split("/")), size),
+            _uri.join_path(remote.dir(step), *rel.split("/")),
+        )
+        for rel, size in sorted(sizes.items())
+    ]
+    copy_objects(local.backend, pairs, remote.backend, jobs=min(4, max(1, len(pairs))))
+
+
+def await_files(remote: Layout, step: int, sizes: dict[str, int], timeout: float | None) -> None:
+    """Check that ``remote`` lists every file of ``sizes`` with its size; ``timeout``: wait up to that many
+    seconds (the other ranks' files, DCP under torch.distributed)."""
+    deadline = time.monotonic() + (timeout or 0.0)
+    while True:
+        have = file_sizes(remote, step)
+        wrong = {rel: have.get(rel) for rel, size in sizes.items() if have.get(rel) != size}
+        if not wrong:
+            return
+        if timeout is None or time.monotonic() > deadline:
+            waited = "" if timeout is None else f" (waited {timeout:g}s for every rank's)"
+            raise CkptioError(
+                f"{remote.uri(step)}: files missing or of another size than the marker's after replication"
+                f"{waited}: {wrong}"
+            )
+        time.sleep(0.1)
 
 
 def _owner(name: str) -> int:
