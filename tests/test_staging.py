@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptio.checkpointer import Checkpointer
+from ckptio.checkpointer import Checkpointer, staging
 from ckptio.checkpointer.staging import _dense, _Stager
 
 DTYPES = [
@@ -104,6 +104,20 @@ def test_staged_copy_is_exact_for_every_layout(torch_copy):
         assert out["transposed"].stride() == src["transposed"].stride()
         assert out["channels_last"].is_contiguous(memory_format=torch.channels_last)
     assert out["sliced"].is_contiguous()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chunked_parallel_copy_is_exact(threads, monkeypatch):
+    monkeypatch.setattr(staging, "_CHUNK", 4096 + 8)  # many chunks, ragged ends
+    monkeypatch.setattr(staging, "_PARALLEL_MIN", 0)
+    src = [
+        random((n,), d, n)
+        for n, d in [(1, torch.uint8), (50_001, torch.float64), (3, torch.bool), (9999, torch.bfloat16)]
+    ]
+    dst = [torch.zeros_like(t) for t in src]
+    staging._memmove_all(list(zip(dst, src, strict=True)), threads)
+    for d, t in zip(dst, src, strict=True):
+        assert raw(d) == raw(t)
 
 
 def test_dense():
