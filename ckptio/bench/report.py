@@ -188,9 +188,9 @@ def _summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["\n== ckptio's best vs the best baseline; ratio = baseline time / ckptio time (>1: ckptio faster) =="]
     keys = list(dict.fromkeys((x["size_bytes"], x["backend"]) for x in sorted(rows, key=lambda x: x["size_bytes"])))
-    bw = max(len(b) for _, b in keys) + 2
+    table = []
     for size, b in keys:
-        cells = []
+        cells = [human_bytes(size), b]
         for op in ("save", "load"):
             x = next((x for x in rows if x["backend"] == b and x["size_bytes"] == size and x["op"] == op), None)
             cells.append(
@@ -199,7 +199,10 @@ def _summary_lines(rows: list[dict[str, Any]]) -> list[str]:
                 if x
                 else f"{op} -"
             )
-        lines.append(f"{human_bytes(size):>9}  {b:<{bw}}" + "   ".join(cells))
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    for r in table:
+        lines.append(f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}   {r[3]}")
     return lines
 
 
@@ -286,6 +289,6 @@ def _ratio_panels(axes: Any, rows: list[dict[str, Any]]) -> None:
         ax.set_xticks(range(len(sizes)))
         ax.set_xticklabels([human_bytes(s) for s in sizes])
         ax.set_ylabel("baseline time / ckptio time")
-        ax.set_title(f"{op}: ckptio's best vs the best baseline (>1: ckptio faster)")
+        ax.set_title(f"{op}: ckptio's best / best baseline (>1: faster)")
         if backends:
             ax.legend(fontsize=8)
