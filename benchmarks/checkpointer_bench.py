@@ -43,7 +43,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ckptio.checkpointer import Checkpointer  # noqa: E402
 
 GIB = 1 << 30
-SPIN = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    sum(i * i for i in range(10000))"
+SPIN = (  # stops when the benchmark dies (its parent changes), even if killed before it could stop them
+    "import os, time\nparent = os.getppid()\nend = time.time() + 3600\n"
+    "while time.time() < end and os.getppid() == parent:\n    sum(i * i for i in range(10000))"
+)
 
 
 @contextlib.contextmanager
