@@ -2,9 +2,12 @@
 that write through the content store, the sweep after retention, and the disk usage report.
 
 A step saved incrementally has ``"content": "xxh3_128"`` in its commit marker and a recipe
-(:mod:`ckptio.incremental`) as its data file; its bytes live in ``root/.content``. A save reuses only
-content that committed steps reference (read once, at the first save, then kept up to date) or that
-it wrote itself. After retention, content no committed step references is deleted once it is older
+(:mod:`ckptio.incremental`) as each data file (``pt``/``fpk``: the one file; ``dcp``: every data object
+its ``.metadata`` names; ``.metadata`` stays plain); its bytes live in ``root/.content``. A save
+reuses only content that committed steps reference or that it wrote itself: ``pt``/``fpk`` (rank 0)
+read every kept step's recipes once, at the first save, then keep them up to date; with ``dcp`` each
+rank, at each save, reads the recipes of its own data objects (``__<rank>_*``; all of them when the
+world size changed) in the latest committed step, which retention never deletes. After retention, content no committed step references is deleted once it is older
 than ``content_grace`` seconds (so it never races a save in progress, and a killed save's blocks go
 at a later save). A step whose recipe cannot be read stops the sweep (a warning): what it references
 is unknown.
@@ -65,6 +68,51 @@ class Content:
         self.last = (backend.logical_bytes, backend.bytes_written)
         return [name]
 
+    def write_dcp(self, step: int, sd: dict[str, Any], pg: Any, options: Mapping[str, Any], rank: int) -> list[str]:
+        """Every rank: write ``sd`` as the DCP checkpoint of ``step``, its data objects through the content
+        store; ``last`` is the sum over ranks."""
+        from .formats import write_dcp
+
+        self.store.settle(self._latest_hashes(rank))
+        self._refs.pop(step, None)
+        backend = IncrementalBackend(self.layout.backend, self.store)
+        try:
+            files = write_dcp(sd, self.layout.uri(step), pg, {**options, "backend": backend})
+        finally:
+            backend.close()
+        counts = [backend.logical_bytes, backend.bytes_written]
+        if pg is not None:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor(counts, dtype=torch.int64)
+            dist.all_reduce(t, group=pg)
+            counts = t.tolist()
+        self.last = (counts[0], counts[1])
+        self._settled = False  # rank 0's sweep settles the store again after the commit
+        return files
+
+    def _latest_hashes(self, rank: int) -> set[str]:
+        """What this rank's data objects of the latest committed step reference (DCP saves)."""
+        step = self.layout.latest()
+        if step is None:
+            return set()
+        reader = IncrementalBackend(self.layout.backend, self.store)
+        try:
+            uris = data_files(self.layout, step)
+            mine = [u for u in uris if _uri.basename(u).startswith(f"__{rank}_")]
+            out: set[str] = set()
+            for u in mine or uris:
+                r = reader.recipe(u)
+                if r is not None:
+                    out.update(r.hashes)
+            return out
+        except (FormatError, FileNotFoundError) as e:  # write everything this time
+            log.warning("%s: cannot read its recipes (%s); this save writes all its content", self.layout.uri(step), e)
+            return set()
+        finally:
+            reader.close()
+
     def referenced(self) -> tuple[set[str], bool]:
         """(every hash a committed step references, whether every recipe could be read)."""
         complete = True
@@ -105,16 +153,33 @@ class Content:
             log.info("swept %d content object(s), %d bytes, under %s", count, size, self.layout.root_uri)
 
 
-def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[str]:
-    """The hashes the data files of committed ``step`` reference (none when it is not incremental)."""
+def data_files(layout: Layout, step: int) -> list[str]:
+    """The (resolved) URIs of the data files of committed incremental ``step`` (none when it is not
+    incremental): ``pt``/``fpk`` the marker's file, ``dcp`` the data objects its ``.metadata`` names."""
     m = layout.manifest(step)
-    if m.get(CONTENT_KEY) is None or m.get("format") not in _DATA_FILE:
-        return set()
-    out: set[str] = set()
-    for name in m.get("files") or [_DATA_FILE[m["format"]]]:
+    fmt = m.get("format")
+    if m.get(CONTENT_KEY) is None or (fmt not in _DATA_FILE and fmt != "dcp"):
+        return []
+    d = layout.dir(step)
+    if fmt == "dcp":
+        from ..dcp import METADATA_NAME, loads_metadata
+        from ..dcp.metadata import data_objects
+
+        meta = _uri.join_path(d, METADATA_NAME)
+        return sorted(set(data_objects(loads_metadata(layout.backend.read(meta), meta), layout.backend, d, meta).values()))
+    out = []
+    for name in m.get("files") or [_DATA_FILE[fmt]]:
         if name in ("", ".", "..") or any(c in name for c in "/\\:\0"):
             raise FormatError(f"{layout.user_uri(step, 'checkpoint.json')}: file name {name!r}")
-        r = reader.recipe(_uri.join_path(layout.dir(step), name))
+        out.append(_uri.join_path(d, name))
+    return out
+
+
+def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[str]:
+    """The hashes the data files of committed ``step`` reference (none when it is not incremental)."""
+    out: set[str] = set()
+    for u in data_files(layout, step):
+        r = reader.recipe(u)
         if r is not None:
             out.update(r.hashes)
     return out
@@ -139,10 +204,10 @@ def usage(root_uri: str) -> dict[str, Any]:
         for s in layout.list():
             own = sum(i.size for i in layout.backend.list(layout.dir(s), recursive=True) if not i.is_dir)
             logical, hashes = own, set[str]()
-            m = layout.manifest(s)
-            if m.get(CONTENT_KEY) is not None and m.get("format") in _DATA_FILE:
+            files = data_files(layout, s)
+            if files:
                 hashes = step_hashes(layout, s, reader)
-                logical = sum(reader.stat(_uri.join_path(layout.dir(s), n)).size for n in m.get("files") or [])
+                logical = own + sum(reader.stat(u).size - layout.backend.stat(u).size for u in files)
             for h in hashes:
                 users[h] = users.get(h, 0) + 1
             rows.append((s, logical, own, hashes))
