@@ -2,27 +2,21 @@
 
 Real storage throughout (local, memory, S3 on moto): bytes written per save, exact loads of every
 kept step, the sweep after retention and its grace period, damaged content objects, crafted recipes,
-a save killed mid-way, and ``ckptio du``."""
+and ``ckptio du`` (saves killed anywhere: test_incremental_kill.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import time
-import traceback
-import warnings
 
 import pytest
 import torch
 
-import ckptio
 from ckptio.checkpointer import Checkpointer, usage
 from ckptio.cli import main as cli_main
 from ckptio.errors import FormatError, IntegrityError
 from ckptio.incremental import CONTENT_DIR, MAGIC, recipe
 from conftest import flip_byte
-from test_checkpointer_crash import Events
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -201,49 +195,3 @@ def test_du_cli(tmp_path, capsys):
     assert [r["step"] for r in data["steps"]] == [1, 2] and data["physical_bytes"] > FROZEN << 20
     assert cli_main(["du", root]) == 0
     assert "physical" in capsys.readouterr().out
-
-
-# ---- a save killed mid-way ---------------------------------------------------------------------
-
-
-def _child(root: str, kill_at: int, log: str) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            warnings.simplefilter("ignore")
-            backend, _ = ckptio.resolve(root)
-            Events(type(backend), kill_at, log)
-            ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0)
-            for step in range(1, 4):
-                ck.save(step, make_state(step, frozen_seed=step // 2))
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return status
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_killed_save_leaves_committed_steps_and_is_cleaned_up(tmp_path):
-    make_state(0)
-    log = str(tmp_path / "events.jsonl")
-    assert _child(str(tmp_path / "dry"), 0, log) == 0
-    events = [json.loads(line) for line in open(log)]
-    points = [n for n, kind, _ in events if kind != "chunk"]
-    points = sorted(set(points[:: max(1, len(points) // 10)] + [n for n, k, u in events if "checkpoint.json" in u]))
-    for n in points:
-        root = str(tmp_path / f"k{n}")
-        status = _child(root, n, log)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, n
-        ck = Checkpointer(root, format="fpk", incremental=True, keep_last=2, content_grace=0, stale_after=0)
-        for step in ck.list():
-            check(ck, step, frozen_seed=step // 2)
-        nxt = (ck.list() or [0])[-1] + 1
-        time.sleep(0.01)
-        ck.save(nxt, make_state(nxt, frozen_seed=nxt // 2))
-        for step in ck.list():
-            check(ck, step, frozen_seed=step // 2)
-        assert usage(root)["unreferenced_content_bytes"] == 0, n

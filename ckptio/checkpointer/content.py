@@ -166,7 +166,9 @@ def data_files(layout: Layout, step: int) -> list[str]:
         from ..dcp.metadata import data_objects
 
         meta = _uri.join_path(d, METADATA_NAME)
-        return sorted(set(data_objects(loads_metadata(layout.backend.read(meta), meta), layout.backend, d, meta).values()))
+        return sorted(
+            set(data_objects(loads_metadata(layout.backend.read(meta), meta), layout.backend, d, meta).values())
+        )
     out = []
     for name in m.get("files") or [_DATA_FILE[fmt]]:
         if name in ("", ".", "..") or any(c in name for c in "/\\:\0"):

@@ -310,9 +310,7 @@ class Checkpointer:
         source: Mapping[str, Any]
         if fmt == "dcp":
             parted = {k: state[k] for k in parts}
-            source, ckpt_parts = formats.read_dcp(
-                d, parted, self.load_options, self._pg, cache, allow_pickle, content
-            )
+            source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
         else:
             source, ckpt_parts = formats.read_file(
                 fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content
