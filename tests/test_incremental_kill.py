@@ -129,7 +129,7 @@ def run_kills(base: str, fmt: str, tmp_path) -> int:
         for n, pid in batch.items():
             status = wait(pid)
             assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (n, status)
-    for n, root in roots.items():
+    for root in roots.values():
         ck = checkpointer(root, fmt, stale_after=0)
         for step in ck.list():
             check(ck, step)

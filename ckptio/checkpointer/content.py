@@ -7,10 +7,10 @@ its ``.metadata`` names; ``.metadata`` stays plain); its bytes live in ``root/.c
 reuses only content that committed steps reference or that it wrote itself: ``pt``/``fpk`` (rank 0)
 read every kept step's recipes once, at the first save, then keep them up to date; with ``dcp`` each
 rank, at each save, reads the recipes of its own data objects (``__<rank>_*``; all of them when the
-world size changed) in the latest committed step, which retention never deletes. After retention, content no committed step references is deleted once it is older
-than ``content_grace`` seconds (so it never races a save in progress, and a killed save's blocks go
-at a later save). A step whose recipe cannot be read stops the sweep (a warning): what it references
-is unknown.
+world size changed) in the latest committed step, which retention never deletes. After retention,
+content no committed step references is deleted once it is older than ``content_grace`` seconds (so
+it never races a save in progress, and a killed save's blocks go at a later save). A step whose
+recipe cannot be read stops the sweep (a warning): what it references is unknown.
 """
 
 from __future__ import annotations
