@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import ckptio
 from ckptio.checkpointer import Checkpointer, usage
 from ckptio.cli import main as cli_main
 from ckptio.errors import FormatError, IntegrityError
@@ -195,3 +196,28 @@ def test_du_cli(tmp_path, capsys):
     assert [r["step"] for r in data["steps"]] == [1, 2] and data["physical_bytes"] > FROZEN << 20
     assert cli_main(["du", root]) == 0
     assert "physical" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "pt", "dcp"])
+def test_direct_access_to_a_step_reads_through_the_roots_content(fmt, tmp_path, capsys):
+    """``ckptio.load``, ``ckptio info`` and ``ckptio verify`` on an incremental step's data (recipes)."""
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, format=fmt, incremental=True)
+    for step in (1, 2):
+        ck.save(step, make_state(step))
+    target = ck.uri(2) if fmt == "dcp" else os.path.join(ck.uri(2), f"state.{fmt}")
+    if fmt != "dcp":
+        with open(target, "rb") as f:
+            assert f.read(len(MAGIC)) == MAGIC
+        got = ckptio.load(target, **({"weights_only": True} if fmt == "pt" else {}))
+        for k, v in make_state(2)["model"].items():
+            assert torch.equal(got["model"][k], v), k
+    info = ckptio.info(target)
+    assert sum(t["nbytes"] for t in info["tensors"]) >= FROZEN << 20
+    assert ckptio.verify(target)["ok"]
+    assert cli_main(["verify", target]) == 0
+    capsys.readouterr()
+    victim = next(p for p in content_files(root) if os.path.getsize(p) == 1 << 20)
+    flip_byte(victim, 7)
+    with pytest.raises(IntegrityError):
+        ckptio.verify(target)
