@@ -221,3 +221,26 @@ def test_direct_access_to_a_step_reads_through_the_roots_content(fmt, tmp_path, 
     flip_byte(victim, 7)
     with pytest.raises(IntegrityError):
         ckptio.verify(target)
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+def test_gcs_round_trip_and_load_through_the_node_cache(fmt, gcs_uri, tmp_path):
+    root = gcs_uri + "/run"
+    ck = Checkpointer(root, format=fmt, incremental=True, keep_last=2, content_grace=0)
+    for step in (1, 2, 3):
+        ck.save(step, make_state(step))
+        if step > 1:
+            assert ck.last_save.bytes_written < ck.last_save.logical_bytes * 0.1
+    assert ck.list() == [2, 3]
+    cache_dir = str(tmp_path / "cache")
+    for _ in range(2):  # fills the cache, then reads from it
+        for step in ck.list():
+            want = make_state(step)
+            st = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "trainer": {"step": 0}}
+            assert ck.load(st, step=step, cache=cache_dir) == step
+            assert st["trainer"] == want["trainer"]
+            for k, v in want["model"].items():
+                assert torch.equal(st["model"][k], v), (step, k)
+    cached = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs]
+    assert sum(os.path.getsize(p) for p in cached) >= FROZEN << 20  # the content objects are cached
+    assert usage(root)["unreferenced_content_bytes"] == 0
