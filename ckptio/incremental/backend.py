@@ -7,7 +7,8 @@ does; the small records between become small blocks of their own), at a boundary
 ``max_block`` bytes; so an unchanged payload is an unchanged block, wherever it lies in the file. It
 hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to ``concurrency`` at
 once) and, once they are all durable, writes the recipe at the object's own URI with the writer's
-mode. An object smaller than ``min_block`` is written plainly.
+mode. An object smaller than ``min_block`` is written plainly. A new block is uploaded from a copy,
+or straight from the caller's memory when it came through ``write_borrowed`` (the DCP writer's way).
 :attr:`IncrementalBackend.logical_bytes` and :attr:`~IncrementalBackend.bytes_written` count what
 its writers were given and what they stored.
 
@@ -188,27 +189,32 @@ class _BlockWriter(Writer):
         self._done = False
 
     def write(self, data: Buffer) -> int:
+        return self._write(data, borrowed=False)
+
+    def write_borrowed(self, data: Buffer) -> int:
+        """``write`` of bytes the caller keeps unchanged until ``close``: new blocks are uploaded from
+        them, not copied."""
+        return self._write(data, borrowed=True)
+
+    def _write(self, data: Buffer, borrowed: bool) -> int:
         if self._done:
             raise ValueError(f"write to a closed writer: {self.uri}")
         mv = memoryview(data).cast("B")
         n = len(mv)
         self._size += n
         top = self._store.max_block
-        large = n >= self._store.min_block
-        if large and self._pending:  # a large write (a payload) is a block of its own
-            self._cut()
+        if n >= self._store.min_block:  # a large write (a payload): blocks of its own, hashed in place
+            if self._pending:
+                self._cut()
+            for i in range(0, n, top):
+                self._emit(mv[i : i + top], owned=borrowed)
+            return n
         while len(mv):
-            if not self._pending and len(mv) >= top:  # a whole block of the caller's bytes: hash in place
-                self._emit(mv[:top], owned=False)
-                mv = mv[top:]
-                continue
             take = min(len(mv), top - len(self._pending))
             self._pending += mv[:take]
             mv = mv[take:]
             if len(self._pending) >= top:
                 self._cut()
-        if large and self._pending:
-            self._cut()
         return n
 
     def mark_boundary(self) -> None:
@@ -220,6 +226,7 @@ class _BlockWriter(Writer):
         self._emit(memoryview(data), owned=True)
 
     def _emit(self, mv: memoryview, owned: bool) -> None:
+        """Hash block ``mv`` and, when unknown, upload it (a copy unless ``owned``: stable until close)."""
         h = block_hash(mv)
         self._blocks.append((h, len(mv)))
         if not self._store.claim(h):
