@@ -244,3 +244,24 @@ def test_gcs_round_trip_and_load_through_the_node_cache(fmt, gcs_uri, tmp_path):
     cached = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs]
     assert sum(os.path.getsize(p) for p in cached) >= FROZEN << 20  # the content objects are cached
     assert usage(root)["unreferenced_content_bytes"] == 0
+
+
+def test_ranged_reads_through_recipes_from_many_threads(memory_uri):
+    """Parts of blocks read at once from several threads (DCP resharding does): exact bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptio.incremental import BlockStore, IncrementalBackend
+
+    backend, root = ckptio.resolve(memory_uri + "/r")
+    store = BlockStore(backend, root + "/.content", min_block=1000, max_block=4096)
+    inc = IncrementalBackend(backend, store)
+    data = os.urandom(50_000)
+    with inc.open_writer(root + "/f") as w:
+        for i in range(0, len(data), 7000):
+            w.write(data[i : i + 7000])
+    assert inc.stat(root + "/f").size == len(data)
+    spans = [(a, a + n) for a in range(0, len(data), 1234) for n in (1, 333, 5000)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda s: inc.read_range(root + "/f", *s), spans))
+    assert got == [data[a:b] for a, b in spans]
+    inc.close()

@@ -20,7 +20,9 @@ last few are kept). Plain objects are the wrapped backend's.
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
 declines any change; ``node_cache`` is None (a cache under the wrapper caches content objects);
-``writes_in_place`` False (blocks are buffered), ``max_buffer_bytes`` the wrapped backend's.
+``writes_in_place`` True (a large write is hashed where it lies and, through ``write_borrowed``,
+uploaded from there; other new blocks are copied, at most ``concurrency`` per writer at once),
+``max_buffer_bytes`` the wrapped backend's. Concurrent reads of parts of one block fetch it once.
 ``stat`` gives a recipe's logical size; ``list`` is the wrapped backend's (stored sizes).
 """
 
@@ -51,12 +53,12 @@ class IncrementalBackend(ForwardingBackend):
         super().__init__(inner)
         self.name = inner.name
         self.store = store
-        self.writes_in_place = False
+        self.writes_in_place = True
         self.logical_bytes = 0
         self.bytes_written = 0
         self._lock = threading.Lock()
         self._recipes: dict[str, Recipe | None] = {}
-        self._blocks: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[str, Future[bytes]] = collections.OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
@@ -130,17 +132,28 @@ class IncrementalBackend(ForwardingBackend):
 
     def _read_part(self, h: str, out: memoryview, uri: str, length: int, skip: int) -> None:
         with self._lock:
-            data = self._blocks.get(h)
-            if data is not None:
-                self._blocks.move_to_end(h)
-        if data is None:
-            whole = bytearray(length)
-            self.store.read_into(h, memoryview(whole), uri)
-            data = bytes(whole)
+            fut = self._blocks.get(h)
+            mine = fut is None
+            if fut is None:  # fetch it here; readers of other parts of it wait for this one
+                fut = self._blocks[h] = Future()
+            self._blocks.move_to_end(h)
+        if mine:
+            try:
+                whole = bytearray(length)
+                self.store.read_into(h, memoryview(whole), uri)
+                fut.set_result(bytes(whole))
+            except BaseException as e:
+                with self._lock:
+                    self._blocks.pop(h, None)
+                fut.set_exception(e)
+                raise
             with self._lock:
-                self._blocks[h] = data
                 while len(self._blocks) > _KEEP_BLOCKS:
-                    self._blocks.popitem(last=False)
+                    old = next(iter(self._blocks))
+                    if not self._blocks[old].done():
+                        break
+                    del self._blocks[old]
+        data = fut.result()
         out[:] = data[skip : skip + len(out)]
 
     @contextlib.contextmanager
