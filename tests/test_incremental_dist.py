@@ -4,14 +4,12 @@ bytes, and the steps load exactly on 2 ranks and, resharded, in one process. Chi
 
 from __future__ import annotations
 
-import os
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
-from multiproc import results, run_ranks
+from multiproc import record, results, run_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -28,48 +26,46 @@ def full_state(step: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, roots: dict[str, str], out_dir: str) -> None:
+    record(out_dir, rank, _save_and_load, rank, world, port, roots)
+
+
+def _save_and_load(rank: int, world: int, port: int, roots: dict[str, str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from ckptio.checkpointer import Checkpointer
 
-    result = "ok"
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        mesh = init_device_mesh("cpu", (world,))
-        for fmt, root in roots.items():
-            ck = Checkpointer(root, format=fmt, incremental=True, keep_last=3, content_grace=0, timeout=60)
-            for step in range(1, 5):
-                model = full_state(step)
-                if fmt == "dcp":
-                    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in model.items()}
-                ck.save(step, {"model": model, "trainer": {"step": step}})
-                res = ck.last_save
-                if rank == 0 and step == 1:
-                    assert res.bytes_written > 0.9 * res.logical_bytes > 0.9 * (FROZEN << 21), res
-                elif rank == 0:  # the head, the metadata and the recipes
-                    assert res.bytes_written < res.logical_bytes * 0.1, (fmt, res)
-            assert ck.list() == [2, 3, 4], ck.list()
-            for step in ck.list():  # load on the same world size
-                want = full_state(step)
-                model = {k: torch.zeros_like(v) for k, v in want.items()}
-                if fmt == "dcp":
-                    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in model.items()}
-                trainer = {"step": 0}
-                assert ck.load({"model": model, "trainer": trainer}, step=step) == step
-                assert trainer == {"step": step}
-                for k, v in model.items():
-                    got = v.full_tensor() if fmt == "dcp" else v
-                    assert torch.equal(got, want[k]), (fmt, step, k)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        result = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(result)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for fmt, root in roots.items():
+        ck = Checkpointer(root, format=fmt, incremental=True, keep_last=3, content_grace=0, timeout=60)
+        for step in range(1, 5):
+            model = full_state(step)
+            if fmt == "dcp":
+                model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in model.items()}
+            ck.save(step, {"model": model, "trainer": {"step": step}})
+            res = ck.last_save
+            if rank == 0 and step == 1:
+                assert res.bytes_written > 0.9 * res.logical_bytes > 0.9 * (FROZEN << 21), res
+            elif rank == 0:  # the head, the metadata and the recipes
+                assert res.bytes_written < res.logical_bytes * 0.1, (fmt, res)
+        assert ck.list() == [2, 3, 4], ck.list()
+        for step in ck.list():  # load on the same world size
+            want = full_state(step)
+            model = {k: torch.zeros_like(v) for k, v in want.items()}
+            if fmt == "dcp":
+                model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in model.items()}
+            trainer = {"step": 0}
+            assert ck.load({"model": model, "trainer": trainer}, step=step) == step
+            assert trainer == {"step": step}
+            for k, v in model.items():
+                got = v.full_tensor() if fmt == "dcp" else v
+                assert torch.equal(got, want[k]), (fmt, step, k)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_two_ranks_fpk_and_dcp_dedup_and_reshard_on_load(tmp_path):
