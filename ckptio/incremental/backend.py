@@ -123,10 +123,12 @@ class IncrementalBackend(ForwardingBackend):
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
                 jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
-        if len(jobs) == 1:
-            jobs[0]()
-        elif jobs:
-            for f in [self._executor().submit(job) for job in jobs]:
+        futures = [self._executor().submit(job) for job in jobs[1:]]  # the caller's thread reads the first
+        try:
+            if jobs:
+                jobs[0]()
+        finally:
+            for f in futures:
                 f.result()
         return max(0, end - offset)
 
