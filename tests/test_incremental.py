@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -265,3 +266,34 @@ def test_ranged_reads_through_recipes_from_many_threads(memory_uri):
         got = list(pool.map(lambda s: inc.read_range(root + "/f", *s), spans))
     assert got == [data[a:b] for a, b in spans]
     inc.close()
+
+
+def test_sweep_lists_content_only_when_something_can_be_due(tmp_path, monkeypatch):
+    from ckptio.incremental import BlockStore
+
+    root = str(tmp_path)
+    ck = Checkpointer(root, format="fpk", incremental=True, content_grace=0)
+    ck.save(1, make_state(1))  # a new Checkpointer sweeps at its first commit (killed processes' leftovers)
+    listings = []
+    real_entries, real_put = BlockStore._entries, BlockStore.put
+    monkeypatch.setattr(BlockStore, "_entries", lambda self: listings.append(1) or real_entries(self))
+    ck.save(2, make_state(2))
+    assert listings == []  # nothing deleted, nothing failed: no listing of .content
+
+    def failing_put(self, h, data, durable=True):
+        if failing_put.calls == 2:
+            raise OSError("injected")
+        failing_put.calls += 1
+        return real_put(self, h, data, durable)
+
+    failing_put.calls = 0
+    monkeypatch.setattr(BlockStore, "put", failing_put)
+    with pytest.raises(OSError, match="injected"):
+        ck.save(3, make_state(3, frozen_seed=5))
+    monkeypatch.setattr(BlockStore, "put", real_put)
+    assert usage(root)["unreferenced_content_bytes"] >= 2 << 20  # the failed save's blocks
+    time.sleep(0.01)
+    ck.save(3, make_state(3))
+    assert listings and usage(root)["unreferenced_content_bytes"] == 0
+    for step in ck.list():
+        check(ck, step)

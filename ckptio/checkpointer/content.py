@@ -16,6 +16,7 @@ recipe cannot be read stops the sweep (a warning): what it references is unknown
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -47,6 +48,11 @@ class Content:
         self._refs: dict[int, set[str]] = {}  # step -> hashes its files' recipes name
         self._settled = False
         self.last: tuple[int, int] = (0, 0)  # (logical bytes, bytes written) of the last save
+        self._due = 0.0  # when a sweep may next delete something (0: unknown, sweep at the next commit)
+
+    def _failed(self) -> None:
+        """A save failed: what it wrote is unreferenced, and old enough to sweep after the grace period."""
+        self._due = min(self._due, time.time() + self.grace)
 
     def write(self, fmt: str, step: int, sd: dict[str, Any], options: Mapping[str, Any]) -> list[str]:
         """Rank 0: write ``sd`` as the ``pt``/``fpk`` data file of ``step`` through the content store."""
@@ -56,13 +62,16 @@ class Content:
             self.store.settle(self.referenced()[0])
             self._settled = True
         self.store.begin()
-        self._refs.pop(step, None)
+        self._replacing(step)
         name = _DATA_FILE[fmt]
         backend = IncrementalBackend(self.layout.backend, self.store)
         try:
             fmt_obj = formats.by_name(_FILE_FORMAT[fmt])
             assert fmt_obj is not None
             fmt_obj.instance().dump(sd, backend, _uri.join_path(self.layout.dir(step), name), **options)
+        except BaseException:
+            self._failed()
+            raise
         finally:
             backend.close()
         self.last = (backend.logical_bytes, backend.bytes_written)
@@ -74,10 +83,13 @@ class Content:
         from .formats import write_dcp
 
         self.store.settle(self._latest_hashes(rank))
-        self._refs.pop(step, None)
+        self._replacing(step)
         backend = IncrementalBackend(self.layout.backend, self.store)
         try:
             files = write_dcp(sd, self.layout.uri(step), pg, {**options, "backend": backend})
+        except BaseException:
+            self._failed()
+            raise
         finally:
             backend.close()
         counts = [backend.logical_bytes, backend.bytes_written]
@@ -91,6 +103,10 @@ class Content:
         self.last = (counts[0], counts[1])
         self._settled = False  # rank 0's sweep settles the store again after the commit
         return files
+
+    def _replacing(self, step: int) -> None:
+        if self._refs.pop(step, None) is not None:  # a committed step saved again: its content may go
+            self._due = 0.0
 
     def _latest_hashes(self, rank: int) -> set[str]:
         """What this rank's data objects of the latest committed step reference (DCP saves)."""
@@ -118,8 +134,9 @@ class Content:
         complete = True
         steps = self.layout.list()
         for s in list(self._refs):
-            if s not in steps:
+            if s not in steps:  # deleted (retention, delete()): its content may go
                 del self._refs[s]
+                self._due = 0.0
         reader = IncrementalBackend(self.layout.backend, self.store)
         try:
             for s in steps:
@@ -137,10 +154,16 @@ class Content:
         return set().union(*self._refs.values()), complete
 
     def sweep(self) -> None:
-        """After retention: known := what kept steps reference; delete the rest once past the grace period."""
+        """After retention: known := what kept steps reference; delete the rest once past the grace period.
+
+        The content listing is skipped while nothing can be due: no step was deleted or replaced and
+        no failed save's or earlier sweep's leftovers are past the grace period yet (a new Checkpointer
+        sweeps at its first commit, for what killed processes left)."""
         refs, complete = self.referenced()
         self.store.settle(refs)
         self._settled = True
+        if time.time() < self._due:
+            return
         if not complete:
             warnings.warn(
                 f"{self.layout.root_uri}: content not swept, a step's recipe cannot be read",
@@ -148,7 +171,7 @@ class Content:
                 stacklevel=2,
             )
             return
-        count, size = self.store.sweep(refs, self.grace)
+        count, size, self._due = self.store.sweep(refs, self.grace)
         if count:
             log.info("swept %d content object(s), %d bytes, under %s", count, size, self.layout.root_uri)
 
