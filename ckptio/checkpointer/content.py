@@ -7,7 +7,8 @@ its ``.metadata`` names; ``.metadata`` stays plain); its bytes live in ``root/.c
 reuses only content that committed steps reference or that it wrote itself: ``pt``/``fpk`` (rank 0)
 read every kept step's recipes once, at the first save, then keep them up to date; with ``dcp`` each
 rank, at each save, reads the recipes of its own data objects (``__<rank>_*``; all of them when the
-world size changed) in the latest committed step, which retention never deletes. After retention,
+world size changed) in the latest committed step, which retention never deletes (when that step
+is its own last save, it knows them already). After retention,
 content no committed step references is deleted once it is older than ``content_grace`` seconds (so
 it never races a save in progress, and a killed save's blocks go at a later save). A step whose
 recipe cannot be read stops the sweep (a warning): what it references is unknown.
@@ -48,6 +49,7 @@ class Content:
         self._refs: dict[int, set[str]] = {}  # step -> hashes its files' recipes name
         self._settled = False
         self.last: tuple[int, int] = (0, 0)  # (logical bytes, bytes written) of the last save
+        self._mine: tuple[int, set[str]] | None = None  # (step, blocks its recipes name) of this rank's last DCP save
         self._due = 0.0  # when a sweep may next delete something (0: unknown, sweep at the next commit)
 
     def _failed(self) -> None:
@@ -101,6 +103,7 @@ class Content:
             dist.all_reduce(t, group=pg)
             counts = t.tolist()
         self.last = (counts[0], counts[1])
+        self._mine = (step, backend.referenced)
         self._settled = False  # rank 0's sweep settles the store again after the commit
         return files
 
@@ -113,6 +116,8 @@ class Content:
         step = self.layout.latest()
         if step is None:
             return set()
+        if self._mine is not None and self._mine[0] == step:  # this rank's own last save: known already
+            return set(self._mine[1])
         reader = IncrementalBackend(self.layout.backend, self.store)
         try:
             uris = data_files(self.layout, step)

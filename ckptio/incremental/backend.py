@@ -10,7 +10,8 @@ once) and, once they are all durable, writes the recipe at the object's own URI 
 mode. An object smaller than ``min_block`` is written plainly. A new block is uploaded from a copy,
 or straight from the caller's memory when it came through ``write_borrowed`` (the DCP writer's way).
 :attr:`IncrementalBackend.logical_bytes` and :attr:`~IncrementalBackend.bytes_written` count what
-its writers were given and what they stored.
+its writers were given and what they stored, :attr:`~IncrementalBackend.referenced` the blocks
+their recipes name.
 
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
 (parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
@@ -56,6 +57,7 @@ class IncrementalBackend(ForwardingBackend):
         self.writes_in_place = True
         self.logical_bytes = 0
         self.bytes_written = 0
+        self.referenced: set[str] = set()  # the blocks the recipes written through it name
         self._lock = threading.Lock()
         self._recipes: dict[str, Recipe | None] = {}
         self._blocks: collections.OrderedDict[str, Future[bytes]] = collections.OrderedDict()
@@ -283,6 +285,8 @@ class _BlockWriter(Writer):
         recipe = pack_recipe(self._size, self._blocks)
         self._b.inner.write(self.uri, recipe, mode=self._mode, durable=self._durable)
         self._b._count(self._size, self._written + len(recipe))
+        with self._b._lock:
+            self._b.referenced.update(h for h, _ in self._blocks)
 
     def abort(self) -> None:
         self._done = True
