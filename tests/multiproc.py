@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 
 import torch.multiprocessing as mp
 
@@ -33,3 +34,14 @@ def results(out_dir: str, world: int) -> list[str]:
         with open(os.path.join(out_dir, f"rank{r}.txt")) as f:
             out.append(f.read())
     return out
+
+
+def record(out_dir: str, rank: int, fn, *args) -> None:
+    """Run ``fn(*args)`` and write ``ok`` or its traceback to ``out_dir/rank<r>.txt`` (see :func:`results`)."""
+    result = "ok"
+    try:
+        fn(*args)
+    except BaseException:
+        result = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(result)
