@@ -1,9 +1,12 @@
-"""Incremental checkpoints, workload F (~90% frozen): five saves, incremental vs not, local (fsync)
-and S3 (moto); bytes written per save and time ratios. The logic is :mod:`ckptio.bench.incremental`.
+"""Incremental checkpoints, workloads F (~90% frozen) and W1 (all new): five saves and a restore,
+incremental vs not, local (fsync) and S3 (moto); bytes written per save and time ratios. The logic
+is :mod:`ckptio.bench.incremental`.
 
-    python benchmarks/incremental_bench.py [--size 1024] [--repeats 3] [--format fpk] [--targets local,s3]
+    python benchmarks/incremental_bench.py [--size 1024] [--s3-size 256] [--repeats 3] [--format fpk|pt|dcp]
+        [--targets local,s3] [--workload F|W1]
 
-Targets (issue 16): saves 2-5 write <= 12% of the logical bytes, >= 5x faster on S3, >= 3x locally.
+Targets (issue 16): F: saves 2-5 write <= 12% of the logical bytes, >= 5x faster on S3, >= 3x locally;
+W1: incremental saves <= 1.1x the time of non-incremental ones; restores of step 5 no slower.
 """
 
 from __future__ import annotations

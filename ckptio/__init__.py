@@ -2,7 +2,9 @@
 
 ``ckptio.dump(obj, uri)`` / ``ckptio.load(uri)`` choose the storage by the URI's scheme and the
 format by the file's extension; the rest of the easy_io surface (put/get/exists/ls/copy...) works
-on every backend. See the README for the tour.
+on every backend. ``ckptio.Checkpointer(root, incremental=True)`` keeps numbered checkpoints whose
+unchanged tensors are stored once (:mod:`ckptio.incremental`: one writer per root, the
+``content_grace`` period, ``ckptio du``). See the README for the tour.
 """
 
 from . import errors

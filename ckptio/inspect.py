@@ -8,6 +8,8 @@ plain JSON data (what ``ckptio info --json`` / ``ckptio verify --json`` print).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from . import registry as _registry
@@ -40,16 +42,37 @@ def _detect(backend: Backend, uri: str) -> tuple[str, Format | None, str]:
         return "file", None, uri
 
 
+@contextlib.contextmanager
+def _incremental(backend: Backend, kind: str, target: str) -> Iterator[tuple[Backend, dict[str, Any]]]:
+    """The backend to read ``target`` through and the DCP reader options: for an incremental
+    checkpoint's data (recipes), through the content store of its root (:mod:`ckptio.incremental.direct`)."""
+    from .incremental.direct import dcp_reader, file_reader
+
+    reader = dcp_reader(backend, target) if kind == "dcp" else file_reader(backend, target)
+    if reader is None:
+        yield backend, {}
+        return
+    try:
+        yield reader, {"backend": reader}
+    finally:
+        reader.close()
+
+
 def info(uri: str) -> dict[str, Any]:
     """What ``ckptio info`` prints: ``uri``, ``format``, ``size``, the tensor table (``tensors``: key,
     dtype, shape, nbytes; ``tensor_bytes``) and the other values, without reading tensor data.
     A file no format can inspect gets its format's name (or None), size and version."""
     backend, resolved = resolve(uri)
     kind, fmt, target = _detect(backend, resolved)
+    with _incremental(backend, kind, target) as (backend, opts):
+        return _info(uri, backend, kind, fmt, target, opts)
+
+
+def _info(uri: str, backend: Backend, kind: str, fmt: Format | None, target: str, opts: dict) -> dict[str, Any]:
     if kind == "dcp":
         from . import dcp
 
-        out = dcp.inspect(target)
+        out = dcp.inspect(target, **opts)
     elif fmt is not None and fmt.can("inspect"):
         out = fmt.inspect(backend, target)
     else:
@@ -69,10 +92,15 @@ def verify(uri: str) -> dict[str, Any]:
     format stores nothing to check."""
     backend, resolved = resolve(uri)
     kind, fmt, target = _detect(backend, resolved)
+    with _incremental(backend, kind, target) as (backend, opts):
+        return _verify(uri, backend, kind, fmt, target, opts)
+
+
+def _verify(uri: str, backend: Backend, kind: str, fmt: Format | None, target: str, opts: dict) -> dict[str, Any]:
     if kind == "dcp":
         from . import dcp
 
-        return {"uri": uri, "format": "dcp", "ok": True, **dcp.verify(target)}  # as dcp.inspect
+        return {"uri": uri, "format": "dcp", "ok": True, **dcp.verify(target, **opts)}  # as dcp.inspect
     if fmt is None or not fmt.can("verify"):
         raise FormatError(
             f"{uri}: no checksums to verify for this format (verify reads DCP directories and the files "

@@ -115,7 +115,8 @@ def load(
     """Deserialize from a URI (format by extension) or an open file. Extra keywords go to the format
     (``map_location``, ``weights_only``, ``mmap``, ``keys`` ...). ``cache=True`` (or a directory or
     mapping) reads through the node-local cache, see :mod:`ckptio.cache`. ``progress`` as
-    for :func:`dump` (the total is the object's size)."""
+    for :func:`dump` (the total is the object's size). The data file of an incremental checkpoint
+    (a recipe, :mod:`ckptio.incremental`) loads through the content store of its step's root."""
     if hasattr(file, "read"):
         if file_format is None:
             raise ValueError("load(file_object) needs file_format=...")
@@ -123,6 +124,21 @@ def load(
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
+    try:
+        return _load(fmt, backend, resolved, uri, progress, kwargs)
+    except Exception:
+        from .incremental.direct import file_reader
+
+        reader = file_reader(backend, resolved)  # an incremental checkpoint's data file: a recipe
+        if reader is None:
+            raise
+    try:
+        return _load(fmt, reader, resolved, uri, progress, kwargs)
+    finally:
+        reader.close()
+
+
+def _load(fmt: Format, backend: Backend, resolved: str, uri: str, progress: Any, kwargs: dict[str, Any]) -> Any:
     total = backend.stat(resolved).size if progress not in (None, False) else 0
     with _reporting(progress, backend, uri, total) as counted:
         if backend.node_cache is not None and not fmt.reads_through_cache:  # a plain local file: mmap works

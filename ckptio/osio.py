@@ -3,9 +3,10 @@
 ``preadinto`` fills a buffer with ``preadv`` (in calls the kernel accepts); ``sync_file_range``
 (Linux, via ctypes) starts writeback of a range without waiting, so a durable save's final fsync
 has little left to do; ``prefault`` populates a fresh buffer with one ``madvise(MADV_POPULATE_WRITE)``
-(after checking with ``mincore`` that it is not resident already) before a read fills it;
-``translate_os_errors`` turns an ``OSError`` into the ckptio error that names the object. Each is a no-op
-or declines (returns None) where the platform lacks it.
+(after checking with ``mincore`` that it is not resident already) before a read fills it
+(``prefault_range`` for a raw address); ``memmove`` copies between raw addresses on the calling
+thread in GIL-free chunks (async staging); ``translate_os_errors`` turns an ``OSError`` into the ckptio
+error that names the object. Each is a no-op or declines (returns None) where the platform lacks it.
 """
 
 from __future__ import annotations
@@ -93,20 +94,31 @@ def prefault(mv: memoryview) -> None:
     range first does the same work in one call, measurably faster for fresh allocations. Memory that
     is already resident (a reused allocation) is left alone. A no-op where the kernel lacks it.
     """
-    global _libc, _populate_ok
+    global _populate_ok
     if not _populate_ok or len(mv) < PREFAULT_MIN:
+        return
+    try:
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except (TypeError, ValueError):  # a read-only buffer
+        return
+    prefault_range(ptr, len(mv))
+
+
+def prefault_range(ptr: int, nbytes: int) -> None:
+    """:func:`prefault` for ``nbytes`` of writable memory at address ``ptr`` (a tensor's ``data_ptr()``)."""
+    global _libc, _populate_ok
+    if not _populate_ok or nbytes < PREFAULT_MIN:
         return
     try:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        ptr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    except (OSError, AttributeError, TypeError, ValueError):  # no libc symbol, or a read-only buffer
+    except (OSError, AttributeError):  # no libc symbol
         _populate_ok = False
         return
     start = (ptr + _PAGE - 1) // _PAGE * _PAGE
-    end = (ptr + len(mv)) // _PAGE * _PAGE
+    end = (ptr + nbytes) // _PAGE * _PAGE
     if end <= start:
         return
     vec = ctypes.create_string_buffer(1)
@@ -120,3 +132,17 @@ def prefault(mv: memoryview) -> None:
         return  # resident already
     if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
         _populate_ok = False  # an older kernel
+
+
+MEMMOVE_CHUNK = 64 << 20
+
+
+def memmove(dst: int, src: int, nbytes: int, chunk: int = MEMMOVE_CHUNK) -> None:
+    """Copy ``nbytes`` from address ``src`` to ``dst`` on the calling thread, ``chunk`` bytes per call.
+
+    libc ``memmove`` through ctypes, which releases the GIL during each call: a single-threaded copy
+    at memcpy speed that does not depend on torch's intra-op thread pool (which collapses when other
+    processes keep the cores busy). The caller guarantees both ranges are valid for ``nbytes``.
+    """
+    for off in range(0, nbytes, chunk):
+        ctypes.memmove(dst + off, src + off, min(chunk, nbytes - off))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+import traceback
 
 import torch.multiprocessing as mp
 
@@ -35,10 +37,8 @@ def results(out_dir: str, world: int) -> list[str]:
     return out
 
 
-def report(out_dir: str, rank: int, fn, *args) -> None:
-    """Run ``fn(*args)`` in a rank; write ``ok`` or its traceback to ``out_dir/rank<r>.txt`` (:func:`results`)."""
-    import traceback
-
+def record(out_dir: str, rank: int, fn, *args) -> None:
+    """Run ``fn(*args)`` and write ``ok`` or its traceback to ``out_dir/rank<r>.txt`` (see :func:`results`)."""
     result = "ok"
     try:
         fn(*args)
@@ -51,9 +51,6 @@ def report(out_dir: str, rank: int, fn, *args) -> None:
 def forked(body, timeout: float) -> bool:
     """Run ``body()`` in a forked child (exit 0; 1 with the traceback printed when it raises); wait up to
     ``timeout`` seconds. Returns whether the child was SIGKILLed; any other failure raises."""
-    import signal
-    import traceback
-
     pid = os.fork()
     if pid == 0:
         code = 1

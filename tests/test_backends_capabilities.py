@@ -97,3 +97,18 @@ def test_object_store_with_options_is_a_new_backend_with_the_same_settings(s3_ur
     assert backend.read(f"{root}/a.bin") == b"abc"
     with pytest.raises(ValueError, match="no option"):
         backend.with_options(no_such_option=1)
+
+
+def test_object_store_derived_backends_are_kept_and_closed_with_their_parent(s3_uri):
+    # A DCP save tunes max_buffer_bytes on every call: a fresh backend per save paid for a new
+    # client (and leaked it); the derived backend is made once and closed with its parent.
+    backend, root = ckptio.resolve(s3_uri)
+    derived = backend.with_options(max_buffer_bytes=16 << 20)
+    assert backend.with_options(max_buffer_bytes=16 << 20) is derived
+    assert backend.with_options(max_buffer_bytes=8 << 20) is not derived
+    derived.write(f"{root}/b.bin", b"abc")
+    assert derived._client is not None  # type: ignore[attr-defined]
+    backend.close()
+    assert derived._client is None  # type: ignore[attr-defined]
+    assert backend.with_options(max_buffer_bytes=16 << 20) is not derived  # a new one after close
+    backend.close()

@@ -60,6 +60,11 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys):
     assert {r["op"] for r in doc["results"] if r["backend"] == "local"} >= {"save", "load"}
     assert {r["op"] for r in doc["results"] if r["backend"] == "memory"} == {"save", "load"}
     assert doc["ratios"] and all(x["ratio"] > 0 for x in doc["ratios"])
+    # the table ends with ckptio's best vs the best baseline, one line per storage (save and load)
+    assert "== ckptio's best vs the best baseline" in out
+    assert {(x["backend"], x["op"]) for x in doc["summary"]} == {(b, op) for b in backends for op in ("save", "load")}
+    for x in doc["summary"]:
+        assert not x["impl"].startswith(("raw", "torch", "safetensors")) and x["ratio"] > 0
     assert not [s for s in doc["skipped"] if s["impl"] == "ckptio .pt"]
     text = (tmp_path / "smoke.json").read_text()
     assert "secret_access_key" not in text and "AWS_SECRET" not in text
@@ -83,7 +88,7 @@ def test_ckptio_bench_command(tmp_path, capsys):
             "--json",
             "bench",
             "--sizes",
-            "64KiB",
+            "64KiB,128KiB",
             "--repeats",
             "1",
             "--backends",
@@ -99,6 +104,9 @@ def test_ckptio_bench_command(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["outputs"]["json"] == str(tmp_path / "cmd.json") and doc["outputs"]["png"] is None
     assert {r["backend"] for r in doc["results"]} == {"memory"}
+    sizes = {r["size_bytes"] for r in doc["results"]}
+    assert len(sizes) == 2  # both sizes in one run, each with its summary line (save and load)
+    assert {(x["size_bytes"], x["op"]) for x in doc["summary"]} == {(s, op) for s in sizes for op in ("save", "load")}
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

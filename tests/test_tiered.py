@@ -20,7 +20,7 @@ import ckptio
 from ckptio import cli
 from ckptio.checkpointer import Checkpointer, CheckpointWarning, tiered
 from ckptio.checkpointer.replication import BacklogError, ReplicationError
-from multiproc import forked, report, results, run_ranks
+from multiproc import forked, record, results, run_ranks
 from test_checkpointer_crash import CHILD_TIMEOUT, Events, kill_points
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -303,7 +303,7 @@ def test_delete_unschedules_and_an_idle_replicator_restarts(tmp_path, monkeypatc
 
 
 def _rank(rank: int, world: int, port: int, root: str, local: str, out_dir: str) -> None:
-    report(out_dir, rank, _ranks_body, rank, world, port, root, local)
+    record(out_dir, rank, _ranks_body, rank, world, port, root, local)
 
 
 def _ranks_body(rank: int, world: int, port: int, root: str, local: str) -> None:

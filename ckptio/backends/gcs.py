@@ -259,7 +259,7 @@ class GCSBackend(ObjectStoreBackend):
         out.__cause__ = e
         return out
 
-    def close(self) -> None:
+    def close_clients(self) -> None:
         session = getattr(self._fs, "_session", None)
         if session is not None and not session.closed and self._loop.is_running():
             try:

@@ -211,7 +211,7 @@ class S3Backend(ObjectStoreBackend):
     def translate(self, e: BaseException, uri: str) -> BaseException:
         return translate(e, uri, checksum=self.checksum, endpoint_url=self.endpoint_url)
 
-    def close(self) -> None:
+    def close_clients(self) -> None:
         clients = [c for c in (self._client, *self._old_clients) if c is not None]
         self._client, self._old_clients = None, []
         for client in clients:

@@ -1,9 +1,11 @@
-"""Incremental checkpoints (issue 16), workload F: five saves of a state whose bytes are ~90% frozen.
+"""Incremental checkpoints (issue 16): five saves, then a restore of step 5, incremental vs not.
 
-State of ``size`` bytes: a frozen backbone (90%), a trainable head and the head's Adam moments (the
-other 10%, new every save). For each target (local with fsync; S3 on a moto server), five saves with
-``Checkpointer(incremental=True)`` and five without, interleaved per repeat; reported per save: the
-median seconds and the bytes written, then the ratio of saves 2-5 (non-incremental / incremental).
+Workload F: a state of ``size`` bytes, a frozen backbone (90%), a trainable head and the head's Adam
+moments (the other 10%, new every save). Workload W1: the same tensors, every byte new every save.
+For each target (local with fsync; S3 on a moto server), five saves with
+``Checkpointer(incremental=True)`` and five without, interleaved per repeat, then a restore of step 5
+from each; reported per save: the median seconds and the bytes written, the ratio of saves 2-5
+(non-incremental / incremental) and the restore times.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch
 SAVES = 5
 
 
-def workload_f(size: int, step: int) -> dict[str, Any]:
-    """~90% frozen backbone (same bytes every step), head + its two Adam moments (new every step)."""
-    g = torch.Generator().manual_seed(0)
+def workload_f(size: int, step: int, frozen: bool = True) -> dict[str, Any]:
+    """~90% frozen backbone (same bytes every step unless not ``frozen``: W1), head + its two Adam
+    moments (new every step)."""
+    g = torch.Generator().manual_seed(0 if frozen else 1 + step)
     per = max(1, size * 9 // 10 // 16 // 4)
     backbone = {f"backbone.{i}": torch.randn(per, generator=g) for i in range(16)}
     head_n = max(1, size // 10 // 3 // 4)
@@ -56,21 +59,34 @@ def targets(which: list[str]) -> Iterator[Iterator[tuple[str, str]]]:
         yield iter(out)
 
 
-def run_saves(root: str, fmt: str, incremental: bool, size: int) -> list[tuple[float, int]]:
-    """(seconds, bytes written) of each of the five saves into a fresh root."""
+def run_saves(root: str, fmt: str, incremental: bool, size: int, frozen: bool = True) -> list[tuple[float, int]]:
+    """(seconds, bytes written) of each of the five saves into a fresh root, then (seconds, 0) of a
+    restore of the last one."""
     from ..checkpointer import Checkpointer
 
     ck = Checkpointer(root, format=fmt, incremental=incremental)
     out = []
     for step in range(1, SAVES + 1):
-        state = workload_f(size, step)
+        state = workload_f(size, step, frozen)
         t = time.perf_counter()
         ck.save(step, state)
         took = time.perf_counter() - t
         res = ck.last_save
         written = res.bytes_written if res is not None and res.bytes_written is not None else _logical(state)
         out.append((took, written))
+    target = _zeros(state)
+    t = time.perf_counter()
+    ck.load(target, step=SAVES)
+    out.append((time.perf_counter() - t, 0))
     return out
+
+
+def _zeros(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: _zeros(v) for k, v in state.items()}
+    return state
 
 
 def _logical(state: Any) -> int:
@@ -85,24 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--repeats", type=int, default=3, help="runs of the five saves per mode (median)")
-    p.add_argument("--format", default="fpk", choices=["fpk", "pt"])
+    p.add_argument("--format", default="fpk", choices=["fpk", "pt", "dcp"])
     p.add_argument("--targets", default="local,s3", help="comma-separated: local, s3")
+    p.add_argument("--workload", default="F", choices=["F", "W1"], help="F: 90%% frozen; W1: every byte changes")
+    p.add_argument("--s3-size", type=int, default=256, help="state size in MiB on S3 (moto; default 256)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    size = args.size << 20
+    frozen = args.workload == "F"
     with targets(args.targets.split(",")) as found:
         for name, base in found:
+            size = min(args.size, args.s3_size) << 20 if name == "s3" else args.size << 20
             times: dict[bool, list[list[float]]] = {False: [], True: []}
             written: dict[bool, list[int]] = {}
             for _ in range(args.repeats):
                 for inc in (False, True):
                     root = f"{base.rstrip('/')}/{uuid.uuid4().hex[:8]}-{'inc' if inc else 'full'}"
-                    res = run_saves(root, args.format, inc, size)
+                    res = run_saves(root, args.format, inc, size, frozen)
                     times[inc].append([t for t, _ in res])
-                    written[inc] = [w for _, w in res]
+                    written[inc] = [w for _, w in res[:SAVES]]
                     if name == "local":
                         shutil.rmtree(root, ignore_errors=True)
-            print(f"== {name} ({args.format}, {args.size} MiB, median of {args.repeats})")
+            print(f"== {name} workload {args.workload} ({args.format}, {size >> 20} MiB, median of {args.repeats})")
             print(f"{'save':>4} {'full s':>8} {'inc s':>8} {'full MiB':>9} {'inc MiB':>9} {'inc %':>6}")
             for i in range(SAVES):
                 full_t = statistics.median(r[i] for r in times[False])
@@ -110,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 fw, iw = written[False][i], written[True][i]
                 mib = f"{fw / 2**20:>9.1f} {iw / 2**20:>9.1f}"
                 print(f"{i + 1:>4} {full_t:>8.3f} {inc_t:>8.3f} {mib} {100 * iw / fw:>6.1f}")
-            full_rest = statistics.median(t for r in times[False] for t in r[1:])
-            inc_rest = statistics.median(t for r in times[True] for t in r[1:])
+            full_rest = statistics.median(t for r in times[False] for t in r[1:SAVES])
+            inc_rest = statistics.median(t for r in times[True] for t in r[1:SAVES])
             print(f"saves 2-{SAVES}: non-incremental / incremental time = {full_rest / inc_rest:.2f}x")
+            full_load = statistics.median(r[SAVES] for r in times[False])
+            inc_load = statistics.median(r[SAVES] for r in times[True])
+            print(f"restore of step {SAVES}: non-incremental {full_load:.3f} s, incremental {inc_load:.3f} s")
     return 0

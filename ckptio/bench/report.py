@@ -40,6 +40,35 @@ def ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per backend, size and op (save, load): ckptio's fastest implementation against the fastest baseline."""
+    best: dict[tuple[str, int, str, bool], dict[str, Any]] = {}
+    for r in records:
+        if r["op"] not in ("save", "load") or not r["median_seconds"]:
+            continue
+        key = (r["backend"], r["size_bytes"], r["op"], r["baseline"])
+        if key not in best or r["median_seconds"] < best[key]["median_seconds"]:
+            best[key] = r
+    out = []
+    for (backend, size, op, is_base), mine in best.items():
+        base = best.get((backend, size, op, True))
+        if is_base or base is None:
+            continue
+        out.append(
+            {
+                "backend": backend,
+                "size_bytes": size,
+                "op": op,
+                "impl": mine["impl"],
+                "gb_per_s": mine["gb_per_s"],
+                "baseline": base["impl"],
+                "baseline_gb_per_s": base["gb_per_s"],
+                "ratio": base["median_seconds"] / mine["median_seconds"],
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # machine description (never secrets: no environment, no endpoints with credentials)
 
@@ -144,6 +173,7 @@ def table(doc: dict[str, Any]) -> str:
                     ]
                     cells.append("/".join(v for v in vals if v is not None) or "-")
                 lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw, strict=True)))
+    lines += _summary_lines(doc.get("summary") or summary(recs))
     if doc["skipped"]:
         lines.append("\nnot measured:")
         for s in doc["skipped"]:
@@ -152,8 +182,33 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(ln.rstrip() for ln in lines)
 
 
+def _summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per storage and size: ckptio's best vs the best baseline, save and load."""
+    if not rows:
+        return []
+    lines = ["\n== ckptio's best vs the best baseline; ratio = baseline time / ckptio time (>1: ckptio faster) =="]
+    keys = list(dict.fromkeys((x["size_bytes"], x["backend"]) for x in sorted(rows, key=lambda x: x["size_bytes"])))
+    table = []
+    for size, b in keys:
+        cells = [human_bytes(size), b]
+        for op in ("save", "load"):
+            x = next((x for x in rows if x["backend"] == b and x["size_bytes"] == size and x["op"] == op), None)
+            cells.append(
+                f"{op} {x['ratio']:5.2f}x ({x['impl']} {x['gb_per_s']:.3f} vs {x['baseline']} "
+                f"{x['baseline_gb_per_s']:.3f} GB/s)"
+                if x
+                else f"{op} -"
+            )
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    for r in table:
+        lines.append(f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}   {r[3]}")
+    return lines
+
+
 def chart(doc: dict[str, Any], path: str) -> str | None:
-    """Bar chart of GB/s per backend x implementation (largest size), save and load; baselines hatched."""
+    """Top: GB/s per backend x implementation (largest size), save and load, baselines hatched. Bottom:
+    ckptio's best over the best baseline (the summary ratio) per size and backend, save and load."""
     try:
         import matplotlib
 
@@ -166,7 +221,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
         return None
     size = max(r["size_bytes"] for r in recs if r["size_bytes"] in {x["size_bytes"] for x in recs if x["op"] == "save"})
     backends = list(dict.fromkeys(r["backend"] for r in recs if r["size_bytes"] == size))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.6 * len(backends) + 4), 5.2), squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(max(8, 2.6 * len(backends) + 4), 10), squeeze=False)
     for ax, op in zip(axes[0], ("save", "load"), strict=True):
         x = 0.0
         ticks, labels = [], []
@@ -196,6 +251,7 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
         ax.set_title(f"{op}, {human_bytes(size)}")
         lo, hi = ax.get_ylim()
         ax.set_ylim(lo, hi * 30)  # room for the labels above the bars
+    _ratio_panels(axes[1], doc.get("summary") or summary(recs))
     from matplotlib.patches import Patch
 
     fig.legend(
@@ -205,8 +261,34 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
         ],
         loc="upper right",
     )
-    fig.suptitle("ckptio checkpoint throughput (higher is better)")
+    fig.suptitle("ckptio checkpoint throughput and ratio to the best baseline (higher is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _ratio_panels(axes: Any, rows: list[dict[str, Any]]) -> None:
+    """Grouped bars: per size, one bar per backend of ckptio's best over the best baseline; a line at 1."""
+    sizes = sorted({x["size_bytes"] for x in rows})
+    backends = list(dict.fromkeys(x["backend"] for x in rows))
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    width = 0.8 / max(1, len(backends))
+    for ax, op in zip(axes, ("save", "load"), strict=True):
+        for j, b in enumerate(backends):
+            label: str | None = b
+            for i, size in enumerate(sizes):
+                x = next((x for x in rows if x["backend"] == b and x["size_bytes"] == size and x["op"] == op), None)
+                if x is None:
+                    continue
+                pos = i - 0.4 + width * (j + 0.5)
+                ax.bar(pos, x["ratio"], width=width, color=colors[j % len(colors)], edgecolor="black", label=label)
+                label = None
+                ax.text(pos, x["ratio"], f"{x['ratio']:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(sizes)))
+        ax.set_xticklabels([human_bytes(s) for s in sizes])
+        ax.set_ylabel("baseline time / ckptio time")
+        ax.set_title(f"{op}: ckptio's best / best baseline (>1: faster)")
+        if backends:
+            ax.legend(fontsize=8)

@@ -4,11 +4,14 @@
     ckptio bench --full               # larger sizes
     ckptio bench --uri s3://my-bucket/tmp --uri ckpt://scratch   # your storage (settings file, aliases)
     ckptio bench --backends local,memory --sizes 8MiB             # a subset
+    ckptio bench --sizes 1MiB,32MiB,256MiB,1GiB                   # every size in one run (remote capped)
     python -m benchmarks.throughput   # the same, from a source checkout (results in benchmarks/results/)
 
-Prints a table, writes a JSON file with every raw figure and the machine description, and a PNG
-bar chart, to --out (default ./ckptio-bench-results). Needs the bench extra for the embedded
-servers, the chart and some baselines (pip install 'ckptio[bench]'); what is missing is listed
+Prints a table that ends with one line per storage and size (ckptio's best against the best
+baseline, save and load), writes a JSON file with every raw figure and the machine description,
+and a PNG chart (GB/s, and those ratios per size), to --out (default ./ckptio-bench-results). Needs
+the bench extra for the embedded servers, the chart and some baselines (pip install
+'ckptio[bench]'); what is missing is listed
 under "not measured". The method is in benchmarks/README.md of the source repository.
 """
 
@@ -28,7 +31,7 @@ from ckptio.config import parse_size
 from ckptio.progress import Bar, human_bytes
 
 from .measure import run_matrix
-from .report import chart, machine, ratios, table
+from .report import chart, machine, ratios, summary, table
 from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets
 
 QUICK_SIZES = ["32MiB"]
@@ -52,6 +55,13 @@ def parse_args(argv: list[str] | None, default_out: str = DEFAULT_OUT) -> argpar
     )
     ap.add_argument(
         "--sizes", help="comma-separated sizes, e.g. 8MiB,256MiB (with --quick: the quick run at these sizes)"
+    )
+    ap.add_argument(
+        "--remote-max",
+        type=parse_size,
+        default=None,
+        help=f"largest size run on remote storage (default {human_bytes(FULL_REMOTE_MAX)}, without --uri "
+        "or with --full; 0: no cap)",
     )
     ap.add_argument(
         "--backends", help=f"comma-separated subset of {','.join(EMBEDDED)} (default: all; with --uri: local)"
@@ -89,7 +99,12 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
     args = parse_args(argv, default_out)
     quick = args.quick or not (args.full or args.sizes)
     sizes = [parse_size(s) for s in (args.sizes.split(",") if args.sizes else FULL_SIZES if args.full else QUICK_SIZES)]
-    remote_max = FULL_REMOTE_MAX if args.full else None
+    # the loopback servers move ~0.1 GB/s: remote storage stops at 256 MiB (--remote-max 0: no cap);
+    # the user's own URIs are capped only with --full, as before
+    if args.remote_max is not None:
+        remote_max = args.remote_max or None
+    else:
+        remote_max = FULL_REMOTE_MAX if args.full or not args.uri else None
     names = (
         [b.strip() for b in args.backends.split(",") if b.strip()]
         if args.backends
@@ -151,6 +166,7 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
         },
         "results": results,
         "ratios": ratios(results),
+        "summary": summary(results),
         "skipped": missing + skipped,
         "outputs": {},
     }

@@ -2,17 +2,22 @@
 that write through the content store, the sweep after retention, and the disk usage report.
 
 A step saved incrementally has ``"content": "xxh3_128"`` in its commit marker and a recipe
-(:mod:`ckptio.incremental`) as its data file; its bytes live in ``root/.content``. A save reuses only
-content that committed steps reference (read once, at the first save, then kept up to date) or that
-it wrote itself. After retention, content no committed step references is deleted once it is older
-than ``content_grace`` seconds (so it never races a save in progress, and a killed save's blocks go
-at a later save). A step whose recipe cannot be read stops the sweep (a warning): what it references
-is unknown.
+(:mod:`ckptio.incremental`) as each data file (``pt``/``fpk``: the one file; ``dcp``: every data object
+its ``.metadata`` names; ``.metadata`` stays plain); its bytes live in ``root/.content``. A save
+reuses only content that committed steps reference or that it wrote itself: ``pt``/``fpk`` (rank 0)
+read every kept step's recipes once, at the first save, then keep them up to date; with ``dcp`` each
+rank, at each save, reads the recipes of its own data objects (``__<rank>_*``; all of them when the
+world size changed) in the latest committed step, which retention never deletes (when that step
+is its own last save, it knows them already). After retention,
+content no committed step references is deleted once it is older than ``content_grace`` seconds (so
+it never races a save in progress, and a killed save's blocks go at a later save). A step whose
+recipe cannot be read stops the sweep (a warning): what it references is unknown.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +49,12 @@ class Content:
         self._refs: dict[int, set[str]] = {}  # step -> hashes its files' recipes name
         self._settled = False
         self.last: tuple[int, int] = (0, 0)  # (logical bytes, bytes written) of the last save
+        self._mine: tuple[int, set[str]] | None = None  # (step, blocks its recipes name) of this rank's last DCP save
+        self._due = 0.0  # when a sweep may next delete something (0: unknown, sweep at the next commit)
+
+    def _failed(self) -> None:
+        """A save failed: what it wrote is unreferenced, and old enough to sweep after the grace period."""
+        self._due = min(self._due, time.time() + self.grace)
 
     def write(self, fmt: str, step: int, sd: dict[str, Any], options: Mapping[str, Any]) -> list[str]:
         """Rank 0: write ``sd`` as the ``pt``/``fpk`` data file of ``step`` through the content store."""
@@ -53,25 +64,84 @@ class Content:
             self.store.settle(self.referenced()[0])
             self._settled = True
         self.store.begin()
-        self._refs.pop(step, None)
+        self._replacing(step)
         name = _DATA_FILE[fmt]
         backend = IncrementalBackend(self.layout.backend, self.store)
         try:
             fmt_obj = formats.by_name(_FILE_FORMAT[fmt])
             assert fmt_obj is not None
             fmt_obj.instance().dump(sd, backend, _uri.join_path(self.layout.dir(step), name), **options)
+        except BaseException:
+            self._failed()
+            raise
         finally:
             backend.close()
         self.last = (backend.logical_bytes, backend.bytes_written)
         return [name]
+
+    def write_dcp(self, step: int, sd: dict[str, Any], pg: Any, options: Mapping[str, Any], rank: int) -> list[str]:
+        """Every rank: write ``sd`` as the DCP checkpoint of ``step``, its data objects through the content
+        store; ``last`` is the sum over ranks."""
+        from .formats import write_dcp
+
+        self.store.settle(self._latest_hashes(rank))
+        self._replacing(step)
+        backend = IncrementalBackend(self.layout.backend, self.store)
+        try:
+            files = write_dcp(sd, self.layout.uri(step), pg, {**options, "backend": backend})
+        except BaseException:
+            self._failed()
+            raise
+        finally:
+            backend.close()
+        counts = [backend.logical_bytes, backend.bytes_written]
+        if pg is not None:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor(counts, dtype=torch.int64)
+            dist.all_reduce(t, group=pg)
+            counts = t.tolist()
+        self.last = (counts[0], counts[1])
+        self._mine = (step, backend.referenced)
+        self._settled = False  # rank 0's sweep settles the store again after the commit
+        return files
+
+    def _replacing(self, step: int) -> None:
+        if self._refs.pop(step, None) is not None:  # a committed step saved again: its content may go
+            self._due = 0.0
+
+    def _latest_hashes(self, rank: int) -> set[str]:
+        """What this rank's data objects of the latest committed step reference (DCP saves)."""
+        step = self.layout.latest()
+        if step is None:
+            return set()
+        if self._mine is not None and self._mine[0] == step:  # this rank's own last save: known already
+            return set(self._mine[1])
+        reader = IncrementalBackend(self.layout.backend, self.store)
+        try:
+            uris = data_files(self.layout, step)
+            mine = [u for u in uris if _uri.basename(u).startswith(f"__{rank}_")]
+            out: set[str] = set()
+            for u in mine or uris:
+                r = reader.recipe(u)
+                if r is not None:
+                    out.update(r.hashes)
+            return out
+        except (FormatError, FileNotFoundError) as e:  # write everything this time
+            log.warning("%s: cannot read its recipes (%s); this save writes all its content", self.layout.uri(step), e)
+            return set()
+        finally:
+            reader.close()
 
     def referenced(self) -> tuple[set[str], bool]:
         """(every hash a committed step references, whether every recipe could be read)."""
         complete = True
         steps = self.layout.list()
         for s in list(self._refs):
-            if s not in steps:
+            if s not in steps:  # deleted (retention, delete()): its content may go
                 del self._refs[s]
+                self._due = 0.0
         reader = IncrementalBackend(self.layout.backend, self.store)
         try:
             for s in steps:
@@ -89,10 +159,16 @@ class Content:
         return set().union(*self._refs.values()), complete
 
     def sweep(self) -> None:
-        """After retention: known := what kept steps reference; delete the rest once past the grace period."""
+        """After retention: known := what kept steps reference; delete the rest once past the grace period.
+
+        The content listing is skipped while nothing can be due: no step was deleted or replaced and
+        no failed save's or earlier sweep's leftovers are past the grace period yet (a new Checkpointer
+        sweeps at its first commit, for what killed processes left)."""
         refs, complete = self.referenced()
         self.store.settle(refs)
         self._settled = True
+        if time.time() < self._due:
+            return
         if not complete:
             warnings.warn(
                 f"{self.layout.root_uri}: content not swept, a step's recipe cannot be read",
@@ -100,21 +176,40 @@ class Content:
                 stacklevel=2,
             )
             return
-        count, size = self.store.sweep(refs, self.grace)
+        count, size, self._due = self.store.sweep(refs, self.grace)
         if count:
             log.info("swept %d content object(s), %d bytes, under %s", count, size, self.layout.root_uri)
 
 
-def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[str]:
-    """The hashes the data files of committed ``step`` reference (none when it is not incremental)."""
+def data_files(layout: Layout, step: int) -> list[str]:
+    """The (resolved) URIs of the data files of committed incremental ``step`` (none when it is not
+    incremental): ``pt``/``fpk`` the marker's file, ``dcp`` the data objects its ``.metadata`` names."""
     m = layout.manifest(step)
-    if m.get(CONTENT_KEY) is None or m.get("format") not in _DATA_FILE:
-        return set()
-    out: set[str] = set()
-    for name in m.get("files") or [_DATA_FILE[m["format"]]]:
+    fmt = m.get("format")
+    if m.get(CONTENT_KEY) is None or (fmt not in _DATA_FILE and fmt != "dcp"):
+        return []
+    d = layout.dir(step)
+    if fmt == "dcp":
+        from ..dcp import METADATA_NAME, loads_metadata
+        from ..dcp.metadata import data_objects
+
+        meta = _uri.join_path(d, METADATA_NAME)
+        return sorted(
+            set(data_objects(loads_metadata(layout.backend.read(meta), meta), layout.backend, d, meta).values())
+        )
+    out = []
+    for name in m.get("files") or [_DATA_FILE[fmt]]:
         if name in ("", ".", "..") or any(c in name for c in "/\\:\0"):
             raise FormatError(f"{layout.user_uri(step, 'checkpoint.json')}: file name {name!r}")
-        r = reader.recipe(_uri.join_path(layout.dir(step), name))
+        out.append(_uri.join_path(d, name))
+    return out
+
+
+def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[str]:
+    """The hashes the data files of committed ``step`` reference (none when it is not incremental)."""
+    out: set[str] = set()
+    for u in data_files(layout, step):
+        r = reader.recipe(u)
         if r is not None:
             out.update(r.hashes)
     return out
@@ -139,10 +234,10 @@ def usage(root_uri: str) -> dict[str, Any]:
         for s in layout.list():
             own = sum(i.size for i in layout.backend.list(layout.dir(s), recursive=True) if not i.is_dir)
             logical, hashes = own, set[str]()
-            m = layout.manifest(s)
-            if m.get(CONTENT_KEY) is not None and m.get("format") in _DATA_FILE:
+            files = data_files(layout, s)
+            if files:
                 hashes = step_hashes(layout, s, reader)
-                logical = sum(reader.stat(_uri.join_path(layout.dir(s), n)).size for n in m.get("files") or [])
+                logical = own + sum(reader.stat(u).size - layout.backend.stat(u).size for u in files)
             for h in hashes:
                 users[h] = users.get(h, 0) + 1
             rows.append((s, logical, own, hashes))

@@ -66,7 +66,7 @@ class Checkpointer:
     ``ckptio.dump``/``load``); ``weights_only`` applies to ``pt`` loads. With ``"dcp"``, failures raise the
     failed rank's error as :func:`ckptio.dcp.save`/``load`` do, never torch's ``CheckpointException``.
     ``load`` runs no code from the files by default (see :meth:`load`'s ``allow_pickle``).
-    ``incremental=True`` (``fpk``/``pt``): data already stored under root is not written again
+    ``incremental=True``: data already stored under root is not written again
     (:mod:`.content`); content no kept step references is deleted after ``content_grace`` seconds.
     ``last_save``: what the last finished save wrote (:class:`SaveResult`).
     ``local_tier``, ``keep_local``, ``max_pending``, ``on_backlog``: tiered saves (commit to a node-local
@@ -104,8 +104,6 @@ class Checkpointer:
         check_rules(keep_last, keep_every, keep_best, best_metric, best_mode)
         if stale_after is not None and not float(stale_after) >= 0:
             raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
-        if incremental and format == "dcp":
-            raise ValueError("incremental=True supports format='fpk' and 'pt' (not yet 'dcp')")
         if not float(content_grace) >= 0:
             raise ValueError(f"content_grace must be >= 0 seconds, got {content_grace!r}")
         self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
@@ -243,7 +241,9 @@ class Checkpointer:
     def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float]) -> None:
         t0 = time.perf_counter()
         self._on_rank0(self._prepare, step)
-        if self.format == "dcp":
+        if self.format == "dcp" and self._content is not None:
+            files = self._content.write_dcp(step, sd, self._pg, self.save_options, self._rank)
+        elif self.format == "dcp":
             files = formats.write_dcp(sd, self._layout.uri(step), self._pg, self.save_options)
         elif self._content is not None:
             files = self._on_rank0(self._content.write, self.format, step, sd, self.save_options)
@@ -349,7 +349,7 @@ class Checkpointer:
         def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
             if fmt == "dcp":
                 parted = {k: state[k] for k in parts}
-                return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle)
+                return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
             return formats.read_file(fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content)
 
         try:

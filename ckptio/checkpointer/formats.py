@@ -37,7 +37,8 @@ def discard(fmt: str, layout: Layout, step: int) -> None:
 
 
 def write_dcp(sd: dict[str, Any], uri: str, process_group: Any, options: Mapping[str, Any]) -> list[str]:
-    """Every rank: write ``sd`` as a DCP checkpoint at ``uri``; returns the marker's file list (none)."""
+    """Every rank: write ``sd`` as a DCP checkpoint at ``uri``; returns the marker's file list (none).
+    ``options`` may hold ``backend``, the wrapper to write the data objects through."""
     from .. import dcp
 
     dcp.save(sd, uri, process_group=process_group, **options)
@@ -99,9 +100,25 @@ def read_dcp(
     process_group: Any,
     cache: Any = None,
     allow_pickle: bool = False,
+    incremental: bool = False,
 ) -> tuple[dict[str, Any], list[str]]:
     """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
-    into new tensors for entries the state lacks (e.g. a fresh optimizer's moments)."""
+    into new tensors for entries the state lacks (e.g. a fresh optimizer's moments). ``incremental``:
+    its data objects are read through the content store of ``d``'s root (:mod:`.content`)."""
+    if not incremental:
+        return _read_dcp(d, state, options, process_group, cache, allow_pickle)
+    from .content import read_backend
+
+    backend, _ = read_backend(d, cache)
+    try:
+        return _read_dcp(d, state, {**options, "backend": backend}, process_group, cache, allow_pickle)
+    finally:
+        backend.close()
+
+
+def _read_dcp(
+    d: str, state: dict[str, Any], options: dict[str, Any], process_group: Any, cache: Any, allow_pickle: bool
+) -> tuple[dict[str, Any], list[str]]:
     from .. import torch_internals as _ti
 
     flatten_state_dict, set_element = _ti.flatten_state_dict, _ti.set_element

@@ -102,8 +102,8 @@ def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
     if name is not None and not name.endswith("." + fmt):
         raise bad("files", f"names {name!r} for a {fmt!r} checkpoint, whose data file ends in '.{fmt}'")
     content = m.get("content")
-    if content is not None and (content != "xxh3_128" or name is None):
-        raise bad("content", f"is {content!r}; incremental 'fpk'/'pt' checkpoints have 'xxh3_128'")
+    if content is not None and content != "xxh3_128":
+        raise bad("content", f"is {content!r}; incremental checkpoints have 'xxh3_128'")
     return step, fmt, name
 
 

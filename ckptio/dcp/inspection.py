@@ -32,7 +32,7 @@ __all__ = ["inspect", "verify"]
 def _read(uri: str | os.PathLike, backend_options: dict[str, Any]) -> tuple[Metadata, Backend, str]:
     """The checkpoint's metadata (checked as the reader checks it), its backend and root."""
     reader = StorageReader(uri, **backend_options)
-    return reader.read_metadata(), reader.backend, reader.root
+    return reader.read_metadata(), reader.data_backend, reader.root
 
 
 def _dtype_size(dtype: str) -> int:

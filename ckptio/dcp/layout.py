@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from .. import uri as _uri
+from ..backends.base import Backend
 from ..context import resolve
 
 METADATA_NAME = ".metadata"
@@ -73,10 +74,16 @@ class AtURI:
     """What the writer and the reader share: the checkpoint URI, its backend and paths under it."""
 
     _options: dict[str, Any]
+    _given: Backend | None = None
 
     def _set_uri(self, uri: str | os.PathLike) -> None:
+        """``backend``: where the data objects are; ``data_backend``: the backend they are written and
+        read through (a wrapper of ``backend`` given by the caller, e.g. the Checkpointer's
+        :class:`~ckptio.incremental.IncrementalBackend`, else ``backend`` itself). ``.metadata``
+        always goes through ``backend``."""
         self.uri = os.fspath(uri)
         self.backend, self.root = resolve(self.uri, **self._options)
+        self.data_backend = self._given if self._given is not None else self.backend
 
     @property
     def checkpoint_id(self) -> str:

@@ -222,7 +222,9 @@ class StorageReader(AtURI, _storage.StorageReader):
     Non-tensor items reach the planner (whose ``load_bytes`` unpickles them) only when they are
     plain data, else a :class:`FormatError` names the item; ``allow_pickle=True`` skips that check
     for checkpoints you trust. Offsets and sizes from ``.metadata`` are checked against the stored
-    data before anything is allocated (see :mod:`ckptio.dcp.checks`).
+    data before anything is allocated (see :mod:`ckptio.dcp.checks`). ``backend`` (internal): a
+    wrapper of the resolved backend to read the data objects through (the Checkpointer's
+    incremental store); ``.metadata`` is read plainly.
     """
 
     def __init__(
@@ -234,9 +236,11 @@ class StorageReader(AtURI, _storage.StorageReader):
         part_size: int | None = None,
         concurrency: int | None = None,
         allow_pickle: bool = False,
+        backend: Backend | None = None,
         **backend_options: Any,
     ) -> None:
         super().__init__()
+        self._given = backend
         if thread_count is not None and int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
         self.verify = bool(verify)
@@ -333,7 +337,7 @@ class StorageReader(AtURI, _storage.StorageReader):
             by_object.setdefault(self._objects[sinfo.relative_path], []).append(
                 (sinfo.offset, sinfo.offset + sinfo.length, index)
             )
-        check_spans(self.backend, self._sizes, by_object, self._malformed)
+        check_spans(self.data_backend, self._sizes, by_object, self._malformed)
 
     def _check_plan(self, plan: LoadPlan) -> None:
         self._check_entries({req.storage_index: req.type != LoadItemType.BYTE_IO for req in plan.items})
@@ -371,13 +375,13 @@ class StorageReader(AtURI, _storage.StorageReader):
 
     # ---- reading ---------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        window = max(4 * self.backend.part_size * self.thread_count, 256 << 20)  # temp bytes allowed in flight
+        window = max(4 * self.data_backend.part_size * self.thread_count, 256 << 20)  # temp bytes allowed in flight
         pending: collections.deque[_Unit] = collections.deque()
         temp_in_flight = 0
 
         self._check_plan(plan)
         with cf.ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptio-dcp-read") as pool:
-            ranges = _Ranges(self.backend, pool)
+            ranges = _Ranges(self.data_backend, pool)
 
             def drain(limit: int) -> None:
                 nonlocal temp_in_flight

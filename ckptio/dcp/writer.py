@@ -180,7 +180,8 @@ class StorageWriter(AtURI, _storage.StorageWriter):
     ``checksums=False`` skips recording checksums; ``durable=False`` skips fsync on local
     storage; ``max_buffer_bytes`` caps upload buffers on object stores (default max(64 MiB,
     10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments
-    are backend options (as for :func:`ckptio.resolve`).
+    are backend options (as for :func:`ckptio.resolve`). ``backend`` (internal): a wrapper of the
+    resolved backend to write the data objects through (the Checkpointer's incremental store).
     """
 
     def __init__(
@@ -194,9 +195,11 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         checksums: bool = True,
         durable: bool = True,
         max_buffer_bytes: int | None = None,
+        backend: Backend | None = None,
         **backend_options: Any,
     ) -> None:
         super().__init__()
+        self._given = backend
         self.max_buffer_bytes = max_buffer_bytes
         if int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
@@ -265,7 +268,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
                         cancel.set()
                         raise
         except BaseException as e:  # this save will not commit: its objects are debris (names only it uses)
-            failed = delete_objects(self.backend, [self._path(name) for name, _ in jobs])
+            failed = delete_objects(self.data_backend, [self._path(name) for name, _ in jobs])
             if failed:
                 note(e, f"ckptio.dcp: could not delete this save's data objects: {'; '.join(failed)}")
             raise
@@ -276,7 +279,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
     def _bound_memory(self, payload: int, objects: int) -> int:
         """Objects to write at once (see :func:`bound_memory`); sets the backend they are written with."""
         workers, self._write_backend = bound_memory(
-            self.backend, self._options, self.max_buffer_bytes, self.thread_count, payload, objects
+            self.data_backend, self._options, self.max_buffer_bytes, self.thread_count, payload, objects
         )
         return workers
 
@@ -290,6 +293,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
             with self._write_backend.open_writer(uri, mode="overwrite", durable=self.durable) as w:
                 offset = 0
                 for item in items:
+                    w.mark_boundary()  # an unchanged item is an unchanged block (ckptio.incremental)
                     if cancel.is_set():
                         raise RuntimeError(f"cancelled: another data object of this rank failed ({uri})")
                     data = planner.resolve_data(item)

@@ -18,10 +18,20 @@ Layout under a root (a Checkpointer's ``root_uri`` with ``incremental=True``)::
   ``Writer.mark_boundary`` once a block has ``min_block`` bytes, at most ``max_block`` bytes), write
   the unknown ones and on close the recipe; its reads see the logical bytes.
 
+- :mod:`.direct`: reading one step's data file (or DCP directory) by its URI, through the
+  ``.content`` of the step directory's parent.
+
 Safety: a content object is durable (its writer closed) before the recipe that names it is written,
 and the recipe before the commit marker of its step. Only content referenced by a committed step (or
 written by the running save) is reused, and the sweep deletes only what no committed step references
-and is older than the grace period, so it never deletes a block a save in progress relies on.
+and is older than the grace period, so it never deletes a block a save in progress wrote.
+
+One writer per root: blocks are create-only and named by their hash, so concurrent writers never
+conflict on one, and the grace period keeps a sweep off another saver's fresh blocks; but a save
+skips blocks committed steps reference, and a second writer's retention could delete those steps
+and sweep their old blocks mid-save, leaving the save's step with missing content (its load fails
+with ``IntegrityError``). ``Checkpointer.content_grace`` (default one hour) is the grace period;
+``ckptio du ROOT`` (:func:`ckptio.checkpointer.usage`) reports logical, own and physical bytes.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ does; the small records between become small blocks of their own), at a boundary
 ``max_block`` bytes; so an unchanged payload is an unchanged block, wherever it lies in the file. It
 hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to ``concurrency`` at
 once) and, once they are all durable, writes the recipe at the object's own URI with the writer's
-mode. An object smaller than ``min_block`` is written plainly.
+mode. An object smaller than ``min_block`` is written plainly. A new block is uploaded from a copy,
+or straight from the caller's memory when it came through ``write_borrowed`` (the DCP writer's way).
 :attr:`IncrementalBackend.logical_bytes` and :attr:`~IncrementalBackend.bytes_written` count what
-its writers were given and what they stored.
+its writers were given and what they stored, :attr:`~IncrementalBackend.referenced` the blocks
+their recipes name.
 
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
 (parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
@@ -19,7 +21,9 @@ last few are kept). Plain objects are the wrapped backend's.
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
 declines any change; ``node_cache`` is None (a cache under the wrapper caches content objects);
-``writes_in_place`` False (blocks are buffered), ``max_buffer_bytes`` the wrapped backend's.
+``writes_in_place`` True (a large write is hashed where it lies and, through ``write_borrowed``,
+uploaded from there; other new blocks are copied, at most ``concurrency`` per writer at once),
+``max_buffer_bytes`` the wrapped backend's. Concurrent reads of parts of one block fetch it once.
 ``stat`` gives a recipe's logical size; ``list`` is the wrapped backend's (stored sizes).
 """
 
@@ -50,12 +54,13 @@ class IncrementalBackend(ForwardingBackend):
         super().__init__(inner)
         self.name = inner.name
         self.store = store
-        self.writes_in_place = False
+        self.writes_in_place = True
         self.logical_bytes = 0
         self.bytes_written = 0
+        self.referenced: set[str] = set()  # the blocks the recipes written through it name
         self._lock = threading.Lock()
         self._recipes: dict[str, Recipe | None] = {}
-        self._blocks: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[str, Future[bytes]] = collections.OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
@@ -120,26 +125,39 @@ class IncrementalBackend(ForwardingBackend):
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
                 jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
-        if len(jobs) == 1:
-            jobs[0]()
-        elif jobs:
-            for f in [self._executor().submit(job) for job in jobs]:
+        futures = [self._executor().submit(job) for job in jobs[1:]]  # the caller's thread reads the first
+        try:
+            if jobs:
+                jobs[0]()
+        finally:
+            for f in futures:
                 f.result()
         return max(0, end - offset)
 
     def _read_part(self, h: str, out: memoryview, uri: str, length: int, skip: int) -> None:
         with self._lock:
-            data = self._blocks.get(h)
-            if data is not None:
-                self._blocks.move_to_end(h)
-        if data is None:
-            whole = bytearray(length)
-            self.store.read_into(h, memoryview(whole), uri)
-            data = bytes(whole)
+            fut = self._blocks.get(h)
+            mine = fut is None
+            if fut is None:  # fetch it here; readers of other parts of it wait for this one
+                fut = self._blocks[h] = Future()
+            self._blocks.move_to_end(h)
+        if mine:
+            try:
+                whole = bytearray(length)
+                self.store.read_into(h, memoryview(whole), uri)
+                fut.set_result(bytes(whole))
+            except BaseException as e:
+                with self._lock:
+                    self._blocks.pop(h, None)
+                fut.set_exception(e)
+                raise
             with self._lock:
-                self._blocks[h] = data
                 while len(self._blocks) > _KEEP_BLOCKS:
-                    self._blocks.popitem(last=False)
+                    old = next(iter(self._blocks))
+                    if not self._blocks[old].done():
+                        break
+                    del self._blocks[old]
+        data = fut.result()
         out[:] = data[skip : skip + len(out)]
 
     @contextlib.contextmanager
@@ -188,27 +206,32 @@ class _BlockWriter(Writer):
         self._done = False
 
     def write(self, data: Buffer) -> int:
+        return self._write(data, borrowed=False)
+
+    def write_borrowed(self, data: Buffer) -> int:
+        """``write`` of bytes the caller keeps unchanged until ``close``: new blocks are uploaded from
+        them, not copied."""
+        return self._write(data, borrowed=True)
+
+    def _write(self, data: Buffer, borrowed: bool) -> int:
         if self._done:
             raise ValueError(f"write to a closed writer: {self.uri}")
         mv = memoryview(data).cast("B")
         n = len(mv)
         self._size += n
         top = self._store.max_block
-        large = n >= self._store.min_block
-        if large and self._pending:  # a large write (a payload) is a block of its own
-            self._cut()
+        if n >= self._store.min_block:  # a large write (a payload): blocks of its own, hashed in place
+            if self._pending:
+                self._cut()
+            for i in range(0, n, top):
+                self._emit(mv[i : i + top], owned=borrowed)
+            return n
         while len(mv):
-            if not self._pending and len(mv) >= top:  # a whole block of the caller's bytes: hash in place
-                self._emit(mv[:top], owned=False)
-                mv = mv[top:]
-                continue
             take = min(len(mv), top - len(self._pending))
             self._pending += mv[:take]
             mv = mv[take:]
             if len(self._pending) >= top:
                 self._cut()
-        if large and self._pending:
-            self._cut()
         return n
 
     def mark_boundary(self) -> None:
@@ -220,6 +243,7 @@ class _BlockWriter(Writer):
         self._emit(memoryview(data), owned=True)
 
     def _emit(self, mv: memoryview, owned: bool) -> None:
+        """Hash block ``mv`` and, when unknown, upload it (a copy unless ``owned``: stable until close)."""
         h = block_hash(mv)
         self._blocks.append((h, len(mv)))
         if not self._store.claim(h):
@@ -261,6 +285,8 @@ class _BlockWriter(Writer):
         recipe = pack_recipe(self._size, self._blocks)
         self._b.inner.write(self.uri, recipe, mode=self._mode, durable=self._durable)
         self._b._count(self._size, self._written + len(recipe))
+        with self._b._lock:
+            self._b.referenced.update(h for h, _ in self._blocks)
 
     def abort(self) -> None:
         self._done = True

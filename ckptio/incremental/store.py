@@ -11,6 +11,7 @@ Reads check each block's xxh3-128; a mismatch, a short or missing object is an
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
 import time
@@ -93,20 +94,23 @@ class BlockStore:
             )
 
     # ---- sweep ------------------------------------------------------------------------------------
-    def sweep(self, referenced: set[str], grace: float) -> tuple[int, int]:
+    def sweep(self, referenced: set[str], grace: float) -> tuple[int, int, float]:
         """Delete content objects not in ``referenced`` and older than ``grace`` seconds (objects whose
-        age the storage does not report only when ``grace`` is 0); returns (objects, bytes) deleted."""
-        cutoff = time.time() - grace
+        age the storage does not report only when ``grace`` is 0); returns (objects, bytes) deleted and
+        when the next of those left becomes old enough (``inf``: none)."""
+        now = time.time()
         count = size = 0
+        due = math.inf
         for info, h in self._entries():
-            if h in referenced:
+            if h in referenced or (info.mtime is None and grace > 0):
                 continue
-            if (info.mtime is None and grace > 0) or (info.mtime is not None and info.mtime > cutoff):
+            if info.mtime is not None and info.mtime > now - grace:
+                due = min(due, info.mtime + grace)
                 continue
             with contextlib.suppress(FileNotFoundError):
                 self.backend.delete(info.uri)
                 count, size = count + 1, size + info.size
-        return count, size
+        return count, size, due
 
     def sizes(self) -> dict[str, int]:
         """Hash -> stored size of every content object."""

@@ -11,7 +11,9 @@ request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memor
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -84,18 +86,36 @@ class ObjectStoreBackend(Backend):
         )
         self.retries = self.policy.max_attempts - 1
         self._refresher = _retry.CredentialRefresher(_retry.load_provider(credential_provider), self._apply_credentials)
+        self._derived: dict[str, Backend] = {}  # with_options' backends, by options
+        self._derive_lock = threading.Lock()
 
     def with_options(self, **options: Any) -> Backend:
-        """A new backend of this store with the same settings and ``options`` changed (self when
-        nothing changes). Clients are not shared: each backend opens, refreshes and closes its own."""
+        """This store with the same settings and ``options`` changed (self when nothing changes).
+        A derived backend is made once per set of options and kept (a DCP save that tunes its
+        buffers reuses the warm client of the previous save); :meth:`close` closes them too."""
         if all(getattr(self, k, object()) == v for k, v in options.items()):
             return self
         unknown = sorted(set(options) - set(self._options))
         if unknown:
             raise ValueError(f"{self!r} has no option(s) {unknown}")
-        derived = type(self)(**{**self._options, **options})
-        derived.name = self.name
+        key = json.dumps(options, sort_keys=True, default=repr)
+        with self._derive_lock:
+            derived = self._derived.get(key)
+            if derived is None:
+                derived = self._derived[key] = type(self)(**{**self._options, **options})
+                derived.name = self.name
         return derived
+
+    def close(self) -> None:
+        """Close the backends :meth:`with_options` derived, then this one's clients (:meth:`close_clients`)."""
+        with self._derive_lock:
+            derived, self._derived = list(self._derived.values()), {}
+        for b in derived:
+            b.close()
+        self.close_clients()
+
+    def close_clients(self) -> None:
+        """Close this backend's own connection pools (a subclass hook; must not raise on dead pools)."""
 
     # ---- hooks -------------------------------------------------------------------------------
     @property
