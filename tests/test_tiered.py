@@ -116,6 +116,7 @@ def test_arguments_are_checked(tmp_path):
         ({"max_pending": 0}, "max_pending"),
         ({"on_backlog": "drop"}, "on_backlog"),
         ({"incremental": True, "format": "fpk"}, "incremental"),
+        ({"incremental": True, "format": "dcp"}, "incremental"),
     ):
         with pytest.raises(ValueError, match=what):
             Checkpointer(r, local_tier=loc, **kw)
@@ -145,6 +146,7 @@ def test_settings_checkpointer_table(s3_uri, tmp_path):
     assert sorted(os.listdir(tmp_path / "tier" / "s3" / bucket / "run7")) == ["000000000002", "latest.txt"]
     assert Checkpointer(str(tmp_path / "plain"))._tier is None  # a local root: no tier
     assert Checkpointer(s3_uri + "/x", local_tier=False)._tier is None
+    assert Checkpointer(s3_uri + "/inc", format="dcp", incremental=True)._tier is None  # not combined yet
     toml.write_text('[checkpointer]\non_backlog = "drop"\n')
     with pytest.raises(SettingsError, match="checkpointer.on_backlog"):
         ckptio.configure(settings_file=str(toml))
@@ -164,6 +166,36 @@ def test_keep_local_never_evicts_an_unreplicated_step(tmp_path, monkeypatch):
     gate.open()
     ck.wait()
     assert ck._layout.list() == [4] and Checkpointer(root).list() == [1, 2, 3, 4]
+    ck.close()
+
+
+def test_a_load_holds_back_the_eviction_of_the_copy_it_reads(tmp_path, monkeypatch):
+    from ckptio.checkpointer import formats
+
+    root, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    gate = Gate(monkeypatch)
+    ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1)
+    ck.save(1, state(1))
+    ck.save(2, state(2))
+    reading, resume, got = threading.Event(), threading.Event(), {}
+    real = formats.read_file
+
+    def held(*a, **kw):
+        reading.set()
+        assert resume.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(formats, "read_file", held)
+    t = threading.Thread(target=lambda: got.update(r=loads(ck, 1)))
+    t.start()
+    assert reading.wait(30)  # step 1 chosen on this node and being read
+    gate.open()
+    ck.wait()  # both replicated; step 1 is past keep_local=1 but is being read
+    assert ck._layout.list() == [1, 2]
+    resume.set()
+    t.join(30)
+    assert got["r"] == (1, f"{local}/000000000001")
+    assert ck._layout.list() == [2]  # evicted once the load finished
     ck.close()
 
 
@@ -394,9 +426,11 @@ def _child(root: str, local: str, kill_at: int, tmp: str, async_save: bool) -> t
 def _after_kill(root: str, local: str, done: list, reports: list, what: str) -> None:
     remote_said = {int(s) for r in reports for s, st in r.items() if "remote" in st}
     local_said = {int(s) for r in reports for s, st in r.items() if "local" in st or st == "replicating"}
-    plain = Checkpointer(root)
+    plain, on_node = Checkpointer(root), Checkpointer(local)
     for s in sorted(remote_said):  # reported remote: loads from the remote root alone
         assert loads(plain, s)[0] == s, (what, s)
+    for s in sorted(local_said | set(done)):  # reported local: loads from this node's tier alone, or was
+        assert loads(on_node if s in on_node.list() else plain, s)[0] == s, (what, s)  # replicated, then evicted
     ck = Checkpointer(root, format="pt", local_tier=local, keep_local=1)
     for s in sorted(local_said | set(done)):  # reported anywhere, or its save returned: loads on this node
         assert loads(ck, s)[0] == s, (what, s)
@@ -428,6 +462,9 @@ def test_sigkill_across_commit_replication_and_eviction(tmp_path, async_save):
     points = kill_points(events)
     if async_save:
         points = points[:: max(1, len(points) // 8)]
+    phase = {n: "r" if "/dry/r/" in u else "evict" if k in ("delete", "rmtree") else "l" for n, k, u in events}
+    per_phase = {p: sum(phase[n] == p for n in points) for p in ("l", "r", "evict")}
+    assert all(per_phase.values()) and (async_save or min(per_phase.values()) >= 4), per_phase
     for i, n in enumerate(points):
         root, local = f"{tmp}/k{i}/r", f"{tmp}/k{i}/l"
         _, done, reports, killed = _child(root, local, n, tmp, async_save)

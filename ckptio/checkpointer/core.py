@@ -29,6 +29,7 @@ retention runs after its commit (:mod:`.tiered`, :mod:`.replication`).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import time
@@ -333,11 +334,34 @@ class Checkpointer:
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
         self._background.wait()
+        with contextlib.nullcontext() if self._tier is None else self._tier.reading():  # no eviction meanwhile
+            found = self._read(state, step, keys, cache, allow_pickle)
+        if found is None:
+            log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
+            self.last_load = LoadResult(None, None)
+            return None
+        s, d, parts, source, ckpt_parts = found
+        res = LoadResult(s, d)
+        restore(state, parts, source, res, ckpt_parts if keys is None else None)
+        self.last_load = res
+        if res.missing_keys or res.unexpected_keys:
+            msg = (
+                f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
+                f"unexpected keys {res.unexpected_keys}"
+            )
+            if strict:
+                raise KeyError(msg + " (pass strict=False to restore what matches)")
+            warnings.warn(msg, CheckpointWarning, stacklevel=2)
+        log.info("restored step %d from %s", s, d)
+        return s
+
+    def _read(
+        self, state: dict[str, Any], step: Any, keys: Iterable[str] | None, cache: Any, allow_pickle: bool
+    ) -> tuple[int, str, builtins.list[str], Mapping[str, Any], builtins.list[str]] | None:
+        """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``load`` restores."""
         target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
         s, d, fmt, name, content = self._on_rank0(target, step)
         if s is None:
-            log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
-            self.last_load = LoadResult(None, None)
             return None
         if self._tier is not None and self._pg is not None:
             d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
@@ -359,16 +383,4 @@ class Checkpointer:
                 raise
             d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
             source, ckpt_parts = read(d)
-        res = LoadResult(s, d)
-        restore(state, parts, source, res, ckpt_parts if keys is None else None)
-        self.last_load = res
-        if res.missing_keys or res.unexpected_keys:
-            msg = (
-                f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
-                f"unexpected keys {res.unexpected_keys}"
-            )
-            if strict:
-                raise KeyError(msg + " (pass strict=False to restore what matches)")
-            warnings.warn(msg, CheckpointWarning, stacklevel=2)
-        log.info("restored step %d from %s", s, d)
-        return s
+        return s, d, parts, source, ckpt_parts

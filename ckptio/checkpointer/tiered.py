@@ -46,12 +46,14 @@ Under ``torch.distributed`` the local copy is read only when every rank's node h
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from .. import uri as _uri
@@ -157,7 +159,8 @@ class Tier:
         self.remote, self.local, self.rules, self.keep_local = remote, local, owner, keep_local
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
-        self._evicting = threading.Lock()  # the save path and the replicator both evict
+        self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
+        self._readers, self._deferred = 0, False  # loads in progress; an eviction they held back
         self.rank, self.per_rank, self.timeout = rank, owner.format == "dcp" and world > 1, owner.timeout
         self.owned: dict[int, dict[str, int]] = {}  # step -> every rank's files (DCP, ranks but 0)
         if rank == 0 or self.per_rank:  # the thread starts by scheduling every local step (a restart's)
@@ -226,7 +229,7 @@ class Tier:
         if self.rank != 0:  # per_rank: this rank's files; rank 0 commits once every rank's are there
             if not remote.committed(step):
                 copy_files(local, remote, step, self.mine(sizes))
-            self._evict_sent()
+            self.evict()
             return
         rmarker = _uri.join_path(remote.dir(step), MARKER_NAME)
         if remote.committed(step):
@@ -264,9 +267,29 @@ class Tier:
         self.evict()
 
     def evict(self) -> None:
-        """Delete local steps past the newest ``keep_local`` that are committed remotely, and local debris."""
+        """Delete local steps past the newest ``keep_local`` that are committed remotely, and local debris
+        (ranks but 0 under ``per_rank``: the steps they sent); held back while a load reads (:meth:`reading`)."""
         with self._evicting:
-            self._evict()
+            if self._readers:
+                self._deferred = True
+            elif self.per_rank and self.rank != 0:
+                self._evict_sent()
+            else:
+                self._evict()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While a load picks and reads a copy: nothing is evicted from this node (it is evicted after)."""
+        with self._evicting:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._evicting:
+                self._readers -= 1
+                again, self._deferred = self._deferred and not self._readers, self._deferred and bool(self._readers)
+            if again:
+                self.evict()
 
     def _evict(self) -> None:
         local = self.local
@@ -311,7 +334,7 @@ class Tier:
         if err is not None:
             raise err
         if self.per_rank and self.rank != 0:
-            self._evict_sent()  # rank 0 has committed what this rank sent
+            self.evict()  # rank 0 has committed what this rank sent
 
     # ---- queries -----------------------------------------------------------------------------------
     def _remote_steps(self) -> set[int] | None:
