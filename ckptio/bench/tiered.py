@@ -139,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             rounds.append(one_round(base, tmp, args.format, state, flip=i % 2 == 1))
             shutil.rmtree(tmp, ignore_errors=True)
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    print(f"== tiered checkpoints ({args.format}, {args.size} MiB, moto S3, median of {args.repeats})")
-    for k, v in med.items():
-        print(f"{k:<30} {v:8.3f} s")
-    for label, a, b in RATIOS:
-        print(f"{label:<66} {med[a] / med[b]:6.2f}")
+    print(f"== tiered checkpoints ({args.format}, {args.size} MiB, moto S3, median [min-max] of {args.repeats})")
+    for k in ORDER:
+        print(f"{k:<30} {_spread([r[k] for r in rounds], 3)} s")
+    for label, a, b in RATIOS:  # per round: the two sides ran back to back
+        print(f"{label:<66} {_spread([r[a] / r[b] for r in rounds], 2)}")
     return 0
+
+
+def _spread(xs: list[float], digits: int) -> str:
+    return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
