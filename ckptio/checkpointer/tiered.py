@@ -15,7 +15,8 @@ Protocol of a save of ``step``:
    ``root/latest.txt`` if the step is the newest there, then applies the Checkpointer's ``keep_*``
    retention to ``root``;
 3. the local tier keeps the newest ``keep_local`` steps and, whatever their age, every step not yet
-   committed remotely (eviction: after each local commit and each replication; marker first).
+   committed remotely (eviction: after each local commit and each replication; marker first; held
+   back while a load of this Checkpointer reads, :meth:`Tier.reading`).
 
 Under ``torch.distributed``: with ``fpk``/``pt`` rank 0 writes, commits and replicates. With ``dcp`` each
 rank writes its data objects to its own node's tier; before the local commit the ranks gather every
