@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import AlreadyExistsError, CkptioError
+from ..restore import targets
 from . import formats
 from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .manifest import FORMATS, CheckpointWarning, Layout
@@ -312,8 +313,9 @@ class Checkpointer:
             parted = {k: state[k] for k in parts}
             source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
         else:
+            into = targets({k: state[k] for k in parts})  # tensors read in place where they match
             source, ckpt_parts = formats.read_file(
-                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content
+                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content, into
             )
         restore(state, parts, source, res, ckpt_parts if keys is None else None)
         self.last_load = res
