@@ -51,6 +51,19 @@ def test_module_and_optimizer_are_filled_in_place(tmp_path, where, request):
     assert _ptrs(m, o) == before  # the same memory, filled
 
 
+def test_autograd_sees_the_in_place_write(tmp_path):
+    # bytes written behind autograd's back still count as an in-place change: a graph that saved the
+    # old values fails on backward instead of computing gradients from overwritten memory
+    uri = str(tmp_path / "w.fpk")
+    ckptio.dump({"w": torch.ones(4)}, uri)
+    w = torch.zeros(4, requires_grad=True)
+    y = (w * w).sum()  # saves w for backward
+    ckptio.load_into({"w": w}, uri)
+    assert torch.equal(w.detach(), torch.ones(4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_tensors_are_read_into_target_memory_not_copied(tmp_path, monkeypatch):
     # the proof that bytes land in the target: no fresh payload buffer is allocated and no copy_ runs
     uri = str(tmp_path / "t.fpk")

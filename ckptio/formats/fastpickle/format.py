@@ -61,6 +61,8 @@ def load_source(
         else:
             bufs = {meta.tensors[i].storage: byte_view(t) for i, t in targets.items()}
             payloads = read_payloads(src, meta, sidxs, verify, bufs)
+            for t in targets.values():  # written behind autograd's back: as an in-place op would
+                torch.autograd.graph.increment_version(t)
     finally:
         if meta.check is not None:  # a bad header or metadata checksum is the error to report
             meta.check()
