@@ -58,7 +58,7 @@ from .registry import register_backend, register_format
 __version__ = "0.1.0"
 
 
-_LAZY_MODULES = ("fastpickle", "dcp", "distributed", "checkpointer", "cli", "progress")
+_LAZY_MODULES = ("fastpickle", "dcp", "distributed", "checkpointer", "cli", "progress", "restore")
 
 
 def __getattr__(name: str):  # lazy: these import torch (and torch.distributed); ``import ckptio`` does not
@@ -66,6 +66,10 @@ def __getattr__(name: str):  # lazy: these import torch (and torch.distributed);
         from .checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "load_into":
+        from .restore import load_into
+
+        return load_into
     if name in _LAZY_MODULES:
         import importlib
 
@@ -112,6 +116,7 @@ __all__ = [
     "join_path",
     "list_dir_or_file",
     "load",
+    "load_into",
     "ls",
     "open",
     "put",

@@ -139,3 +139,11 @@ def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsy
     doc = json.loads((tmp_path / "bare.json").read_text())
     assert {r["backend"] for r in doc["results"]} == {"local"} and doc["outputs"]["png"] is None
     assert not [r for r in doc["results"] if r["impl"] == "safetensors"]
+
+
+def test_load_into_benchmark_runs(capsys):
+    from ckptio.bench import load_into
+
+    assert load_into.main(["--mib", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ckptio.load_into" in out and "raw preadv into tensors" in out

@@ -39,6 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import AlreadyExistsError, CkptioError
+from ..restore import targets
 from . import formats
 from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .manifest import FORMATS, CheckpointWarning, Layout
@@ -374,7 +375,10 @@ class Checkpointer:
             if fmt == "dcp":
                 parted = {k: state[k] for k in parts}
                 return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
-            return formats.read_file(fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content)
+            into = targets({k: state[k] for k in parts})  # tensors read in place where they match
+            return formats.read_file(
+                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content, into
+            )
 
         try:
             source, ckpt_parts = read(d)

@@ -63,12 +63,17 @@ def read_file(
     cache: Any,
     allow_pickle: bool,
     incremental: bool = False,
+    into: Any = None,
 ) -> tuple[Mapping[str, Any], list[str]]:
     """The parts of the ``pt``/``fpk`` checkpoint file ``d``/``name`` and their names (``incremental``:
-    read through the content store of ``d``'s root, :mod:`.content`)."""
+    read through the content store of ``d``'s root, :mod:`.content`; ``into``: the tensors to read
+    matching stored tensors into, for formats that can, :func:`ckptio.restore.load_into`)."""
     from ..io import load as _load
+    from ..registry import formats
 
     kw = dict(options)
+    if into is not None and formats.by_name(_FILE_FORMAT[fmt]).instance().loads_into:  # type: ignore[union-attr]
+        kw["into"] = into
     if allow_pickle:
         kw["allow_pickle"] = True
     if cache is not None:
@@ -78,7 +83,6 @@ def read_file(
         kw.setdefault("map_location", "cpu")
     data_uri = _uri.join_path(d, name)
     if incremental:
-        from ..registry import formats
         from .content import read_backend
 
         backend, resolved = read_backend(d, kw.pop("cache", None))

@@ -2,30 +2,23 @@
 
 A state is a mapping of part name -> tensor, container or ``Stateful`` object (anything with
 ``state_dict``/``load_state_dict``: modules, optimizers, :class:`RNGState`). ``save`` stores each
-``Stateful``'s ``state_dict()``; ``load`` restores into the objects given (:func:`_apply`): ``Stateful``
-objects through ``load_state_dict`` (modules with ``strict=False``, their missing/unexpected keys
-reported), tensors of the same shape and dtype copied into in place, dicts entry by entry; anything
-else is replaced. What did not match is recorded in a :class:`LoadResult`.
+``Stateful``'s ``state_dict()``; ``load`` restores into the objects given by the rules of
+:func:`ckptio.restore.apply` (``Stateful`` objects through ``load_state_dict``, tensors in place, dicts
+entry by entry); what did not match is recorded in a :class:`LoadResult`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..restore import LoadResult, apply, is_stateful
 
-@dataclass
-class LoadResult:
-    """What the last :meth:`Checkpointer.load` restored (``Checkpointer.last_load``)."""
-
-    step: int | None
-    uri: str | None
-    missing_keys: list[str] = field(default_factory=list)
-    unexpected_keys: list[str] = field(default_factory=list)
+__all__ = ["LoadResult", "RNGState", "SaveResult", "restore", "state_dicts", "tree_has"]
 
 
 @dataclass
@@ -58,13 +51,9 @@ def _fill_empty(template: Any, tree: Any) -> None:
                 _fill_empty(v, tree[k])
 
 
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
 def state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of ``state``, each ``Stateful`` replaced by its ``state_dict()``."""
-    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state.items()}
 
 
 class RNGState:
@@ -117,38 +106,6 @@ def _py_rng_flat() -> tuple:
     return (version, *internal, gauss)
 
 
-def _apply(target: Any, source: Any, prefix: str, res: LoadResult) -> Any:
-    """Restore ``source`` into ``target`` in place where possible; returns the value to store."""
-    if _is_stateful(target):
-        if isinstance(target, torch.nn.Module):
-            out = target.load_state_dict(source, strict=False)
-            res.missing_keys += [prefix + k for k in out.missing_keys]
-            res.unexpected_keys += [prefix + k for k in out.unexpected_keys]
-        else:
-            target.load_state_dict(source)
-        return target
-    if isinstance(target, torch.Tensor) and isinstance(source, torch.Tensor):
-        if target is source:
-            return target
-        if target.shape == source.shape and target.dtype == source.dtype:
-            with torch.no_grad():
-                target.copy_(source)
-            return target
-        return source
-    if isinstance(target, dict) and isinstance(source, Mapping):
-        for k in list(target):
-            if k not in source:
-                res.missing_keys.append(f"{prefix}{k}")
-            else:
-                target[k] = _apply(target[k], source[k], f"{prefix}{k}.", res)
-        for k in source:
-            if k not in target:
-                res.unexpected_keys.append(f"{prefix}{k}")
-                target[k] = source[k]
-        return target
-    return source
-
-
 def restore(
     state: dict[str, Any],
     parts: list[str],
@@ -162,6 +119,6 @@ def restore(
         if k not in source:
             res.missing_keys.append(k)
         else:
-            state[k] = _apply(state[k], source[k], f"{k}.", res)
+            state[k] = apply(state[k], source[k], f"{k}.", res)
     if ckpt_parts is not None:
         res.unexpected_keys += [k for k in ckpt_parts if k not in state]

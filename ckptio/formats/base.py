@@ -26,6 +26,9 @@ class Format(abc.ABC):
     # True: load() gets a node-local cache backend as it is and reads its entries itself (fastpickle's
     # sources do), for formats that read objects next to ``uri``; otherwise it gets the entry's local file
     reads_through_cache: ClassVar[bool] = False
+    # True: load() takes ``into=``, a tree of existing tensors (``ckptio.load_into``) whose memory it may
+    # read matching tensors into; the tree it returns then holds those same tensors
+    loads_into: ClassVar[bool] = False
 
     @abc.abstractmethod
     def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", **kwargs: Any) -> None:

@@ -266,9 +266,13 @@ def _target_storage(storage: torch.UntypedStorage, location: str, map_location: 
         ) from e
 
 
-def tensor_factory(meta: Meta, payloads: dict[int, torch.Tensor], map_location: Any) -> Callable[[int], Any]:
+def tensor_factory(
+    meta: Meta, payloads: dict[int, torch.Tensor], map_location: Any, targets: dict[int, torch.Tensor] | None = None
+) -> Callable[[int], Any]:
+    """``make(tensor index)``: the stored tensor over its payload (``targets``: tensors read in place are
+    the caller's own)."""
     storages: dict[int, torch.UntypedStorage] = {}
-    made: dict[int, Any] = {}
+    made: dict[int, Any] = dict(targets or {})
 
     cpu_only = map_location is None or (isinstance(map_location, (str, torch.device)) and str(map_location) == "cpu")
 

@@ -9,12 +9,15 @@ import os
 from collections.abc import Iterable
 from typing import IO, Any
 
+import torch
+
 from ...backends.base import Backend, WriteMode
 from ...errors import FormatError
 from ..base import Format
 from .decode import decode_tree, tensor_factory
 from .encode import encode
-from .layout import FLAG_PICKLE, VERSION, Inspection
+from .into import byte_view, plan_into
+from .layout import FLAG_PICKLE, VERSION, Inspection, Meta
 from .read import Source, gc_paused, map_payloads, open_source, read_meta, read_payloads, source_for, with_source
 from .report import VERIFIED, inspect_report
 from .select import Ref, refs, select, substitute
@@ -31,6 +34,7 @@ def load_source(
     keys: Iterable[Any] | None = None,
     verify: bool | None = None,
     allow_pickle: bool = False,
+    into: Any = None,
 ) -> Any:
     meta = read_meta(src, full=keys is None and not mmap)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
@@ -50,16 +54,30 @@ def load_source(
         sidxs = sorted({meta.tensors[i].storage for i in needed})
     else:
         sidxs = sorted({t.storage for t in meta.tensors})
-    reader = map_payloads if mmap else read_payloads
+    targets = {} if into is None or mmap or keys is not None else _targets(meta, into, map_location, allow_pickle)
     try:
-        payloads = reader(src, meta, sidxs, verify)
+        if mmap:
+            payloads = map_payloads(src, meta, sidxs, verify)
+        else:
+            bufs = {meta.tensors[i].storage: byte_view(t) for i, t in targets.items()}
+            payloads = read_payloads(src, meta, sidxs, verify, bufs)
+            for t in targets.values():  # written behind autograd's back: as an in-place op would
+                torch.autograd.graph.increment_version(t)
     finally:
         if meta.check is not None:  # a bad header or metadata checksum is the error to report
             meta.check()
-    make = tensor_factory(meta, payloads, map_location)
+    make = tensor_factory(meta, payloads, map_location, targets)
     if keys is not None:
         return {(k if isinstance(k, str) else ".".join(map(str, k))): substitute(sub, make) for k, sub in picked}
     return decode_tree(meta, make, allow_pickle)
+
+
+def _targets(meta: Meta, into: Any, map_location: Any, allow_pickle: bool) -> dict[int, torch.Tensor]:
+    """The stored tensors to read into the caller's tensors (:mod:`.into`); the metadata is checked first."""
+    if meta.check is not None:  # remote full loads check it after the reads: no target is touched before
+        meta.check()
+        meta.check = None
+    return plan_into(meta, decode_tree(meta, Ref, allow_pickle), into, map_location)
 
 
 def load(
@@ -131,6 +149,7 @@ class FastpickleFormat(Format):
 
     name = "fastpickle"
     extensions = (".fpk",)
+    loads_into = True  # load(into=...): see :mod:`.into`
 
     def dump(
         self,

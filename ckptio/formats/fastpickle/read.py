@@ -342,9 +342,13 @@ def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, 
     return runs
 
 
-def read_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
-    """Read the given storages into fresh uint8 tensors, in parallel, verifying each as soon as it is read."""
-    bufs = {i: torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
+def read_payloads(
+    src: Source, meta: Meta, idxs: list[int], verify: bool, into: dict[int, torch.Tensor] | None = None
+) -> dict[int, torch.Tensor]:
+    """Read the given storages into fresh uint8 tensors (or the caller's, ``into``: storage index ->
+    uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read."""
+    into = into or {}
+    bufs = {i: into[i] if i in into else torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
