@@ -127,6 +127,8 @@ def _as_given(given: str, resolved: str, child: str) -> str:
 
 
 def cmd_ls(args: argparse.Namespace, out: Out) -> int:
+    if args.steps or args.local_tier:
+        return _ls_steps(args, out)
     backend, uri = resolve(args.uri)
     if path_kind(backend, uri) == "file":
         entries = [backend.stat(uri)]
@@ -155,6 +157,14 @@ def cmd_ls(args: argparse.Namespace, out: Out) -> int:
         return "\n".join(lines)
 
     out.emit(rows, text)
+    return EXIT_OK
+
+
+def _ls_steps(args: argparse.Namespace, out: Out) -> int:
+    from .checkpointer.tiered import status
+
+    rows = [{"step": s, "state": st} for s, st in status(args.uri, args.local_tier).items()]
+    out.emit(rows, lambda: "\n".join(f"{r['step']:>12}  {r['state']}" for r in rows))
     return EXIT_OK
 
 
@@ -381,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("uri")
     a.add_argument("-r", "--recursive", action="store_true")
     a.add_argument("-l", "--long", action="store_true", help="sizes and modification times")
+    a.add_argument("--steps", action="store_true", help="a Checkpointer root: its committed steps")
+    a.add_argument(
+        "--local-tier", metavar="DIR", help="with --steps: also this node's local tier (local/remote per step)"
+    )
     a.set_defaults(func=cmd_ls)
 
     a = sub.add_parser("cp", parents=[common], help="copy between any backends (resumable, parallel)")

@@ -22,6 +22,12 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
     max_bytes = "500GiB"          # least recently used entries go first; unset: no limit
     verify = true                 # accepted for compatibility: every read is verified anyway
 
+    [checkpointer]                # tiered checkpoints (ckptio.checkpointer.tiered) for remote roots
+    local_tier = "/local/nvme/ckptio-tier"   # root s3://b/run7 -> local tier /local/nvme/ckptio-tier/s3/b/run7
+    keep_local = 2
+    max_pending = 4
+    on_backlog = "block"          # or "raise"
+
 Validation happens at load time; errors name the file, the key and the reason. Sizes and counts
 must be positive; an option the backend does not take is refused (with a "did you mean");
 ``[backends.NAME]`` must name a registered backend or an fsspec protocol; an alias must not be
@@ -352,18 +358,34 @@ CACHE_TABLE: dict[str, Any] = {
 }
 
 
-def _cache_table(table: Any, where: str) -> dict[str, Any]:
+def _backlog(value: Any) -> str:
+    if value not in ("block", "raise"):
+        raise ValueError("expected 'block' or 'raise'")
+    return str(value)
+
+
+# the ``[checkpointer]`` table: defaults of tiered Checkpointers (see :mod:`ckptio.checkpointer.tiered`)
+CHECKPOINTER_TABLE: dict[str, Any] = {
+    "local_tier": _str,
+    "keep_local": _pos_int,
+    "max_pending": _pos_int,
+    "on_backlog": _backlog,
+}
+
+
+def _table(table: Any, where: str, keys: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """A validated ``[cache]``/``[checkpointer]`` table: known ``keys``, each value coerced."""
     if not isinstance(table, Mapping):
-        raise SettingsError(f"{where}: expected a table of cache options, got {type(table).__name__}")
+        raise SettingsError(f"{where}: expected a table of {what} options, got {type(table).__name__}")
     out: dict[str, Any] = {}
     for k, v in table.items():
-        if k not in CACHE_TABLE:
+        if k not in keys:
             raise SettingsError(
-                f"{where}.{k}: the cache has no option {k!r}{_did_you_mean(str(k), CACHE_TABLE)} "
-                f"(it takes: {', '.join(CACHE_TABLE)})"
+                f"{where}.{k}: the {what} has no option {k!r}{_did_you_mean(str(k), keys)} "
+                f"(it takes: {', '.join(keys)})"
             )
         try:
-            out[k] = CACHE_TABLE[k](v)
+            out[k] = keys[k](v)
         except (TypeError, ValueError) as e:
             raise SettingsError(f"{where}.{k}: invalid value {v!r}: {e}") from None
     return out
@@ -376,6 +398,7 @@ class Settings:
     path_mapping: Mapping[str, str] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
     cache: Mapping[str, Any] = field(default_factory=dict)  # the [cache] table
+    checkpointer: Mapping[str, Any] = field(default_factory=dict)  # the [checkpointer] table
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -384,6 +407,7 @@ class Settings:
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
         object.__setattr__(self, "path_mapping", MappingProxyType(dict(self.path_mapping)))
         object.__setattr__(self, "cache", MappingProxyType(dict(self.cache)))
+        object.__setattr__(self, "checkpointer", MappingProxyType(dict(self.checkpointer)))
         if self.aliases:
             check_aliases(self.aliases)
 
@@ -400,6 +424,7 @@ class Settings:
             },
             "path_mapping": {redact_url(k): redact_url(v) for k, v in self.path_mapping.items()},
             "cache": dict(self.cache),
+            **({"checkpointer": dict(self.checkpointer)} if self.checkpointer else {}),
         }
 
     def map_path(self, uri: str) -> str:
@@ -430,6 +455,7 @@ class Settings:
             {**self.path_mapping, **other.path_mapping},
             self.sources + other.sources,
             {**self.cache, **other.cache},
+            {**self.checkpointer, **other.checkpointer},
         )
 
 
@@ -437,10 +463,11 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
     """Validate a settings mapping (the TOML file's shape) and build :class:`Settings`."""
     if not isinstance(data, Mapping):
         raise SettingsError(f"{source}: settings must be a table/mapping, got {type(data).__name__}")
-    unknown = set(data) - {"backends", "aliases", "path_mapping", "cache"}
+    unknown = set(data) - {"backends", "aliases", "path_mapping", "cache", "checkpointer"}
     if unknown:
         raise SettingsError(
-            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping, cache"
+            f"{source}: unknown top-level key(s) {sorted(unknown)}; expected backends, aliases, path_mapping, "
+            "cache, checkpointer"
         )
     backends: dict[str, dict[str, Any]] = {}
     for name, opts in (data.get("backends") or {}).items():
@@ -480,8 +507,9 @@ def from_mapping(data: Mapping[str, Any], source: str = "<arguments>") -> Settin
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
     ):
         raise SettingsError(f'{source}: path_mapping: expected a table of "prefix" = "replacement" strings')
-    cache = _cache_table(data.get("cache") or {}, f"{source}: cache")
-    return Settings(backends, aliases, dict(mapping), (source,), cache)
+    cache = _table(data.get("cache") or {}, f"{source}: cache", CACHE_TABLE, "cache")
+    ckpt = _table(data.get("checkpointer") or {}, f"{source}: checkpointer", CHECKPOINTER_TABLE, "checkpointer")
+    return Settings(backends, aliases, dict(mapping), (source,), cache, ckpt)
 
 
 def load_file(path: str) -> Settings:

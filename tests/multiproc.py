@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 
@@ -45,3 +46,29 @@ def record(out_dir: str, rank: int, fn, *args) -> None:
         result = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(result)
+
+
+def forked(body, timeout: float) -> bool:
+    """Run ``body()`` in a forked child (exit 0; 1 with the traceback printed when it raises); wait up to
+    ``timeout`` seconds. Returns whether the child was SIGKILLed; any other failure raises."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            body()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while not (got := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"forked child did not finish within {timeout}s")
+        time.sleep(0.005)
+    status = got[1]
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert killed or (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0), f"child failed: status {status}"
+    return killed

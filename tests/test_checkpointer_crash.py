@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import threading
-import time
-import traceback
 import warnings
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
+from multiproc import forked
 from servers import s3_client
 
 pytestmark = [
@@ -117,36 +116,19 @@ def run_child(
     for p in (events_path, done_path):
         if os.path.exists(p):
             os.remove(p)
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            warnings.simplefilter("ignore")
-            backend, _ = ckptio.resolve(root)
-            Events(type(backend), kill_at, events_path)
-            ck = Checkpointer(root, format=fmt, keep_last=KEEP, async_save=async_save)
-            with open(done_path, "w", buffering=1) as done:
-                for step in range(1, STEPS + 1):
-                    ck.save(step, state(step))
-                    ck.wait()
-                    done.write(f"{step}\n")
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + CHILD_TIMEOUT
-    while True:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise TimeoutError(f"child (kill_at={kill_at}) did not finish in {CHILD_TIMEOUT}s")
-        time.sleep(0.005)
-    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert killed or (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0), f"child failed: status {status}"
+
+    def body() -> None:
+        warnings.simplefilter("ignore")
+        backend, _ = ckptio.resolve(root)
+        Events(type(backend), kill_at, events_path)
+        ck = Checkpointer(root, format=fmt, keep_last=KEEP, async_save=async_save)
+        with open(done_path, "w", buffering=1) as done:
+            for step in range(1, STEPS + 1):
+                ck.save(step, state(step))
+                ck.wait()
+                done.write(f"{step}\n")
+
+    killed = forked(body, CHILD_TIMEOUT)
     events = [json.loads(line) for line in open(events_path)] if os.path.exists(events_path) else []
     done = [int(x) for x in open(done_path).read().split()] if os.path.exists(done_path) else []
     return events, done, killed

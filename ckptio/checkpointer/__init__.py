@@ -9,7 +9,9 @@ The package's modules, each stating its part of the contract:
 - :mod:`.state`: ``Stateful`` parts, restoring in place, :class:`RNGState`, :class:`LoadResult`;
 - :mod:`.staging`: async save's snapshot copies and background thread;
 - :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves;
-- :mod:`.content`: incremental saves (``incremental=True``): the content store, its sweep, :func:`usage`.
+- :mod:`.content`: incremental saves (``incremental=True``): the content store, its sweep, :func:`usage`;
+- :mod:`.tiered`: tiered saves (``local_tier=``): the two roots, step states, which copy a restore reads,
+  local eviction; :mod:`.replication`: their background replicator, its bounded queue and failures.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .core import Checkpointer
 from .manifest import FORMATS as FORMATS
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointInfo, CheckpointWarning
 from .manifest import STEP_DIGITS as STEP_DIGITS
+from .replication import BacklogError, ReplicationError
 from .retention import STALE_AFTER as STALE_AFTER
 from .state import LoadResult, RNGState, SaveResult
 from .state import tree_has as tree_has
@@ -31,6 +34,8 @@ __all__ = [
     "LoadResult",
     "RNGState",
     "SaveResult",
+    "BacklogError",
+    "ReplicationError",
     "MARKER_NAME",
     "POINTER_NAME",
 ]

@@ -21,12 +21,15 @@ one, in which case :meth:`Checkpointer.latest` falls back to the newest complete
 which (a :class:`CheckpointWarning`). Under ``torch.distributed`` every rank calls ``save``/``load``;
 DCP data is written by all ranks, ``pt``/``fpk`` files, the marker, the pointer and cleanup by rank 0,
 with outcomes shared over a gloo group whose collectives time out after ``timeout`` seconds.
-Async save: :mod:`.staging`.
+Async save: :mod:`.staging`. Tiered (``local_tier=``): steps 1-4 run on the local tier, which then
+evicts (``keep_local``) instead of step 5; the step is replicated to root in the background, where
+retention runs after its commit (:mod:`.tiered`, :mod:`.replication`).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import time
@@ -43,6 +46,7 @@ from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
 from .state import LoadResult, SaveResult, restore, state_dicts
+from .tiered import Tier, open_layouts, tier_options
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -67,6 +71,9 @@ class Checkpointer:
     ``incremental=True``: data already stored under root is not written again
     (:mod:`.content`); content no kept step references is deleted after ``content_grace`` seconds.
     ``last_save``: what the last finished save wrote (:class:`SaveResult`).
+    ``local_tier``, ``keep_local``, ``max_pending``, ``on_backlog``: tiered saves (commit to a node-local
+    directory, replicate to root in the background; default: the settings' ``[checkpointer]`` table):
+    :mod:`.tiered`, :mod:`.replication`.
     """
 
     def __init__(
@@ -89,6 +96,10 @@ class Checkpointer:
         stale_after: float | None = STALE_AFTER,
         incremental: bool = False,
         content_grace: float = 3600.0,
+        local_tier: str | os.PathLike | bool | None = None,
+        keep_local: int | None = None,
+        max_pending: int | None = None,
+        on_backlog: str | None = None,
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -111,7 +122,8 @@ class Checkpointer:
         self._swept = stale_after is None
         self.last_load: LoadResult | None = None
         self.last_save: SaveResult | None = None
-        self._layout = Layout(self.root_uri)
+        tier_dir, tier_opts = tier_options(self.root_uri, local_tier, keep_local, max_pending, on_backlog, incremental)
+        remote, self._layout = open_layouts(self.root_uri, tier_dir) if tier_dir else (None, Layout(self.root_uri))
         self._content = Content(self._layout, content_grace) if incremental else None
         self._stager = _Stager()
         self._background = Background()
@@ -126,26 +138,36 @@ class Checkpointer:
                 if process_group is not None
                 else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
             )
+        self._tier = None if remote is None else Tier(remote, self._layout, self, self._rank, self._world, **tier_opts)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
 
     # ---- queries -----------------------------------------------------------------------------
     def uri(self, step: int) -> str:
-        """The (unresolved) URI of the directory for ``step``."""
-        return self._layout.uri(step)
+        """The (unresolved) URI of the directory for ``step`` (tiered: at the remote root)."""
+        return self._layout.uri(step) if self._tier is None else self._tier.remote.uri(step)
 
     def list(self) -> builtins.list[int]:
-        """Steps of the complete checkpoints under root, ascending."""
-        return self._layout.list()
+        """Steps of the complete checkpoints under root (tiered: on either tier), ascending."""
+        return self._layout.list() if self._tier is None else self._on_rank0(self._tier.list)
 
-    def latest(self) -> int | None:
-        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete."""
-        return self._layout.latest()
+    def latest(self, durable: str | None = None) -> int | None:
+        """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete
+        (tiered: on either tier, or ``durable="local"``/``"remote"``: on this node's tier/at root)."""
+        if self._tier is None and durable is not None:
+            raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
+        return self._layout.latest() if self._tier is None else self._on_rank0(self._tier.latest, durable)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The commit marker's contents for ``step`` (format, files, metrics, time)."""
-        return self._layout.manifest(step)
+        return self._layout.manifest(step) if self._tier is None else self._tier.manifest(step)
+
+    def status(self) -> dict[int, str]:
+        """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
+        if self._tier is None:
+            raise ValueError("status() needs a tiered Checkpointer (local_tier=)")
+        return self._on_rank0(self._tier.status)
 
     # ---- distributed helpers -------------------------------------------------------------------
     def _on_rank0(self, fn, *args: Any) -> Any:
@@ -187,7 +209,9 @@ class Checkpointer:
                 CheckpointWarning,
                 stacklevel=2,
             )
-        self.wait()
+        self._background.wait()
+        if self._tier is not None and self._tier.replicator is not None:
+            self._tier.replicator.admit()
         sd = state_dicts(state)
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         if not self.async_save:
@@ -197,12 +221,18 @@ class Checkpointer:
         self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics)
 
     def wait(self) -> None:
-        """Wait for the background save, if any; re-raise its exception if it failed."""
+        """Wait for the background save, if any; re-raise its exception if it failed (tiered: and replication)."""
         self._background.wait()
+        if self._tier is not None:
+            self._tier.wait(self._pg)
 
     def close(self) -> None:
-        """Wait for the background save (raising its error) and stop the background thread."""
-        self._background.close()
+        """Wait for the background save (raising its error) and stop the background thread (and replicator)."""
+        try:
+            self._background.close()
+        finally:
+            if self._tier is not None:
+                self._tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -216,11 +246,11 @@ class Checkpointer:
         if self.format == "dcp" and self._content is not None:
             files = self._content.write_dcp(step, sd, self._pg, self.save_options, self._rank)
         elif self.format == "dcp":
-            files = formats.write_dcp(sd, self.uri(step), self._pg, self.save_options)
+            files = formats.write_dcp(sd, self._layout.uri(step), self._pg, self.save_options)
         elif self._content is not None:
             files = self._on_rank0(self._content.write, self.format, step, sd, self.save_options)
         else:
-            files = self._on_rank0(formats.write_file, self.format, self.uri(step), sd, self.save_options)
+            files = self._on_rank0(formats.write_file, self.format, self._layout.uri(step), sd, self.save_options)
         manifest = {
             "step": step,
             "format": self.format,
@@ -232,14 +262,19 @@ class Checkpointer:
         }
         if self._content is not None:
             manifest[CONTENT_KEY] = CONTENT_HASH
+        if self._tier is not None:  # every rank: the files of every rank's node (DCP); replication scheduled
+            self._tier.prepare(step, manifest, self._pg)
         self._on_rank0(self._commit, step, manifest)
+        if self._tier is not None and self._rank != 0:
+            self._tier.follow(step, manifest)
         took = time.perf_counter() - t0
         logical, written = self._content.last if self._content is not None else (None, None)
-        self.last_save = SaveResult(step, self.uri(step), took, logical, written)
+        d = self._layout.uri(step)
+        self.last_save = SaveResult(step, d, took, logical, written)
         if written is None:
-            log.info("saved checkpoint %s in %.2fs", self.uri(step), took)
+            log.info("saved checkpoint %s in %.2fs", d, took)
         else:
-            log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", self.uri(step), took, logical, written)
+            log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", d, took, logical, written)
 
     def _prepare(self, step: int) -> None:
         """Step 1 of the protocol (rank 0): sweep stale writes once, clear the way for ``step``."""
@@ -259,6 +294,8 @@ class Checkpointer:
         formats.discard(self.format, self._layout, step)
 
     def _commit(self, step: int, manifest: dict[str, Any]) -> None:
+        if self._tier is not None:
+            return self._tier.commit(step, manifest)  # local commit, replication queued, local eviction
         self._layout.commit(step, manifest)
         cleanup(self, self._layout, step)
         if self._content is not None:
@@ -267,8 +304,8 @@ class Checkpointer:
     # ---- delete ----------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
-        self.wait()
-        self._on_rank0(self._layout.delete, step)
+        self._background.wait()
+        self._on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
         self._barrier()
 
     # ---- load ------------------------------------------------------------------------------------
@@ -297,26 +334,15 @@ class Checkpointer:
         (:mod:`ckptio.dcp.checks`). For a checkpoint you trust, ``allow_pickle=True`` loads pickled
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
-        self.wait()
-        s, d, fmt, name, content = self._on_rank0(self._layout.resolve_target, step)
-        if s is None:
+        self._background.wait()
+        with contextlib.nullcontext() if self._tier is None else self._tier.reading():  # no eviction meanwhile
+            found = self._read(state, step, keys, cache, allow_pickle)
+        if found is None:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
             return None
-        parts = list(state) if keys is None else list(keys)
-        unknown = [k for k in parts if k not in state]
-        if unknown:
-            raise KeyError(f"keys {unknown} are not in the state given to load()")
+        s, d, parts, source, ckpt_parts = found
         res = LoadResult(s, d)
-        source: Mapping[str, Any]
-        if fmt == "dcp":
-            parted = {k: state[k] for k in parts}
-            source, ckpt_parts = formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
-        else:
-            into = targets({k: state[k] for k in parts})  # tensors read in place where they match
-            source, ckpt_parts = formats.read_file(
-                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content, into
-            )
         restore(state, parts, source, res, ckpt_parts if keys is None else None)
         self.last_load = res
         if res.missing_keys or res.unexpected_keys:
@@ -329,3 +355,36 @@ class Checkpointer:
             warnings.warn(msg, CheckpointWarning, stacklevel=2)
         log.info("restored step %d from %s", s, d)
         return s
+
+    def _read(
+        self, state: dict[str, Any], step: Any, keys: Iterable[str] | None, cache: Any, allow_pickle: bool
+    ) -> tuple[int, str, builtins.list[str], Mapping[str, Any], builtins.list[str]] | None:
+        """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``load`` restores."""
+        target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
+        s, d, fmt, name, content = self._on_rank0(target, step)
+        if s is None:
+            return None
+        if self._tier is not None and self._pg is not None:
+            d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
+        parts = list(state) if keys is None else list(keys)
+        unknown = [k for k in parts if k not in state]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not in the state given to load()")
+
+        def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
+            if fmt == "dcp":
+                parted = {k: state[k] for k in parts}
+                return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
+            into = targets({k: state[k] for k in parts})  # tensors read in place where they match
+            return formats.read_file(
+                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content, into
+            )
+
+        try:
+            source, ckpt_parts = read(d)
+        except (OSError, CkptioError) as e:
+            if self._tier is None or self._world > 1 or not self._tier.is_local(d):
+                raise
+            d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
+            source, ckpt_parts = read(d)
+        return s, d, parts, source, ckpt_parts
