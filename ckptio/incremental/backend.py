@@ -16,7 +16,9 @@ their recipes name.
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
 (parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
 the caller's buffer, each hash checked (partly read blocks are fetched whole, to check them, and the
-last few are kept). Plain objects are the wrapped backend's.
+last few are kept). Once a block came from a local file (:attr:`BlockStore.local_reads`), a read's
+blocks are read in the caller's thread: readers already read ranges from several threads, and more
+threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
