@@ -335,3 +335,22 @@ def test_sweep_lists_content_only_when_something_can_be_due(tmp_path, monkeypatc
     assert listings and usage(root)["unreferenced_content_bytes"] == 0
     for step in ck.list():
         check(ck, step)
+
+
+def test_sweep_uses_the_steps_retention_found(tmp_path, monkeypatch):
+    """The commit's retention lists the steps once; the content sweep takes them from it (no second
+    listing and marker checks per step, each a request on object stores)."""
+    from ckptio.checkpointer.manifest import Layout
+
+    ck = Checkpointer(str(tmp_path), format="fpk", incremental=True, keep_last=2, content_grace=0)
+    ck.save(1, make_state(1, frozen_seed=1))
+    calls = []
+    real = Layout.list
+    monkeypatch.setattr(Layout, "list", lambda self: calls.append(1) or real(self))
+    ck.save(2, make_state(2, frozen_seed=2))
+    ck.save(3, make_state(3, frozen_seed=2))  # step 1 deleted by retention, its content swept
+    assert calls == []
+    monkeypatch.undo()
+    assert ck.list() == [2, 3]
+    assert usage(str(tmp_path))["unreferenced_content_bytes"] == 0
+    check(ck, 3, frozen_seed=2)

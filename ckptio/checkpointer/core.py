@@ -259,9 +259,9 @@ class Checkpointer:
 
     def _commit(self, step: int, manifest: dict[str, Any]) -> None:
         self._layout.commit(step, manifest)
-        cleanup(self, self._layout, step)
+        kept = cleanup(self, self._layout, step)
         if self._content is not None:
-            self._content.sweep()
+            self._content.sweep(kept)
 
     # ---- delete ----------------------------------------------------------------------------------
     def delete(self, step: int) -> None:
