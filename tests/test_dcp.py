@@ -205,6 +205,17 @@ def test_framing_loads_with_torch_load(dtype, shape):
     assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
 
 
+def test_framing_named_by_key_is_the_same_at_every_save():
+    t = torch.arange(6.0)
+    a, b = (ZipFraming(t.dtype, (6,), 24, key="model.w[0]") for _ in range(2))
+    assert (a.head, a.tail) == (b.head, b.tail)
+    other = ZipFraming(t.dtype, (6,), 24, key="model.v[0]")
+    assert other.head == a.head and other.tail != a.tail and len(other.tail) == len(a.tail)
+    assert ZipFraming(t.dtype, (6,), 24).tail != ZipFraming(t.dtype, (6,), 24).tail  # no key: random
+    data = a.head + t.numpy().tobytes() + a.tail
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), t)
+
+
 def test_framing_zip64_for_large_tensors(tmp_path):
     nbytes = (5 << 30) + 12  # > 4 GiB: zip64 records; written as a sparse file, never allocated
     z = ZipFraming(torch.uint8, (nbytes,), nbytes)

@@ -130,6 +130,42 @@ def test_damaged_content_fails_every_step_using_it(tmp_path):
         check(ck, 2)
 
 
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_short_or_damaged_content_object_is_named(fmt, where, tmp_path, memory_uri):
+    """Both read paths (a local file read and hashed in pieces, other storages whole): a content object
+    cut short or with one byte changed fails the load with an IntegrityError naming it."""
+    root = str(tmp_path / "r") if where == "local" else memory_uri + "/r"
+    ck = Checkpointer(root, format=fmt, incremental=True)
+    ck.save(1, make_state(1))
+    backend, resolved = ckptio.resolve(root)
+    blocks = [i for i in backend.list(resolved + "/" + CONTENT_DIR, recursive=True) if i.size == 1 << 20]
+    assert blocks
+    victim = blocks[0].uri
+    good = backend.read(victim)
+    for bad in (good[:-1], good[:4096] + bytes([good[4096] ^ 1]) + good[4097:]):
+        backend.write(victim, bad)
+        with pytest.raises(IntegrityError, match=victim.rsplit("/", 1)[-1]):
+            check(ck, 1)
+    backend.write(victim, good)
+    check(ck, 1)
+
+
+def test_unchanged_dcp_state_writes_no_content_again(tmp_path):
+    """Tensor items frame identically at every save (their torch archive id is named by the item), so
+    saving the same tensors again stores no new content object."""
+    ck = Checkpointer(str(tmp_path), format="dcp", incremental=True)
+    state = make_state(1)
+    ck.save(1, state)
+    before = set(content_files(str(tmp_path)))
+    ck.save(2, state)
+    assert set(content_files(str(tmp_path))) == before
+    assert ck.last_save.bytes_written < 64 << 10
+    st: dict = {"model": {}, "trainer": {}}
+    assert ck.load(st, step=2, strict=False) == 2
+    assert all(torch.equal(st["model"][k], v) for k, v in state["model"].items())
+
+
 H = "0" * 32
 
 
@@ -247,13 +283,15 @@ def test_gcs_round_trip_and_load_through_the_node_cache(fmt, gcs_uri, tmp_path):
     assert usage(root)["unreferenced_content_bytes"] == 0
 
 
-def test_ranged_reads_through_recipes_from_many_threads(memory_uri):
-    """Parts of blocks read at once from several threads (DCP resharding does): exact bytes."""
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_ranged_reads_through_recipes_from_many_threads(where, tmp_path, memory_uri):
+    """Parts of blocks read at once from several threads (DCP resharding does), local content (read in
+    the caller's thread) and not: exact bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptio.incremental import BlockStore, IncrementalBackend
 
-    backend, root = ckptio.resolve(memory_uri + "/r")
+    backend, root = ckptio.resolve(str(tmp_path / "r") if where == "local" else memory_uri + "/r")
     store = BlockStore(backend, root + "/.content", min_block=1000, max_block=4096)
     inc = IncrementalBackend(backend, store)
     data = os.urandom(50_000)
@@ -297,3 +335,22 @@ def test_sweep_lists_content_only_when_something_can_be_due(tmp_path, monkeypatc
     assert listings and usage(root)["unreferenced_content_bytes"] == 0
     for step in ck.list():
         check(ck, step)
+
+
+def test_sweep_uses_the_steps_retention_found(tmp_path, monkeypatch):
+    """The commit's retention lists the steps once; the content sweep takes them from it (no second
+    listing and marker checks per step, each a request on object stores)."""
+    from ckptio.checkpointer.manifest import Layout
+
+    ck = Checkpointer(str(tmp_path), format="fpk", incremental=True, keep_last=2, content_grace=0)
+    ck.save(1, make_state(1, frozen_seed=1))
+    calls = []
+    real = Layout.list
+    monkeypatch.setattr(Layout, "list", lambda self: calls.append(1) or real(self))
+    ck.save(2, make_state(2, frozen_seed=2))
+    ck.save(3, make_state(3, frozen_seed=2))  # step 1 deleted by retention, its content swept
+    assert calls == []
+    monkeypatch.undo()
+    assert ck.list() == [2, 3]
+    assert usage(str(tmp_path))["unreferenced_content_bytes"] == 0
+    check(ck, 3, frozen_seed=2)

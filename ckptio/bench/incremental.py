@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import statistics
 import tempfile
@@ -97,6 +98,11 @@ def _logical(state: Any) -> int:
     return 0
 
 
+def _spread(xs: list[float], unit: str = "x") -> str:
+    """The median and [min-max] of the runs (one per repeat, each pairing the two modes' runs)."""
+    return f"(per repeat: median {statistics.median(xs):.2f}{unit} [{min(xs):.2f}-{max(xs):.2f}], n={len(xs)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=1024, help="state size in MiB (default 1024)")
@@ -131,8 +137,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{i + 1:>4} {full_t:>8.3f} {inc_t:>8.3f} {mib} {100 * iw / fw:>6.1f}")
             full_rest = statistics.median(t for r in times[False] for t in r[1:SAVES])
             inc_rest = statistics.median(t for r in times[True] for t in r[1:SAVES])
-            print(f"saves 2-{SAVES}: non-incremental / incremental time = {full_rest / inc_rest:.2f}x")
+            per = [
+                statistics.median(f[1:SAVES]) / statistics.median(i[1:SAVES])
+                for f, i in zip(times[False], times[True], strict=True)
+            ]
+            print(f"saves 2-{SAVES}: non-incremental / incremental time = {full_rest / inc_rest:.2f}x {_spread(per)}")
             full_load = statistics.median(r[SAVES] for r in times[False])
             inc_load = statistics.median(r[SAVES] for r in times[True])
-            print(f"restore of step {SAVES}: non-incremental {full_load:.3f} s, incremental {inc_load:.3f} s")
+            per = [i[SAVES] / f[SAVES] for f, i in zip(times[False], times[True], strict=True)]
+            print(
+                f"restore of step {SAVES}: non-incremental {full_load:.3f} s "
+                f"{_spread([r[SAVES] for r in times[False]], 's')}, incremental {inc_load:.3f} s "
+                f"{_spread([r[SAVES] for r in times[True]], 's')}; incremental / non-incremental {_spread(per)}"
+            )
+            print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

@@ -134,10 +134,11 @@ class Content:
         finally:
             reader.close()
 
-    def referenced(self) -> tuple[set[str], bool]:
-        """(every hash a committed step references, whether every recipe could be read)."""
+    def referenced(self, steps: list[int] | None = None) -> tuple[set[str], bool]:
+        """(every hash a committed step references, whether every recipe could be read); ``steps``: the
+        committed steps when the caller just listed them (default: list them)."""
         complete = True
-        steps = self.layout.list()
+        steps = self.layout.list() if steps is None else steps
         for s in list(self._refs):
             if s not in steps:  # deleted (retention, delete()): its content may go
                 del self._refs[s]
@@ -158,13 +159,14 @@ class Content:
             reader.close()
         return set().union(*self._refs.values()), complete
 
-    def sweep(self) -> None:
-        """After retention: known := what kept steps reference; delete the rest once past the grace period.
+    def sweep(self, steps: list[int] | None = None) -> None:
+        """After retention (which found the committed ``steps``, default: list them): known := what kept
+        steps reference; delete the rest once past the grace period.
 
         The content listing is skipped while nothing can be due: no step was deleted or replaced and
         no failed save's or earlier sweep's leftovers are past the grace period yet (a new Checkpointer
         sweeps at its first commit, for what killed processes left)."""
-        refs, complete = self.referenced()
+        refs, complete = self.referenced(steps)
         self.store.settle(refs)
         self._settled = True
         if time.time() < self._due:

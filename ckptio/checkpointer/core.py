@@ -297,9 +297,9 @@ class Checkpointer:
         if self._tier is not None:
             return self._tier.commit(step, manifest)  # local commit, replication queued, local eviction
         self._layout.commit(step, manifest)
-        cleanup(self, self._layout, step)
+        kept = cleanup(self, self._layout, step)
         if self._content is not None:
-            self._content.sweep()
+            self._content.sweep(kept)
 
     # ---- delete ----------------------------------------------------------------------------------
     def delete(self, step: int) -> None:

@@ -73,15 +73,16 @@ def _keep(rules: _Rules, layout: Layout, steps: Sequence[int], latest: int) -> s
     return keep
 
 
-def cleanup(rules: _Rules, layout: Layout, latest: int) -> None:
-    """Delete what the rules do not keep, now that ``latest`` is committed."""
+def cleanup(rules: _Rules, layout: Layout, latest: int) -> list[int]:
+    """Delete what the rules do not keep, now that ``latest`` is committed; returns the complete steps
+    kept (what ``layout.list()`` would now list, without listing again)."""
     dirs = layout.step_dirs()
     complete = [s for s in dirs if layout.committed(s)]
-    doomed = [s for s in complete if s not in _keep(rules, layout, complete, latest)]
+    doomed = [s for s in complete if s not in _keep(rules, layout, complete, latest) and s != latest]
     debris = [s for s in dirs if s not in complete and s < latest]
     for s in sorted(doomed) + sorted(debris):
-        if s != latest:
-            layout.discard(s)
+        layout.discard(s)
+    return sorted(set(complete) - set(doomed))
 
 
 def abort_stale_writes(layout: Layout, stale_after: float | None) -> None:

@@ -142,10 +142,11 @@ def _write_bytes(w: Writer, data: Any, checksums: bool, info: dict[str, Any]) ->
     return length
 
 
-def _write_tensor(w: Writer, t: torch.Tensor, checksums: bool, info: dict[str, Any]) -> int:
-    """Write the tensor ``t`` framed as a torch.save archive; records its layout and checksums in ``info``."""
+def _write_tensor(w: Writer, t: torch.Tensor, checksums: bool, info: dict[str, Any], key: str) -> int:
+    """Write the tensor ``t`` framed as a torch.save archive (its frame named by the item ``key``: the
+    same bytes at every save); records its layout and checksums in ``info``."""
     nbytes = t.numel() * t.element_size()
-    z = ZipFraming(t.dtype, tuple(t.shape), nbytes)
+    z = ZipFraming(t.dtype, tuple(t.shape), nbytes, key)
     w.write(z.head)
     hashes: list[int] = []
     h = xxhash.xxh3_64() if checksums else None
@@ -301,7 +302,8 @@ class StorageWriter(AtURI, _storage.StorageWriter):
                     if item.type == WriteItemType.BYTE_IO:
                         length = _write_bytes(w, data, self.checksums, info)
                     else:  # a tensor item resolves to a tensor
-                        length = _write_tensor(w, cast(torch.Tensor, data).detach(), self.checksums, info)
+                        key = f"{item.index.fqn}{list(item.index.offset or [])}"
+                        length = _write_tensor(w, cast(torch.Tensor, data).detach(), self.checksums, info, key)
                     sinfo = _ti.StorageInfo(name, offset, length)
                     setattr(sinfo, INFO_ATTR, info)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=sinfo))

@@ -4,7 +4,9 @@ Each tensor item is written as an uncompressed zip that ``torch.load`` reads (zi
 zero, as with ``torch.serialization.set_crc32_options(False)``), with the tensor bytes at a known,
 64-byte aligned offset (:attr:`ZipFraming.data_offset`), so the writer streams the tensor straight
 from its memory between a header and a trailer, and a load reads only the tensor bytes it needs.
-Zip64 records are written when a size or offset needs them.
+Zip64 records are written when a size or offset needs them. The archive's ``serialization_id``
+(torch reads it only to log it) is named by the caller's ``key`` when given, so an unchanged item is
+framed by the same bytes at every save (an incremental save then reuses them), else random.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uuid
 from typing import Any
 
 import torch
+import xxhash
 
 from .. import torch_internals as _ti
 
@@ -62,10 +65,17 @@ _ALIGN = 64
 _U32 = 0xFFFFFFFF
 
 
+def _serialization_id(key: str | None, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """40 ASCII characters: a hash of ``key``, dtype and shape, or random when ``key`` is None."""
+    if key is None:
+        return uuid.uuid4().hex.encode().ljust(40, b"0")
+    return xxhash.xxh3_128_hexdigest(f"{key}\0{dtype}\0{list(shape)}".encode()).encode().ljust(40, b"0")
+
+
 class ZipFraming:
     """Header and trailer bytes of a stored (uncompressed) zip around one tensor's bytes."""
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, key: str | None = None) -> None:
         numel = 1
         for s in shape:
             numel *= s
@@ -76,7 +86,7 @@ class ZipFraming:
             ("archive/byteorder", b"little"),
             ("archive/data/0", nbytes),  # the tensor itself, streamed by the caller
             ("archive/version", b"3\n"),
-            ("archive/.data/serialization_id", uuid.uuid4().hex.encode().ljust(40, b"0")),
+            ("archive/.data/serialization_id", _serialization_id(key, dtype, shape)),
         ]
         head, tail = bytearray(), bytearray()
         central = bytearray()

@@ -16,7 +16,9 @@ their recipes name.
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
 (parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
 the caller's buffer, each hash checked (partly read blocks are fetched whole, to check them, and the
-last few are kept). Plain objects are the wrapped backend's.
+last few are kept). Once a block came from a local file (:attr:`BlockStore.local_reads`), a read's
+blocks are read in the caller's thread: readers already read ranges from several threads, and more
+threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
@@ -60,7 +62,7 @@ class IncrementalBackend(ForwardingBackend):
         self.referenced: set[str] = set()  # the blocks the recipes written through it name
         self._lock = threading.Lock()
         self._recipes: dict[str, Recipe | None] = {}
-        self._blocks: collections.OrderedDict[str, Future[bytes]] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[str, Future[bytearray]] = collections.OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
@@ -125,6 +127,10 @@ class IncrementalBackend(ForwardingBackend):
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
                 jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
+        if self.store.local_reads:  # local content: more threads than the caller's only add contention
+            for job in jobs:
+                job()
+            return max(0, end - offset)
         futures = [self._executor().submit(job) for job in jobs[1:]]  # the caller's thread reads the first
         try:
             if jobs:
@@ -145,7 +151,7 @@ class IncrementalBackend(ForwardingBackend):
             try:
                 whole = bytearray(length)
                 self.store.read_into(h, memoryview(whole), uri)
-                fut.set_result(bytes(whole))
+                fut.set_result(whole)  # never written again: shared by its readers without a copy
             except BaseException as e:
                 with self._lock:
                     self._blocks.pop(h, None)
