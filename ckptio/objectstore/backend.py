@@ -27,6 +27,8 @@ from .ranged import parallel_readinto, run
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
 
+SMALL_OBJECT = 4 << 20  # read() fetches up to this much at once, no size lookup: a small object is one GET
+
 
 def check_versions(extra: str, minimums: Mapping[str, str]) -> None:
     """Refuse client libraries older than ``minimums`` (distribution -> oldest release that works,
@@ -214,8 +216,31 @@ class ObjectStoreBackend(Backend):
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:
+        """The whole object; one ranged GET when it is smaller than :data:`SMALL_OBJECT` (no HEAD first)."""
         self._split(uri)
-        return super().read(uri)
+        head = bytearray(min(SMALL_OBJECT, self.part_size))
+        n = self.readinto(uri, head, 0)  # 0: empty, or missing (readinto raises NotFoundError then)
+        if n < len(head):
+            del head[n:]
+            return bytes(head)
+        size = self.stat(uri).size
+        if size <= n:
+            return bytes(head)
+        buf = bytearray(size)
+        buf[:n] = head
+        got = n + self.readinto(uri, memoryview(buf)[n:], n)
+        return bytes(buf) if got == size else bytes(buf[:got])
+
+    def isfile(self, uri: str) -> bool:
+        """One HEAD (``stat`` would list the prefix too, to tell a directory from nothing)."""
+        bucket, key = self._split(uri, key_required=False)
+        if not key.strip("/"):
+            return False
+        try:
+            self._head(uri, bucket, key)
+        except FileNotFoundError:
+            return False
+        return True
 
     # ---- metadata ----------------------------------------------------------------------------
     def stat(self, uri: str) -> ObjectInfo:
