@@ -89,3 +89,21 @@ def test_small_dcp_save_and_load_requests(proxy):
     # .metadata in one GET; the data object's size (checked before reading), then its bytes
     assert len(proxy.requests) == 3, proxy.requests
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_small_pt_load_is_one_get_and_a_larger_one_fetches_each_byte_once(proxy):
+    state, uri = _state(), proxy.uri + "/small.pt"
+    ckptio.dump(state, uri)
+    proxy.clear()
+    out = ckptio.load(uri)
+    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+    big = {"w": torch.randn(6 << 18)}  # 6 MiB: over the first read, through a temporary file
+    uri = proxy.uri + "/big.pt"
+    ckptio.dump(big, uri, backend_args={"part_size": 8 << 20})
+    proxy.clear()
+    out = ckptio.load(uri, backend_args={"part_size": 8 << 20})
+    assert torch.equal(out["w"], big["w"])
+    size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
+    assert proxy.bytes_out <= size + 4096

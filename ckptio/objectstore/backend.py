@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import Backend, Buffer, ObjectInfo
+from ..backends.base import Backend, Buffer, ObjectInfo, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import retry as _retry
 from .multipart import size_option
@@ -26,8 +26,6 @@ from .ranged import parallel_readinto, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
-
-SMALL_OBJECT = 4 << 20  # read() fetches up to this much at once, no size lookup: a small object is one GET
 
 
 def check_versions(extra: str, minimums: Mapping[str, str]) -> None:
@@ -216,13 +214,12 @@ class ObjectStoreBackend(Backend):
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:
-        """The whole object; one ranged GET when it is smaller than :data:`SMALL_OBJECT` (no HEAD first)."""
+        """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first)."""
         self._split(uri)
-        head = bytearray(min(SMALL_OBJECT, self.part_size))
-        n = self.readinto(uri, head, 0)  # 0: empty, or missing (readinto raises NotFoundError then)
-        if n < len(head):
-            del head[n:]
+        head, whole = read_first(self, uri)
+        if whole:
             return bytes(head)
+        n = len(head)
         size = self.stat(uri).size
         if size <= n:
             return bytes(head)

@@ -26,7 +26,7 @@ import msgpack
 import torch
 import xxhash
 
-from ...backends.base import Backend
+from ...backends.base import Backend, read_first
 from ...errors import FormatError, IntegrityError
 from ...osio import preadinto, prefault, translate_os_errors
 from .layout import (
@@ -48,7 +48,6 @@ COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
-SMALL_OBJECT = 4 << 20  # a remote object up to this size is read whole by its first request (no size lookup)
 
 
 # ------------------------------------------------------------------------------------------
@@ -250,7 +249,7 @@ def open_source(uri_or_file: Any, backend_options: dict, whole: bool = False) ->
 def source_for(backend: Backend, uri: str, whole: bool = False) -> Source:
     """The descriptor of the backend's local file when it has one (a local file, a node-local cache
     entry), else ranged reads from the backend. ``whole``: every byte will be read (a full load):
-    the first request then fetches up to :data:`SMALL_OBJECT` bytes without a size lookup, so a
+    the first request then fetches up to 4 MiB without a size lookup (:func:`read_first`), so a
     small object is read whole by that one request."""
     with backend.local_file(uri) as path:
         if path is not None:
@@ -259,11 +258,10 @@ def source_for(backend: Backend, uri: str, whole: bool = False) -> Source:
             return FdSource(fd, uri, owned=True)
     if not whole:
         return BackendSource(backend, uri)
-    first = memoryview(bytearray(min(SMALL_OBJECT, backend.part_size)))
-    n = backend.readinto(uri, first, 0)  # short: the whole object; 0 bytes: empty, or missing (raises)
-    if n < len(first):
-        return BufferSource(first[:n], uri)
-    return BackendSource(backend, uri, first)
+    first, complete = read_first(backend, uri)
+    if complete:
+        return BufferSource(memoryview(first), uri)
+    return BackendSource(backend, uri, memoryview(first))
 
 
 @contextlib.contextmanager
