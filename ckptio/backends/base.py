@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import io
+import mmap
 import os
 import shutil
 import tempfile
@@ -402,13 +403,11 @@ def copy_between(
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
 
 
-def read_first(backend: Backend, uri: str, limit: int = SMALL_OBJECT) -> tuple[bytearray, bool]:
+def read_first(backend: Backend, uri: str, limit: int = SMALL_OBJECT) -> tuple[memoryview, bool]:
     """The object's first bytes, up to ``limit`` (and ``part_size``), in one ``readinto`` with no size
     lookup first, and whether they are the whole object (fewer came back). A missing object raises
-    NotFoundError. On an object store a small object is then one GET, header and footer included."""
-    buf = bytearray(min(limit, backend.part_size))
+    NotFoundError. On an object store a small object is then one GET, header and footer included.
+    The buffer is anonymous memory, faulted in only as far as it is filled (not zeroed first)."""
+    buf = memoryview(mmap.mmap(-1, max(1, min(limit, backend.part_size))))
     n = backend.readinto(uri, buf, 0)  # 0 bytes: empty, or missing (readinto raises then)
-    if n < len(buf):
-        del buf[n:]
-        return buf, True
-    return buf, False
+    return buf[:n], n < len(buf)

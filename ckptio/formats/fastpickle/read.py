@@ -260,8 +260,8 @@ def source_for(backend: Backend, uri: str, whole: bool = False) -> Source:
         return BackendSource(backend, uri)
     first, complete = read_first(backend, uri)
     if complete:
-        return BufferSource(memoryview(first), uri)
-    return BackendSource(backend, uri, memoryview(first))
+        return BufferSource(first, uri)
+    return BackendSource(backend, uri, first)
 
 
 @contextlib.contextmanager
