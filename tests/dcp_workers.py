@@ -76,11 +76,12 @@ def save_rank(
         sd = _sharded(mesh, full_state(1))
         sd["extra"] = {"step": 7, "rank_count": world}
         outcomes = []
-        saves = [lambda: cd.save(sd, uri, thread_count=2)]
+        two = {"thread_count": 2, "min_object_bytes": 1}  # two data objects per rank, however small
+        saves = [lambda: cd.save(sd, uri, **two)]
         if fail_rank is not None:  # torch's own save with ckptio's writer too
             import torch.distributed.checkpoint as dcp
 
-            saves.insert(0, lambda: dcp.save(sd, storage_writer=cd.StorageWriter(uri, thread_count=2)))
+            saves.insert(0, lambda: dcp.save(sd, storage_writer=cd.StorageWriter(uri, **two)))
         for save in saves:
             try:
                 save()

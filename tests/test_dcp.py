@@ -105,7 +105,7 @@ def test_round_trip(root):
 def test_thread_counts_and_small_parts(root):
     sd = {f"t{i}": torch.randn(1000 + i) for i in range(9)}
     uri = join(root, "ckpt")
-    cd.save(sd, uri, thread_count=3)
+    cd.save(sd, uri, thread_count=3, min_object_bytes=1)
     backend, r = ckptio.resolve(uri)
     names = sorted(i.uri.rsplit("/", 1)[-1] for i in backend.list(r))
     assert names[0] == ".metadata" and len(names) == 4
@@ -114,6 +114,23 @@ def test_thread_counts_and_small_parts(root):
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     cd.load(out, uri, thread_count=1)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_small_payload_is_one_data_object(root):
+    """A rank's payload below min_object_bytes is one data object (one file, or one request), whatever thread_count."""
+    sd = {f"t{i}": torch.randn(1000 + i) for i in range(9)}
+    uri = join(root, "ckpt")
+    cd.save(sd, uri, thread_count=4, min_object_bytes=40_000 * 4)
+    backend, r = ckptio.resolve(uri)
+    names = sorted(i.uri.rsplit("/", 1)[-1] for i in backend.list(r))
+    assert names[0] == ".metadata" and len(names) == 2  # 36 KiB of tensors < 160 kB
+    uri2 = join(root, "ckpt2")
+    cd.save(sd, uri2, thread_count=4, min_object_bytes=9000 * 4)  # 36144 bytes: just over one object, so two
+    assert len(list(backend.list(ckptio.resolve(uri2)[1]))) == 1 + 2
+    for u in (uri, uri2):
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        cd.load(out, u)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
 def test_async_save(root):
@@ -324,7 +341,7 @@ def test_write_failure_commits_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(local_backend.LocalWriter, "write", write)
     with pytest.raises(OSError, match="injected I/O error") as ei:
-        cd.save({f"t{i}": torch.randn(100) for i in range(4)}, uri, thread_count=2)
+        cd.save({f"t{i}": torch.randn(100) for i in range(4)}, uri, thread_count=2, min_object_bytes=1)
     text = _text(ei.value)
     assert re.search(r"__0_1\.[0-9a-f]{16}\.distcp", text) and "rank 0" in text
     assert not cd.is_complete(uri)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import io
+import mmap
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ Buffer = bytes | bytearray | memoryview
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
+SMALL_OBJECT = 4 * 1024 * 1024  # read_first's default: an object up to this size is read by one request
 
 
 @dataclass(frozen=True)
@@ -378,11 +380,12 @@ class NodeCache(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
-def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
-    """Stream an object into an open binary file in ``part_size`` pieces; returns bytes copied."""
+def copy_to_file(backend: Backend, uri: str, f: BinaryIO, start: int = 0) -> int:
+    """Stream an object, from byte ``start``, into an open binary file in ``part_size`` pieces; returns
+    the object's size."""
     size = backend.stat(uri).size
-    chunk = bytearray(min(max(size, 1), backend.part_size * backend.concurrency))
-    mv, pos = memoryview(chunk), 0
+    chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
+    mv, pos = memoryview(chunk), start
     while pos < size:
         n = backend.readinto(uri, mv[: min(len(mv), size - pos)], pos)
         if n <= 0:
@@ -398,3 +401,13 @@ def copy_between(
     """Stream one object from any backend to any backend with bounded memory."""
     with dst_backend.open_writer(dst, mode=mode) as w:
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
+
+
+def read_first(backend: Backend, uri: str, limit: int = SMALL_OBJECT) -> tuple[memoryview, bool]:
+    """The object's first bytes, up to ``limit`` (and ``part_size``), in one ``readinto`` with no size
+    lookup first, and whether they are the whole object (fewer came back). A missing object raises
+    NotFoundError. On an object store a small object is then one GET, header and footer included.
+    The buffer is anonymous memory, faulted in only as far as it is filled (not zeroed first)."""
+    buf = memoryview(mmap.mmap(-1, max(1, min(limit, backend.part_size))))
+    n = backend.readinto(uri, buf, 0)  # 0 bytes: empty, or missing (readinto raises then)
+    return buf[:n], n < len(buf)

@@ -46,6 +46,19 @@ __all__ = ["StorageReader", "contiguous_span"]
 
 COALESCE_MAX = 1024 * 1024  # ranges below this are merged with their neighbours into one read
 COALESCE_GAP = 64 * 1024
+INLINE_MAX = 4 * 1024 * 1024  # a plan reading at most this many bytes runs its reads in the calling thread
+
+
+class _Inline(cf.Executor):
+    """Runs each task at once in the calling thread (a small plan: no threads to start or hand over to)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future:
+        f: cf.Future = cf.Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed on through the future, as a pool would
+            f.set_exception(e)
+        return f
 
 
 @dataclasses.dataclass
@@ -135,7 +148,7 @@ class _Ranges:
     """Reads byte ranges of data objects into their targets on ``pool``: large ranges in ``part_size``
     pieces, small ones coalesced with their neighbours into single reads (:meth:`submit_small`)."""
 
-    def __init__(self, backend: Backend, pool: cf.ThreadPoolExecutor) -> None:
+    def __init__(self, backend: Backend, pool: cf.Executor) -> None:
         self.backend, self.pool, self.piece = backend, pool, backend.part_size
         self.small: dict[str, list[tuple[int, int, memoryview, _Unit]]] = {}
 
@@ -380,7 +393,9 @@ class StorageReader(AtURI, _storage.StorageReader):
         temp_in_flight = 0
 
         self._check_plan(plan)
-        with cf.ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptio-dcp-read") as pool:
+        small = sum(self.storage_data[r.storage_index].length for r in plan.items) <= INLINE_MAX
+        pool: cf.Executor = _Inline() if small else cf.ThreadPoolExecutor(self.thread_count, "ckptio-dcp-read")
+        with pool:
             ranges = _Ranges(self.data_backend, pool)
 
             def drain(limit: int) -> None:

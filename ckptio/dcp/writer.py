@@ -1,7 +1,8 @@
 """ckptio's DCP :class:`StorageWriter`: each rank's items streamed into data objects within a memory budget.
 
-Items are split over ``thread_count`` data objects of similar size; each is one streaming
-:meth:`Backend.open_writer` (no rename), a tensor item framed as a ``torch.save`` zip
+Items are split over up to ``thread_count`` data objects of similar size, each of at least
+``min_object_bytes`` (a small payload is one object: one file and its fsyncs, or one request).
+Each is one streaming :meth:`Backend.open_writer`, a tensor item framed as a ``torch.save`` zip
 (:mod:`ckptio.dcp.zipframe`) around its bytes, written straight from tensor memory where it is
 contiguous, with xxh3-64 checksums per block (:mod:`ckptio.dcp.layout`). :func:`bound_memory`
 keeps the upload buffers within ``max_buffer_bytes``. The commit is :mod:`ckptio.dcp.metadata`'s.
@@ -46,6 +47,7 @@ from .zipframe import ZipFraming
 __all__ = ["StorageWriter", "bound_memory"]
 
 _STAGING_CHUNK = 8 << 20  # largest staging copy for a non-contiguous or non-CPU tensor
+MIN_OBJECT_BYTES = 16 << 20  # a rank's payload is split into data objects of at least this many bytes
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -175,14 +177,16 @@ def _write_tensor(w: Writer, t: torch.Tensor, checksums: bool, info: dict[str, A
 class StorageWriter(AtURI, _storage.StorageWriter):
     """Write a DCP checkpoint to any ckptio URI.
 
-    ``thread_count`` data objects per rank are written concurrently (each streamed with bounded
-    memory by its backend writer); ``part_size``/``concurrency`` go to the backend (multipart part
-    size and parallel parts per object); ``overwrite`` allows replacing a committed checkpoint;
-    ``checksums=False`` skips recording checksums; ``durable=False`` skips fsync on local
-    storage; ``max_buffer_bytes`` caps upload buffers on object stores (default max(64 MiB,
-    10% of the rank's payload)) by lowering objects and parts in flight. Other keyword arguments
-    are backend options (as for :func:`ckptio.resolve`). ``backend`` (internal): a wrapper of the
-    resolved backend to write the data objects through (the Checkpointer's incremental store).
+    Up to ``thread_count`` data objects per rank, of at least ``min_object_bytes`` of tensor data
+    each (default 16 MiB: a small payload is one object, one file or request), are written
+    concurrently, each streamed with bounded memory by its backend writer. ``part_size`` and
+    ``concurrency`` go to the backend (multipart part size and parallel parts per object);
+    ``overwrite`` allows replacing a committed checkpoint; ``checksums=False`` skips recording
+    checksums; ``durable=False`` skips fsync on local storage; ``max_buffer_bytes`` caps upload
+    buffers on object stores (default max(64 MiB, 10% of the rank's payload)) by lowering objects
+    and parts in flight. Other keyword arguments are backend options (as for
+    :func:`ckptio.resolve`). ``backend`` (internal): a wrapper of the resolved backend to write the
+    data objects through (the Checkpointer's incremental store).
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         checksums: bool = True,
         durable: bool = True,
         max_buffer_bytes: int | None = None,
+        min_object_bytes: int = MIN_OBJECT_BYTES,
         backend: Backend | None = None,
         **backend_options: Any,
     ) -> None:
@@ -205,6 +210,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         if int(thread_count) < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count!r}")
         self.thread_count = int(thread_count)
+        self.min_object_bytes = max(1, int(min_object_bytes))
         self.overwrite = bool(overwrite)
         self.checksums = bool(checksums)
         self.durable = bool(durable)
@@ -250,11 +256,12 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        groups = _split(plan.items, self.thread_count)
+        payload = sum(_item_nbytes(i) for i in plan.items)
+        groups = _split(plan.items, min(self.thread_count, -(-payload // self.min_object_bytes)))
         cancel = threading.Event()
         jobs = [(plan.storage_data.name(n), g) for n, g in enumerate(groups)]
         results: list[WriteResult] = []
-        workers = self._bound_memory(sum(_item_nbytes(i) for i in plan.items), len(jobs))
+        workers = self._bound_memory(payload, len(jobs))
         try:
             if workers <= 1:
                 for name, g in jobs:

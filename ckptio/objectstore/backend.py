@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import Backend, Buffer, ObjectInfo
+from ..backends.base import Backend, Buffer, ObjectInfo, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import retry as _retry
 from .multipart import size_option
@@ -214,8 +214,30 @@ class ObjectStoreBackend(Backend):
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:
+        """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first)."""
         self._split(uri)
-        return super().read(uri)
+        head, whole = read_first(self, uri)
+        if whole:
+            return bytes(head)
+        n = len(head)
+        size = self.stat(uri).size
+        if size <= n:
+            return bytes(head)
+        buf = bytearray(size)
+        buf[:n] = head
+        got = n + self.readinto(uri, memoryview(buf)[n:], n)
+        return bytes(buf) if got == size else bytes(buf[:got])
+
+    def isfile(self, uri: str) -> bool:
+        """One HEAD (``stat`` would list the prefix too, to tell a directory from nothing)."""
+        bucket, key = self._split(uri, key_required=False)
+        if not key.strip("/"):
+            return False
+        try:
+            self._head(uri, bucket, key)
+        except FileNotFoundError:
+            return False
+        return True
 
     # ---- metadata ----------------------------------------------------------------------------
     def stat(self, uri: str) -> ObjectInfo:

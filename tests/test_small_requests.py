@@ -1,0 +1,109 @@
+"""Requests per call for small objects on S3 and GCS, counted by a proxy in front of the real server
+(issue 14: the fixed cost per call decides small sizes; a small object is one request).
+
+Counts, not timings: a small ``.fpk`` is one PUT and one GET; a small DCP checkpoint is one data
+object; ``read`` of a small object is one GET with no HEAD first; ``isfile`` is one HEAD.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import dcp as cd
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}  # ~96 KiB
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def proxy(request):
+    return request.getfixturevalue(f"{request.param}_proxy")
+
+
+def _data_requests(proxy) -> list[str]:
+    """The methods of the recorded requests, without GCS's precondition checks of create-only writes."""
+    return [r.method for r in proxy.requests if "fields=generation" not in r.path]
+
+
+def test_small_fpk_is_one_put_and_one_get(proxy):
+    state, uri = _state(), proxy.uri + "/small.fpk"
+    proxy.clear()
+    ckptio.dump(state, uri)
+    assert len(proxy.requests) == 1, proxy.requests  # one PUT (S3) or one media upload (GCS)
+    proxy.clear()
+    out = ckptio.load(uri)
+    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests  # no HEAD, no second range
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_small_fpk_partial_load_still_reads_ranges(proxy):
+    state = {f"layer{i}.weight": torch.randn(128, 256) for i in range(8)}  # 1 MiB
+    uri = proxy.uri + "/small.fpk"
+    ckptio.dump(state, uri)
+    proxy.clear()
+    out = ckptio.load(uri, keys=["layer2.weight"])
+    assert torch.equal(out["layer2.weight"], state["layer2.weight"])
+    assert proxy.bytes_out < 512 << 10  # the end (metadata) and one tensor, not the whole object
+
+
+def test_read_of_a_small_object_is_one_get_and_isfile_one_head(proxy):
+    backend, uri = ckptio.resolve(proxy.uri + "/obj.bin")
+    backend.write(uri, b"x" * 1000)
+    backend.write(uri + "-empty", b"")
+    proxy.clear()
+    assert backend.read(uri) == b"x" * 1000
+    assert [r.method for r in proxy.requests] == ["GET"]
+    assert backend.read(uri + "-empty") == b""
+    with pytest.raises(FileNotFoundError):
+        backend.read(uri + "-missing")
+    proxy.clear()
+    assert backend.isfile(uri) and not backend.isfile(uri + "-missing")
+    assert len(proxy.requests) == 2  # one HEAD (S3) or metadata GET (GCS) each, no listing
+    assert not backend.isfile(proxy.uri + "/")
+
+
+def test_read_of_a_larger_object_reuses_its_first_range(proxy):
+    backend, uri = ckptio.resolve(proxy.uri + "/big.bin", part_size=8 << 20)
+    data = bytes(range(256)) * (24 << 10)  # 6 MiB: over the first range (4 MiB)
+    backend.write(uri, data)
+    proxy.clear()
+    assert backend.read(uri) == data
+    assert proxy.bytes_out <= len(data) + 4096  # every byte fetched once (plus a HEAD's metadata)
+
+
+def test_small_dcp_save_and_load_requests(proxy):
+    state, uri = _state(), proxy.uri + "/ckpt"
+    proxy.clear()
+    cd.save(state, uri)
+    # the overwrite check, one data object, the .metadata commit
+    assert len(_data_requests(proxy)) == 3, proxy.requests
+    backend, root = ckptio.resolve(uri)
+    assert len(list(backend.list(root))) == 2
+    proxy.clear()
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    cd.load(out, uri)
+    # .metadata in one GET; the data object's size (checked before reading), then its bytes
+    assert len(proxy.requests) == 3, proxy.requests
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_small_pt_load_is_one_get_and_a_larger_one_fetches_each_byte_once(proxy):
+    state, uri = _state(), proxy.uri + "/small.pt"
+    ckptio.dump(state, uri)
+    proxy.clear()
+    out = ckptio.load(uri)
+    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+    big = {"w": torch.randn(6 << 18)}  # 6 MiB: over the first read, through a temporary file
+    uri = proxy.uri + "/big.pt"
+    ckptio.dump(big, uri, backend_args={"part_size": 8 << 20})
+    proxy.clear()
+    out = ckptio.load(uri, backend_args={"part_size": 8 << 20})
+    assert torch.equal(out["w"], big["w"])
+    size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
+    assert proxy.bytes_out <= size + 4096
