@@ -100,7 +100,7 @@ def load(
     the metadata checksum is always verified.
     """
     return with_source(
-        open_source(uri_or_file, backend_options, whole=keys is None and not mmap),
+        open_source(uri_or_file, backend_options),
         lambda src: load_source(
             src, map_location=map_location, mmap=mmap, keys=keys, verify=verify, allow_pickle=allow_pickle
         ),
@@ -170,8 +170,7 @@ class FastpickleFormat(Format):
                 write_stream(enc, tree, sink_for(w, durable and getattr(backend, "durable", True)))
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
-        whole = kwargs.get("keys") is None and not kwargs.get("mmap")
-        return with_source(source_for(backend, uri, whole), lambda src: load_source(src, **kwargs))
+        return with_source(source_for(backend, uri), lambda src: load_source(src, **kwargs))
 
     def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
         """What ``ckptio info`` shows of the file, JSON-able: tensor table, other values, version; reads

@@ -19,14 +19,14 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
 import torch
 import xxhash
 
-from ...backends.base import Backend, read_first
+from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
 from ...osio import preadinto, prefault, translate_os_errors
 from .layout import (
@@ -131,41 +131,15 @@ class FdSource(Source):
             self.fd = None
 
 
-class BufferSource(Source):
-    """An object read whole into memory (a small remote object: one request)."""
-
-    def __init__(self, data: memoryview, name: str) -> None:
-        self.data, self.name, self.size = data, name, len(data)
-
-    def readinto(self, mv: memoryview, offset: int) -> int:
-        n = max(0, min(len(mv), self.size - offset))
-        mv[:n] = self.data[offset : offset + n]
-        return n
-
-    def readv(self, mvs: list[memoryview], offset: int) -> int:
-        total = 0
-        for m in mvs:
-            n = self.readinto(m, offset + total)
-            total += n
-            if n < len(m):
-                break
-        return total
-
-
 class BackendSource(Source):
     prefetch = TAIL_PREFETCH
 
-    def __init__(self, backend: Backend, uri: str, first: memoryview | None = None) -> None:
-        """``first``: the object's first bytes, already read (kept and used as part of the read-ahead)."""
+    def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend, uri
         self.size = backend.stat(uri).size
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
-        if first is not None and len(first):
-            done: Future = Future()
-            done.set_result(min(len(first), self.size))
-            self._ahead.append((0, first[: self.size], done))
         self._pool: ThreadPoolExecutor | None = None
 
     def read_ahead(self) -> None:
@@ -173,20 +147,15 @@ class BackendSource(Source):
 
         The header, footer and metadata come with them, and so do the payloads at both ends, so a
         full load costs about as many ranged requests as reading the object in ``part_size`` parts.
-        Reads of the middle do not wait for them. Bytes already read (``first``) are not fetched again.
+        Reads of the middle do not wait for them.
         """
-        have = len(self._ahead[0][1]) if self._ahead else 0
         head = min(self.size, self.part_size)
-        tail = min(self.size - max(head, have), max(self.part_size, self.prefetch))
-        ranges = [(self.size - tail, tail)] if tail > 0 else []  # the tail first: it holds the metadata
-        later = [(have, head - have)] if head > have else []
-        if not ranges + later:
-            return
-        self._pool = ThreadPoolExecutor(len(ranges + later), thread_name_prefix="fpk-ahead")
-        fetch = [(off, memoryview(bytearray(n))) for off, n in ranges + later]
-        futures = [(off, buf, self._pool.submit(self._fetch, buf, off)) for off, buf in fetch]
-        # readinto copies from these in order: ascending offsets after the tail
-        self._ahead = futures[: len(ranges)] + self._ahead + futures[len(ranges) :]
+        tail = min(self.size - head, max(self.part_size, self.prefetch))
+        ranges = ([(self.size - tail, tail)] if tail else []) + [(0, head)]  # the tail first: it holds the metadata
+        self._pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="fpk-ahead")
+        for off, n in ranges:
+            buf = memoryview(bytearray(n))
+            self._ahead.append((off, buf, self._pool.submit(self._fetch, buf, off)))
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
@@ -230,12 +199,12 @@ class FileSource(Source):
             return _fill(lambda m, o: self.f.readinto(m) or 0, mv, offset)
 
 
-def open_source(uri_or_file: Any, backend_options: dict, whole: bool = False) -> Source:
+def open_source(uri_or_file: Any, backend_options: dict) -> Source:
     if isinstance(uri_or_file, (str, os.PathLike)):
         from ...context import resolve
 
         backend, uri = resolve(uri_or_file, **backend_options)
-        return source_for(backend, uri, whole)
+        return source_for(backend, uri)
     f = uri_or_file
     try:
         fd = f.fileno()
@@ -246,22 +215,15 @@ def open_source(uri_or_file: Any, backend_options: dict, whole: bool = False) ->
     return FileSource(f)
 
 
-def source_for(backend: Backend, uri: str, whole: bool = False) -> Source:
+def source_for(backend: Backend, uri: str) -> Source:
     """The descriptor of the backend's local file when it has one (a local file, a node-local cache
-    entry), else ranged reads from the backend. ``whole``: every byte will be read (a full load):
-    the first request then fetches up to 4 MiB without a size lookup (:func:`read_first`), so a
-    small object is read whole by that one request."""
+    entry), else ranged reads from the backend."""
     with backend.local_file(uri) as path:
         if path is not None:
             with translate_os_errors(uri):
                 fd = os.open(path, os.O_RDONLY)  # the open file outlives the block (eviction only unlinks)
             return FdSource(fd, uri, owned=True)
-    if not whole:
-        return BackendSource(backend, uri)
-    first, complete = read_first(backend, uri)
-    if complete:
-        return BufferSource(first, uri)
-    return BackendSource(backend, uri, first)
+    return BackendSource(backend, uri)
 
 
 @contextlib.contextmanager
