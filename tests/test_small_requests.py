@@ -94,15 +94,18 @@ def test_small_dcp_save_and_load_requests(proxy):
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
-def test_small_pt_load_is_one_get_and_a_larger_one_fetches_each_byte_once(proxy):
+def test_pt_loads_fetch_each_byte_once(proxy):
+    # a .pt is fetched into a temporary file for torch's zip reader: the size, then ranged GETs. (A first
+    # 4 MiB read before the size saves a request under 4 MiB but delays every larger load: 32 MiB from
+    # moto 0.77x raw s3fs with it, so loads look the size up first.)
     state, uri = _state(), proxy.uri + "/small.pt"
     ckptio.dump(state, uri)
     proxy.clear()
     out = ckptio.load(uri)
-    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
+    assert len(proxy.requests) == 2, proxy.requests
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
-    big = {"w": torch.randn(6 << 18)}  # 6 MiB: over the first read, through a temporary file
+    big = {"w": torch.randn(6 << 18)}  # 6 MiB
     uri = proxy.uri + "/big.pt"
     ckptio.dump(big, uri, backend_args={"part_size": 8 << 20})
     proxy.clear()

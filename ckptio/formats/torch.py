@@ -2,11 +2,10 @@
 
 Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=False`` (or
 ``allow_pickle=True``, the name the other formats use) only for files you trust. Loads go through
-``backend.local_file``: a local (or node-cached) file is read in place; a small remote object (up to
-4 MiB) is read whole by one request and loaded from memory; a larger one is first fetched with
-parallel ranged reads into a temporary file (torch's zip reader over a remote stream would issue one
-small sequential request per record). ``mmap=True`` works everywhere; the mapping outlives the
-temporary file.
+``backend.get_local_path``: a local (or node-cached) file is read in place, a remote object is first
+fetched with parallel ranged reads into a temporary file (torch's zip reader over a remote stream
+would issue one small sequential request per record). ``mmap=True`` works everywhere; the mapping
+outlives the temporary file.
 
 ``inspect`` / ``verify`` (``ckptio info`` / ``ckptio verify``) read the pickle with
 :class:`_TorchInspector`, an unpickler that builds stand-ins (:class:`TensorInfo`, :class:`_Opaque`)
@@ -18,16 +17,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
 import pickle
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from typing import IO, Any
 
 from .. import torch_internals as _ti
-from .. import uri as _uri
-from ..backends.base import Backend, copy_to_file, read_first
+from ..backends.base import Backend
 from ..errors import FormatError, IntegrityError
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
@@ -54,19 +50,7 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        with backend.local_file(uri) as local:
-            if local is not None:
-                return torch.load(local, **kw)
-        first, whole = read_first(backend, uri)
-        if whole and not kw.get("mmap"):  # one request; torch reads the archive from memory
-            return torch.load(io.BytesIO(first), **kw)
-        with tempfile.TemporaryDirectory(prefix="ckptio-") as tmp:  # the first bytes are not fetched twice
-            path = os.path.join(tmp, _uri.basename(uri) or "object")
-            with open(path, "wb") as f:
-                f.write(first)
-                del first
-                if not whole:
-                    copy_to_file(backend, uri, f, start=f.tell())
+        with backend.get_local_path(uri) as path:
             return torch.load(path, **kw)
 
     def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import mmap
 import threading
 from typing import Any
 
@@ -76,8 +75,8 @@ class MultipartWriter(Writer):
         self._cv = threading.Condition()
         self._inflight = 0
         self._allocated = 0  # bytes of part buffers that exist (filling, in flight, free)
-        self._free: list[Any] = []  # part buffers (anonymous mmaps) to reuse
-        self._buf: Any = bytearray()
+        self._free: list[bytearray] = []
+        self._buf = bytearray()
         self._fill = 0
         self._handle: Any = None
         self._started = False
@@ -228,7 +227,7 @@ class MultipartWriter(Writer):
             self._fill += k
             mv = mv[k:]
 
-    def _new_buffer(self) -> Any:
+    def _new_buffer(self) -> bytearray:
         size = self._part_size()
         with self._cv:
             while True:
@@ -239,9 +238,7 @@ class MultipartWriter(Writer):
                     self._allocated -= len(self._free.pop())
                 if self._allocated + size <= max(self.max_buffer_bytes, 2 * size):
                     self._allocated += size
-                    # anonymous memory: pages are faulted in as they are filled, so a small object
-                    # costs its own size, not a zeroed part (bytearray(n) writes all n bytes)
-                    return mmap.mmap(-1, size)
+                    return bytearray(size)
                 self._cv.wait()
 
     def _send_buffer(self, last: bool) -> None:
@@ -251,7 +248,7 @@ class MultipartWriter(Writer):
         self._buf, self._fill = bytearray(), 0
         self._submit(data, self._offset + fill if last else None, recycle=buf if recycle else None)
 
-    def _submit(self, data: Buffer, total: int | None, recycle: Any = None) -> None:
+    def _submit(self, data: Buffer, total: int | None, recycle: bytearray | None = None) -> None:
         with self._cv:  # bounds the parts in flight
             while True:
                 self._raise_failed()
