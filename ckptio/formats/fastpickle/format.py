@@ -36,8 +36,7 @@ def load_source(
     allow_pickle: bool = False,
     into: Any = None,
 ) -> Any:
-    # a full load reads ahead both ends into buffers; a load into the caller's tensors reads them in place
-    meta = read_meta(src, full=keys is None and not mmap and into is None)
+    meta = read_meta(src, full=keys is None and not mmap)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
         raise FormatError(
             f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "

@@ -47,7 +47,6 @@ from .layout import (
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 
-DIRECT_MIN = 1 << 20  # remote reads into the caller's tensors (into=): payloads from this size are read unstaged
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
 
 
@@ -356,16 +355,9 @@ def read_payloads(
     # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
     # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
     limit = COALESCE_MAX if src.fd is not None else max(COALESCE_MAX, part)
-    runs = _runs(idxs, meta.storages, COALESCE_GAP, limit)
-    if into and src.fd is None:
-        # the caller's tensors take their bytes straight from the requests (no staging: a 1 GiB state
-        # needs no 1 GiB of buffers); the rest in staged runs of at most COALESCE_MAX
-        direct = [i for i in idxs if i in into and meta.storages[i][1] >= DIRECT_MIN]
-        rest = [i for i in idxs if not (i in into and meta.storages[i][1] >= DIRECT_MIN)]
-        runs = [[i] for i in direct] + _runs(rest, meta.storages, COALESCE_GAP, COALESCE_MAX)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
-    for run in runs:
+    for run in _runs(idxs, meta.storages, COALESCE_GAP, limit):
         first = meta.storages[run[0]]
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
             split.append(run[0])
