@@ -1,8 +1,8 @@
 """Requests per call for small objects on S3 and GCS, counted by a proxy in front of the real server
 (issue 14: the fixed cost per call decides small sizes; a small object is one request).
 
-Counts, not timings: a small ``.fpk`` is one PUT, and a size lookup and one GET to load; a small DCP checkpoint is one data
-object; ``read`` of a small object is one GET with no HEAD first; ``isfile`` is one HEAD.
+Counts, not timings: a small ``.fpk`` is one PUT, and a size lookup and one GET to load; a small DCP
+checkpoint is one data object; ``read`` of a small object is one GET with no HEAD first; ``isfile`` is one HEAD.
 """
 
 from __future__ import annotations

@@ -35,13 +35,13 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
 from ..errors import AlreadyExistsError, CkptioError
 from ..restore import targets
 from . import formats
 from .content import CONTENT_HASH, CONTENT_KEY, Content
+from .group import Group
 from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
@@ -127,17 +127,8 @@ class Checkpointer:
         self._content = Content(self._layout, content_grace) if incremental else None
         self._stager = _Stager()
         self._background = Background()
-        self._pg = None
-        self._rank, self._world = 0, 1
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            self._pg = (
-                process_group
-                if process_group is not None
-                else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
-            )
+        self._group = Group(process_group, self.timeout)
+        self._pg, self._rank, self._world = self._group.pg, self._group.rank, self._group.world
         self._tier = None if remote is None else Tier(remote, self._layout, self, self._rank, self._world, **tier_opts)
 
     def __repr__(self) -> str:
@@ -150,14 +141,14 @@ class Checkpointer:
 
     def list(self) -> builtins.list[int]:
         """Steps of the complete checkpoints under root (tiered: on either tier), ascending."""
-        return self._layout.list() if self._tier is None else self._on_rank0(self._tier.list)
+        return self._layout.list() if self._tier is None else self._group.on_rank0(self._tier.list)
 
     def latest(self, durable: str | None = None) -> int | None:
         """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete
         (tiered: on either tier, or ``durable="local"``/``"remote"``: on this node's tier/at root)."""
         if self._tier is None and durable is not None:
             raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
-        return self._layout.latest() if self._tier is None else self._on_rank0(self._tier.latest, durable)
+        return self._layout.latest() if self._tier is None else self._group.on_rank0(self._tier.latest, durable)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The commit marker's contents for ``step`` (format, files, metrics, time)."""
@@ -167,34 +158,7 @@ class Checkpointer:
         """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
         if self._tier is None:
             raise ValueError("status() needs a tiered Checkpointer (local_tier=)")
-        return self._on_rank0(self._tier.status)
-
-    # ---- distributed helpers -------------------------------------------------------------------
-    def _on_rank0(self, fn, *args: Any) -> Any:
-        """Run ``fn`` on rank 0 and give every rank its result, or raise its error on every rank."""
-        result, err = None, None
-        if self._rank == 0:
-            try:
-                result = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
-                err = e
-        if self._pg is not None:
-            import torch.distributed as dist
-
-            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
-            result, msg = box[0]
-            if err is None and msg is not None:
-                raise CkptioError(f"rank 0 failed: {msg}")
-        if err is not None:
-            raise err
-        return result
-
-    def _barrier(self) -> None:
-        if self._pg is not None:
-            import torch.distributed as dist
-
-            dist.monitored_barrier(group=self._pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
+        return self._group.on_rank0(self._tier.status)
 
     # ---- save --------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None) -> None:
@@ -242,15 +206,15 @@ class Checkpointer:
 
     def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float]) -> None:
         t0 = time.perf_counter()
-        self._on_rank0(self._prepare, step)
+        self._group.on_rank0(self._prepare, step)
         if self.format == "dcp" and self._content is not None:
             files = self._content.write_dcp(step, sd, self._pg, self.save_options, self._rank)
         elif self.format == "dcp":
             files = formats.write_dcp(sd, self._layout.uri(step), self._pg, self.save_options)
         elif self._content is not None:
-            files = self._on_rank0(self._content.write, self.format, step, sd, self.save_options)
+            files = self._group.on_rank0(self._content.write, self.format, step, sd, self.save_options)
         else:
-            files = self._on_rank0(formats.write_file, self.format, self._layout.uri(step), sd, self.save_options)
+            files = self._group.on_rank0(formats.write_file, self.format, self._layout.uri(step), sd, self.save_options)
         manifest = {
             "step": step,
             "format": self.format,
@@ -264,7 +228,7 @@ class Checkpointer:
             manifest[CONTENT_KEY] = CONTENT_HASH
         if self._tier is not None:  # every rank: the files of every rank's node (DCP); replication scheduled
             self._tier.prepare(step, manifest, self._pg)
-        self._on_rank0(self._commit, step, manifest)
+        self._group.on_rank0(self._commit, step, manifest)
         if self._tier is not None and self._rank != 0:
             self._tier.follow(step, manifest)
         took = time.perf_counter() - t0
@@ -305,8 +269,8 @@ class Checkpointer:
     def delete(self, step: int) -> None:
         """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
         self._background.wait()
-        self._on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
-        self._barrier()
+        self._group.on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
+        self._group.barrier()
 
     # ---- load ------------------------------------------------------------------------------------
     def load(
@@ -361,7 +325,7 @@ class Checkpointer:
     ) -> tuple[int, str, builtins.list[str], Mapping[str, Any], builtins.list[str]] | None:
         """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``load`` restores."""
         target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
-        s, d, fmt, name, content = self._on_rank0(target, step)
+        s, d, fmt, name, content = self._group.on_rank0(target, step)
         if s is None:
             return None
         if self._tier is not None and self._pg is not None:

@@ -1,0 +1,55 @@
+"""The ranks a Checkpointer coordinates: its process group (by default a gloo group of its own when
+``torch.distributed`` is initialized), running a step on rank 0 and handing every rank its result or
+its error, and a barrier; every collective has the Checkpointer's timeout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ..errors import CkptioError
+
+
+class Group:
+    """``pg`` (None in a single process), this process's ``rank`` and the ``world`` size."""
+
+    def __init__(self, process_group: Any, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.timeout = timeout
+        self.pg: Any = None
+        self.rank, self.world = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.pg = (
+                process_group
+                if process_group is not None
+                else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            )
+
+    def on_rank0(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its result, or raise its error on every rank."""
+        result, err = None, None
+        if self.rank == 0:
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+                err = e
+        if self.pg is not None:
+            import torch.distributed as dist
+
+            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+            result, msg = box[0]
+            if err is None and msg is not None:
+                raise CkptioError(f"rank 0 failed: {msg}")
+        if err is not None:
+            raise err
+        return result
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            import torch.distributed as dist
+
+            dist.monitored_barrier(group=self.pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
