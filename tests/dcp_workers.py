@@ -236,7 +236,7 @@ def crash(point: str, uri: str, overwrite: bool) -> None:
         local.LocalBackend.delete = delete
     else:
         raise SystemExit(f"unknown crash point {point}")
-    cd.save(big_state(2), uri, thread_count=2, overwrite=overwrite)
+    cd.save(big_state(2), uri, thread_count=2, min_object_bytes=1, overwrite=overwrite)  # two data objects
     raise SystemExit("the save finished but should have been killed")
 
 
