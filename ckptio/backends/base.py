@@ -380,12 +380,11 @@ class NodeCache(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
-def copy_to_file(backend: Backend, uri: str, f: BinaryIO, start: int = 0) -> int:
-    """Stream an object, from byte ``start``, into an open binary file in ``part_size`` pieces; returns
-    the object's size."""
+def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
+    """Stream an object into an open binary file in ``part_size`` pieces; returns bytes copied."""
     size = backend.stat(uri).size
-    chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
-    mv, pos = memoryview(chunk), start
+    chunk = bytearray(min(max(size, 1), backend.part_size * backend.concurrency))
+    mv, pos = memoryview(chunk), 0
     while pos < size:
         n = backend.readinto(uri, mv[: min(len(mv), size - pos)], pos)
         if n <= 0:
