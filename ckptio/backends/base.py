@@ -224,6 +224,9 @@ class Backend(abc.ABC):
     # would need to bound. Object stores buffer parts and say so with ``max_buffer_bytes``.
     # (A class default; wrappers set their wrapped backend's on the instance.)
     writes_in_place: bool = False
+    # Capability: reads are served from this machine (its memory or disks) with no request latency to
+    # hide, so readers use few threads, no read-ahead and no staging. (Wrappers: their wrapped backend's.)
+    reads_local: bool = False
     # Capability: the bound on the bytes one writer buffers (an option of S3/GCS), None where there is none.
     max_buffer_bytes: int | None = None
 
@@ -334,6 +337,12 @@ class Backend(abc.ABC):
         file (remote, memory). Local files yield their path, the node-local cache its verified entry.
         A missing object raises NotFoundError where the storage would have yielded a path."""
         yield None
+
+    def verifies_reads(self, uri: str) -> bool:
+        """Capability: True when every byte this backend reads for ``uri`` has already been checked
+        against a content hash (an incremental step's recipe: each block against its 128-bit name), so a
+        format may skip its own payload checksums for it. Default False: formats verify."""
+        return False
 
     def with_options(self, **options: Any) -> Backend:
         """Capability: this storage with some options changed (``concurrency``, ``part_size``,

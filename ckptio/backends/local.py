@@ -125,6 +125,7 @@ class LocalBackend(Backend):
 
     name = "local"
     writes_in_place = True
+    reads_local = True
 
     def __init__(self, *, durable: bool = True, **kw) -> None:
         super().__init__(**kw)

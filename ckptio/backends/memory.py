@@ -36,6 +36,7 @@ def clear() -> None:
 
 class MemoryBackend(Backend):
     name = "memory"
+    reads_local = True
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)

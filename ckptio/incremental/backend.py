@@ -21,8 +21,10 @@ blocks are read in the caller's thread: readers already read ranges from several
 threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
-a recipe; ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options``
-declines any change; ``node_cache`` is None (a cache under the wrapper caches content objects);
+a recipe; ``verifies_reads`` True for a recipe (formats skip their payload checksums: the blocks'
+128-bit names already checked every byte); ``reads_local`` the wrapped backend's;
+``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options`` declines any
+change; ``node_cache`` is None (a cache under the wrapper caches content objects);
 ``writes_in_place`` True (a large write is hashed where it lies and, through ``write_borrowed``,
 uploaded from there; other new blocks are copied, at most ``concurrency`` per writer at once),
 ``max_buffer_bytes`` the wrapped backend's. Concurrent reads of parts of one block fetch it once.
@@ -165,6 +167,10 @@ class IncrementalBackend(ForwardingBackend):
                     del self._blocks[old]
         data = fut.result()
         out[:] = data[skip : skip + len(out)]
+
+    def verifies_reads(self, uri: str) -> bool:
+        """A recipe's bytes are: each block is checked against its xxh3-128 name as it is read."""
+        return self.recipe(uri) is not None
 
     @contextlib.contextmanager
     def local_file(self, uri: str) -> Iterator[str | None]:

@@ -101,6 +101,9 @@ class CountingBackend(ForwardingBackend):
             if path is not None:  # the caller read the file itself: count the object as read
                 self._add(os.path.getsize(path))  # the file holds exactly the object's bytes
 
+    def verifies_reads(self, uri: str) -> bool:
+        return self.inner.verifies_reads(uri)
+
     def with_options(self, **options: Any) -> Backend:
         inner = self.inner.with_options(**options)
         return self if inner is self.inner else CountingBackend(inner, self._add)

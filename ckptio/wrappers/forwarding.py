@@ -19,6 +19,7 @@ class ForwardingBackend(Backend):
         super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
         self.inner = inner
         self.writes_in_place = inner.writes_in_place
+        self.reads_local = inner.reads_local
         self.max_buffer_bytes = inner.max_buffer_bytes
 
     def stat(self, uri: str) -> ObjectInfo:

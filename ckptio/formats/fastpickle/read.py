@@ -3,9 +3,12 @@
 A source is a local file descriptor (a local file, or any backend's ``local_file``), an open binary
 file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
 with one madvise first), each payload verified right after its read, or a private mapping with
-``mmap=True``. Remote full load: the first and last ``part_size`` bytes are read ahead (header,
-metadata and end payloads in two requests) and the middle in part-sized ranged reads, so each byte
-is fetched once; the header is checked as soon as it lands.
+``mmap=True``; a backend whose reads are local (``Backend.reads_local``: memory, an incremental
+step's blocks) is read the same way, straight into the buffers. Remote full load: the first and last
+``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
+in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
+Payload checksums are skipped for a backend that checked every byte against a content hash already
+(``Backend.verifies_reads``); the metadata checksum never is.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Source:
     concurrency = 1
     prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
     fd: int | None = None
+    verified = False  # the backend checked every byte against a content hash (Backend.verifies_reads)
+    local = False  # no request latency: no read-ahead, runs read straight into their buffers
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         raise NotImplementedError
@@ -97,6 +102,7 @@ def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: in
 
 class FdSource(Source):
     concurrency = 2
+    local = True
 
     def __init__(self, fd: int, name: str, owned: bool) -> None:
         self.fd, self.name, self._owned = fd, name, owned
@@ -137,8 +143,12 @@ class BackendSource(Source):
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend, uri
         self.size = backend.stat(uri).size
+        self.verified = backend.verifies_reads(uri)
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
+        self.local = backend.reads_local
+        if self.local:  # memory, local disks (an incremental step's blocks): as a local file is read
+            self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -159,6 +169,17 @@ class BackendSource(Source):
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        if not self.local:  # one request for the run, through a staging buffer
+            return super().readv(mvs, offset)
+        total = 0
+        for m in mvs:  # no request to save: each buffer filled in place
+            n = self.readinto(m, offset + total)
+            total += n
+            if n < len(m):
+                break
+        return total
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         lo, hi = offset, offset + len(mv)
@@ -257,7 +278,7 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header = b""
-    ahead = src if full and isinstance(src, BackendSource) else None
+    ahead = src if full and isinstance(src, BackendSource) and not src.local else None
     deferred = ahead is not None
     if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
         ahead.read_ahead()
@@ -352,9 +373,9 @@ def read_payloads(
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
-    # local reads scatter straight into the tensors (preadv); remote runs go through a staging buffer, so
+    # local reads scatter straight into the tensors (preadv, readinto); remote runs go through a staging buffer, so
     # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
-    limit = COALESCE_MAX if src.fd is not None else max(COALESCE_MAX, part)
+    limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
     for run in _runs(idxs, meta.storages, COALESCE_GAP, limit):
@@ -389,7 +410,7 @@ def _job(
 ) -> Callable[[], None]:
     def job() -> None:
         want = sum(len(v) for v in views)
-        if src.fd is not None:
+        if src.local:  # fresh buffers populated at once, not page by page under the copy
             for v in views:
                 prefault(v)
         got = src.readv(views, offset) if len(views) > 1 else src.readinto(views[0], offset)
