@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +140,15 @@ class Layout:
     def committed(self, step: int) -> bool:
         return self.backend.isfile(_uri.join_path(self.dir(step), MARKER_NAME))
 
+    def committed_among(self, steps: Iterable[int]) -> builtins.list[int]:
+        """Those of ``steps`` that are committed, ascending; an object store is asked about several at
+        once (one request each, in parallel)."""
+        steps = sorted(steps)
+        if len(steps) <= 1 or self.backend.reads_local:
+            return [s for s in steps if self.committed(s)]
+        with ThreadPoolExecutor(min(len(steps), self.backend.concurrency), thread_name_prefix="ckptio-ls") as ex:
+            return [s for s, ok in zip(steps, ex.map(self.committed, steps), strict=True) if ok]
+
     def step_dirs(self) -> dict[int, str]:
         """Step -> directory name of every step directory directly under root (complete or not)."""
         root = self.root.rstrip("/")
@@ -160,7 +171,7 @@ class Layout:
 
     def list(self) -> builtins.list[int]:
         """Steps of the complete checkpoints under root, ascending."""
-        return sorted(s for s in self.step_dirs() if self.committed(s))
+        return self.committed_among(self.step_dirs())
 
     def pointer(self) -> int | None:
         """The step the latest pointer names (checked for its form only), or None."""

@@ -77,7 +77,7 @@ def cleanup(rules: _Rules, layout: Layout, latest: int) -> list[int]:
     """Delete what the rules do not keep, now that ``latest`` is committed; returns the complete steps
     kept (what ``layout.list()`` would now list, without listing again)."""
     dirs = layout.step_dirs()
-    complete = [s for s in dirs if layout.committed(s)]
+    complete = layout.committed_among(dirs)
     doomed = [s for s in complete if s not in _keep(rules, layout, complete, latest) and s != latest]
     debris = [s for s in dirs if s not in complete and s < latest]
     for s in sorted(doomed) + sorted(debris):

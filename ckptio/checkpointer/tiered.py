@@ -295,7 +295,7 @@ class Tier:
     def _evict(self) -> None:
         local = self.local
         dirs = local.step_dirs()
-        complete = sorted(s for s in dirs if local.committed(s))
+        complete = local.committed_among(dirs)
         if not complete:
             return
         if self.replicator is not None and self.replicator.scanning:
