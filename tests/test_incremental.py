@@ -176,6 +176,22 @@ def test_recipe_reads_are_verified_once_by_their_blocks(fmt, tmp_path, monkeypat
         check(ck, 1)
 
 
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+def test_what_a_save_references_is_what_its_recipes_name(fmt, s3_uri):
+    """A commit takes the blocks this process just wrote as the step's references without reading its
+    recipes back: they must be exactly what a fresh reader finds (else a sweep could delete live content)."""
+    from ckptio.checkpointer.content import Content
+
+    root = s3_uri + "/refs"
+    ck = Checkpointer(root, format=fmt, incremental=True)
+    for step in (1, 2):
+        ck.save(step, make_state(step))
+    fresh = Content(ck._layout, grace=0)
+    for step in (1, 2):
+        assert ck._content._refs[step] == fresh.referenced([step])[0]
+    assert ck._layout.committed_among([0, 1, 2, 3]) == [1, 2]
+
+
 def _no_hash_check(hashes, block, obj, what):
     assert hashes is None, f"{obj}: DCP checksums verified over a recipe's already verified bytes"
     return lambda mv, start: None
