@@ -30,20 +30,22 @@ def load_source(
     src: Source,
     *,
     map_location: Any = None,
-    mmap: bool = False,
+    mmap: bool | None = None,
     keys: Iterable[Any] | None = None,
     verify: bool | None = None,
     allow_pickle: bool = False,
     into: Any = None,
 ) -> Any:
+    if verify is None:  # an explicit mapping stays lazy unless verification is asked for
+        verify = mmap is not True
+    if mmap is None:  # a file ckptio opened by path (replaced by rename, never rewritten in place): mapped
+        mmap = src.mappable and into is None
     meta = read_meta(src, full=keys is None and not mmap)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
         raise FormatError(
             f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
             f"pass allow_pickle=True only if you trust the file"
         )
-    if verify is None:
-        verify = not mmap  # a mapping stays lazy unless verification is asked for
     if src.verified:  # every byte was checked against its content hash on the way: not twice
         verify = False
     if keys is not None:
@@ -86,7 +88,7 @@ def load(
     uri_or_file: Any,
     *,
     map_location: Any = None,
-    mmap: bool = False,
+    mmap: bool | None = None,
     keys: Iterable[Any] | None = None,
     verify: bool | None = None,
     allow_pickle: bool = False,
@@ -95,11 +97,16 @@ def load(
     """Load a fastpickle file from a URI or an open binary file. Never runs code unless ``allow_pickle``.
 
     ``map_location`` works like ``torch.load``'s (device, string, dict of locations, or
-    ``fn(storage, location)``). ``mmap=True`` (local files) returns zero-copy, lazily paged views of
-    the file. ``keys=["model.fc.weight", "optim"]`` reads only the byte ranges those subtrees need and
-    returns ``{key: value}``; dict keys may themselves contain dots. Payload checksums are verified
-    unless ``verify=False`` (with ``mmap=True`` only when ``verify=True``, since it reads every page);
-    the metadata checksum is always verified.
+    ``fn(storage, location)``). A local file (a path, a local URI, a node-local cache entry) is mapped
+    by default: tensors are copy-on-write views of a private mapping (``mmap=None``), no second copy
+    of the bytes is made, and every payload checksum is verified first (two threads hash). ``mmap=False``
+    reads into fresh memory instead (an open file object always is); ``mmap=True`` maps without
+    verifying (lazily paged: only the pages used are read) unless ``verify=True``. A mapped tensor
+    sees the file's pages: a program that truncates or rewrites the file in place (not ckptio, which
+    replaces files by rename) can change it or crash the process with SIGBUS on access; load with
+    ``mmap=False`` where that can happen. ``keys=["model.fc.weight", "optim"]`` reads only the byte
+    ranges those subtrees need and returns ``{key: value}``; dict keys may themselves contain dots.
+    Payload checksums are verified unless ``verify=False``; the metadata checksum always is.
     """
     return with_source(
         open_source(uri_or_file, backend_options),

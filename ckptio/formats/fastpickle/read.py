@@ -64,6 +64,7 @@ class Source:
     fd: int | None = None
     verified = False  # the backend checked every byte against a content hash (Backend.verifies_reads)
     local = False  # no request latency: no read-ahead, runs read straight into their buffers
+    mappable = False  # a file ckptio opened by path: mapped by default (never rewritten in place by ckptio)
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         raise NotImplementedError
@@ -106,6 +107,7 @@ class FdSource(Source):
 
     def __init__(self, fd: int, name: str, owned: bool) -> None:
         self.fd, self.name, self._owned = fd, name, owned
+        self.mappable = owned  # a caller's open file may be written through the caller's handle
         self.size = os.fstat(fd).st_size
 
     def _fd(self) -> int:
@@ -396,7 +398,7 @@ def read_payloads(
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
     _run_jobs(jobs, src.concurrency)
     if verify and split:
-        _run_jobs([functools.partial(_verify, meta, [i], mvs) for i in split], 2)
+        verify_parallel(meta, split, mvs)
     return bufs
 
 
@@ -455,5 +457,17 @@ def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict
             out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
     if verify:
         # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
-        _verify(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})  # type: ignore[arg-type]
+        verify_parallel(meta, idxs, {i: memoryview(t.numpy()) for i, t in out.items()})  # type: ignore[arg-type]
     return out
+
+
+def verify_parallel(meta: Meta, idxs: list[int], mvs: dict[int, memoryview], threads: int = 2) -> None:
+    """:func:`_verify` with the payloads shared out among ``threads`` (xxhash releases the GIL), largest
+    first, each to the least loaded thread."""
+    groups: list[list[int]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for i in sorted(idxs, key=lambda i: -meta.storages[i][1]):
+        k = loads.index(min(loads))
+        groups[k].append(i)
+        loads[k] += meta.storages[i][1]
+    _run_jobs([functools.partial(_verify, meta, g, mvs) for g in groups if g], threads)
