@@ -18,7 +18,7 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
@@ -269,6 +269,26 @@ class Backend(abc.ABC):
         data = self.read_range(uri, offset, offset + len(mv))
         mv[: len(data)] = data
         return len(data)
+
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
+        """Fill the consecutive buffers ``views`` from the bytes at ``offset`` (a scatter read); returns
+        the count (short at EOF). Object stores stream one request through several buffers; the default
+        reads each buffer in place where reads are local, else stages them in one ``readinto``."""
+        total = 0
+        if self.reads_local:
+            for v in views:
+                n = self.readinto(uri, v, offset + total)
+                total += n
+                if n < len(v):
+                    break
+            return total
+        buf = bytearray(sum(len(v) for v in views))
+        n = self.readinto(uri, buf, offset)
+        for v in views:
+            k = max(0, min(len(v), n - total))
+            v[:k] = memoryview(buf)[total : total + k]
+            total += k
+        return total
 
     def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
         """Write a whole object in one call."""

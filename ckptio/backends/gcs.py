@@ -188,13 +188,13 @@ class GCSBackend(ObjectStoreBackend):
         headers: dict | None = None,
         data: Any = None,
         ok: tuple[int, ...] = (200,),
-        into: memoryview | None = None,
+        into: list[memoryview] | None = None,
         parse_json: bool = False,
         range_start: int = 0,
         uri: str = "gs://",
     ) -> tuple[int, Any, Any]:
-        """One HTTP request. ``into``: stream the body (of a ranged GET from ``range_start``) there
-        and return its length as the body."""
+        """One HTTP request. ``into``: stream the body (of a ranged GET from ``range_start``) through
+        those consecutive buffers and return its length as the body."""
         stall = self.policy.stall_timeout
         session = _body.no_hidden_retries(await self._fs._set_session())
         hdrs = self._fs._get_headers(headers)
@@ -207,15 +207,15 @@ class GCSBackend(ObjectStoreBackend):
                 body = await _retry.stall_guard(r.read(), stall)
                 return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
             _retry.check_ranged_status(r.status, range_start, uri)
-            pos = 0
-            while pos < len(into):
-                chunk = await _retry.stall_guard(r.content.read(len(into) - pos), stall)
+            pos, want = 0, sum(len(v) for v in into)
+            while pos < want:
+                chunk = await _retry.stall_guard(r.content.read(want - pos), stall)
                 if not chunk:
                     break
-                into[pos : pos + len(chunk)] = chunk
+                _ranged.fill(into, chunk, pos)
                 pos += len(chunk)
             if r.status == 206:
-                _retry.check_range(len(into), pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
+                _retry.check_range(want, pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
             return r.status, r.headers, pos
 
     async def _request(
@@ -269,7 +269,7 @@ class GCSBackend(ObjectStoreBackend):
             self._fs._session = None
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
         try:
             return (
                 await self._request(
@@ -278,7 +278,7 @@ class GCSBackend(ObjectStoreBackend):
                     params={"alt": "media"},
                     headers={"Range": f"bytes={start}-{end - 1}"},
                     ok=(200, 206),
-                    into=view,
+                    into=into,
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",

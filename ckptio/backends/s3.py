@@ -222,7 +222,7 @@ class S3Backend(ObjectStoreBackend):
                     pass
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, view: memoryview) -> int:
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
         stall = self.policy.stall_timeout
 
         async def once(s3: Any) -> int:
@@ -232,19 +232,24 @@ class S3Backend(ObjectStoreBackend):
                 if e.response.get("Error", {}).get("Code") == "InvalidRange":
                     return 0  # starts past the end of the object
                 raise
-            body, pos = resp["Body"], 0
+            body, total = resp["Body"], 0
             try:
                 _retry.check_ranged_status(resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), start, uri)
-                while pos < len(view):
-                    n = await _retry.stall_guard(body.readinto(view[pos:]), stall)
-                    if not n:
+                for view in into:  # the body streams through the buffers in order
+                    pos = 0
+                    while pos < len(view):
+                        n = await _retry.stall_guard(body.readinto(view[pos:]), stall)
+                        if not n:
+                            break
+                        pos += n
+                    total += pos
+                    if pos < len(view):
                         break
-                    pos += n
             finally:
                 body.close()
             headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-            _retry.check_range(len(view), pos, headers.get("content-range"), headers.get("content-length"))
-            return pos
+            _retry.check_range(end - start, total, headers.get("content-range"), headers.get("content-length"))
+            return total
 
         return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 

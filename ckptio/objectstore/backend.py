@@ -11,10 +11,11 @@ request hooks: :meth:`~ObjectStoreBackend._get_range` (one ranged GET into memor
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .. import uri as _uri
@@ -22,7 +23,7 @@ from ..backends.base import Backend, Buffer, ObjectInfo, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import retry as _retry
 from .multipart import size_option
-from .ranged import parallel_readinto, run
+from .ranged import parallel_readinto, parallel_readv, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -135,8 +136,9 @@ class ObjectStoreBackend(Backend):
         """Use what ``credential_provider`` returned for the next requests."""
         raise NotImplementedError
 
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: memoryview) -> int:
-        """Read bytes ``[start, end)`` into ``into`` under the retry policy; the count (0 past the end)."""
+    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
+        """Read bytes ``[start, end)`` into the consecutive buffers ``into`` (one request, the body
+        streamed through them in order) under the retry policy; the count (0 past the end)."""
         raise NotImplementedError
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
@@ -200,6 +202,20 @@ class ObjectStoreBackend(Backend):
 
         n = self._run(uri, go)
         if n == 0 and len(mv):
+            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        return n
+
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
+        """One ranged request per ``part_size`` bytes, each streamed through the buffers it spans."""
+        bucket, key = self._split(uri)
+        mvs = [memoryview(v).cast("B") for v in views]
+
+        async def go() -> int:
+            fetch = functools.partial(self._get_range, uri, bucket, key)
+            return await parallel_readv(fetch, mvs, offset, self.part_size, self.concurrency)
+
+        n = self._run(uri, go)
+        if n == 0 and any(len(m) for m in mvs):
             self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
         return n
 

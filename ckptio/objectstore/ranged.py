@@ -2,8 +2,10 @@
 
 Both clients are asyncio-based and run on fsspec's IO loop thread. :func:`parallel_readinto` splits
 a read into ``part_size`` ranges and fetches up to ``concurrency`` of them at once, each streamed
-straight into its slice of the caller's buffer; :func:`run` waits on the loop from a caller's
-thread; :func:`gather_or_cancel` stops the other requests when one fails.
+straight into its slice of the caller's buffer; :func:`parallel_readv` does the same for several
+consecutive buffers (a scatter read: one request may fill many tensors, none staged); :func:`run`
+waits on the loop from a caller's thread; :func:`gather_or_cancel` stops the other requests when one
+fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-FetchInto = Callable[[int, int, memoryview], Awaitable[int]]
+# fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
+# length is end - start); returns the count (short or 0 past the end of the object)
+FetchInto = Callable[[int, int, list[memoryview]], Awaitable[int]]
 
 
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -47,20 +51,51 @@ async def parallel_readinto(
     (short or 0 past the end of the object). All ranges are requested at once, so no size lookup
     is needed; the result is the length of the contiguous prefix that was filled.
     """
-    n = len(buf)
-    if n <= part_size:
-        return await fetch_into(offset, offset + n, buf) if n else 0
+    return await parallel_readv(fetch_into, [buf], offset, part_size, concurrency)
+
+
+async def parallel_readv(
+    fetch_into: FetchInto, views: list[memoryview], offset: int, part_size: int, concurrency: int
+) -> int:
+    """Fill the consecutive buffers ``views`` from the object's bytes at ``offset``: requests of up to
+    ``part_size`` bytes each (a request's body streams into the buffers it spans, in order; a larger
+    buffer is cut), up to ``concurrency`` at once. Returns the length of the filled prefix."""
+    requests: list[tuple[int, list[memoryview]]] = []  # (start in the object, the buffers it fills)
+    pos, room = offset, 0
+    for v in views:
+        while len(v):
+            if room == 0:
+                requests.append((pos, []))
+                room = part_size
+            take = v[:room]
+            requests[-1][1].append(take)
+            v, pos, room = v[len(take) :], pos + len(take), room - len(take)
+    if len(requests) <= 1:
+        return await fetch_into(requests[0][0], pos, requests[0][1]) if requests else 0
     sem = asyncio.Semaphore(concurrency)
-    bounds = [(s, min(s + part_size, n)) for s in range(0, n, part_size)]
 
-    async def one(s: int, e: int) -> int:
+    async def one(start: int, part: list[memoryview]) -> int:
         async with sem:
-            return await fetch_into(offset + s, offset + e, buf[s:e])
+            return await fetch_into(start, start + sum(len(m) for m in part), part)
 
-    got = await gather_or_cancel([one(s, e) for s, e in bounds])
+    got = await gather_or_cancel([one(s, part) for s, part in requests])
     total = 0
-    for (s, e), g in zip(bounds, got, strict=True):
+    for (_, part), g in zip(requests, got, strict=True):
         total += g
-        if g < e - s:
+        if g < sum(len(m) for m in part):
             break
     return total
+
+
+def fill(views: list[memoryview], chunk: Any, pos: int) -> None:
+    """Copy ``chunk`` into the consecutive buffers ``views`` from byte ``pos`` of them."""
+    mv = memoryview(chunk)
+    for v in views:
+        if pos >= len(v):
+            pos -= len(v)
+            continue
+        k = min(len(v) - pos, len(mv))
+        v[pos : pos + k] = mv[:k]
+        mv, pos = mv[k:], 0
+        if not len(mv):
+            return

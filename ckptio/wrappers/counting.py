@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..backends.base import Backend, Buffer, NodeCache, WriteMode, Writer
@@ -81,6 +81,11 @@ class CountingBackend(ForwardingBackend):
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         n = self.inner.readinto(uri, buf, offset)
+        self._add(n)
+        return n
+
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
+        n = self.inner.readv(uri, views, offset)
         self._add(n)
         return n
 

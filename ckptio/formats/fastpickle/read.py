@@ -173,15 +173,10 @@ class BackendSource(Source):
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
-        if not self.local:  # one request for the run, through a staging buffer
-            return super().readv(mvs, offset)
-        total = 0
-        for m in mvs:  # no request to save: each buffer filled in place
-            n = self.readinto(m, offset + total)
-            total += n
-            if n < len(m):
-                break
-        return total
+        end = offset + sum(len(m) for m in mvs)
+        if any(off < end and offset < off + len(data) for off, data, _ in self._ahead):
+            return super().readv(mvs, offset)  # partly read ahead: staged, the rest fetched
+        return self.backend.readv(self.name, mvs, offset)  # a scatter read: one request, no staging
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         lo, hi = offset, offset + len(mv)
@@ -375,8 +370,8 @@ def read_payloads(
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
-    # local reads scatter straight into the tensors (preadv, readinto); remote runs go through a staging buffer, so
-    # they are as large as one request (fewer ranged GETs) and staging stays within concurrency * part_size
+    # local reads scatter straight into the tensors (preadv, readinto); a remote run is as large as one request
+    # (fewer ranged GETs) and its body streams through the run's tensors (Backend.readv), unstaged
     limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
