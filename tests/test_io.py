@@ -62,6 +62,23 @@ def test_torch_formats_and_longest_extension(root, name):
     assert back["step"] == 7
 
 
+def test_torch_load_from_memory_needs_no_temporary_file(memory_uri, monkeypatch):
+    """memory:// objects are loaded from memory (no copy through a temporary file); ``mmap=True`` still
+    works (through one), and weights_only still applies."""
+    import ckptio.backends.base as base
+
+    uri = memory_uri + "/m.pt"
+    state = model_state()
+    ckptio.dump(state, uri)
+    made = []
+    real = base.tempfile.mkdtemp
+    monkeypatch.setattr(base.tempfile, "mkdtemp", lambda *a, **k: made.append(1) or real(*a, **k))
+    back = ckptio.load(uri)
+    assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"]) and not made
+    back = ckptio.load(uri, mmap=True)
+    assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"]) and made
+
+
 def test_torch_load_is_weights_only_by_default(root):
     class Evil:
         def __reduce__(self):

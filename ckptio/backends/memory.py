@@ -50,6 +50,11 @@ class MemoryBackend(Backend):
         self.bytes_read += len(out)
         return out
 
+    def read(self, uri: str) -> bytes:
+        data = self._get(uri)[0]  # immutable: the stored object itself, no copy
+        self.bytes_read += len(data)
+        return data
+
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         data = self._get(uri)[0]
         mv = memoryview(buf).cast("B")

@@ -2,7 +2,8 @@
 
 Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=False`` (or
 ``allow_pickle=True``, the name the other formats use) only for files you trust. Loads go through
-``backend.get_local_path``: a local (or node-cached) file is read in place, a remote object is first
+``backend.get_local_path``: a local (or node-cached) file is read in place, an object of a storage whose
+reads are local (memory://) from memory up to :data:`IN_MEMORY_MAX`, a remote object is first
 fetched with parallel ranged reads into a temporary file (torch's zip reader over a remote stream
 would issue one small sequential request per record). ``mmap=True`` works everywhere; the mapping
 outlives the temporary file.
@@ -27,6 +28,8 @@ from ..backends.base import Backend
 from ..errors import FormatError, IntegrityError
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
+IN_MEMORY_MAX = 512 << 20  # a local-read object up to this size is loaded from memory, not a temporary file
+
 
 class TorchFormat(StreamFormat):
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
@@ -50,6 +53,12 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
+        if backend.reads_local and not kw.get("mmap"):
+            with backend.local_file(uri) as path:
+                if path is not None:
+                    return torch.load(path, **kw)
+                if backend.stat(uri).size <= IN_MEMORY_MAX:  # memory://: no temporary file, no disk
+                    return torch.load(io.BytesIO(backend.read(uri)), **kw)
         with backend.get_local_path(uri) as path:
             return torch.load(path, **kw)
 
