@@ -94,6 +94,25 @@ def test_small_dcp_save_and_load_requests(proxy):
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
+def test_dcp_load_of_many_megabyte_tensors_is_one_get_per_part(proxy):
+    """Neighbouring tensors of a data object come in one ranged GET of up to ``part_size`` bytes that
+    streams through them (a scatter read), not one GET per tensor; nothing is read twice."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(12)}  # 12 x 1 MiB, one data object
+    uri = proxy.uri + "/mb"
+    cd.save(state, uri, min_object_bytes=64 << 20)
+    backend, root = ckptio.resolve(uri)
+    assert len(list(backend.list(root))) == 2
+    proxy.clear()
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    cd.load(out, uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    gets = [r for r in proxy.requests if r.method == "GET" and "metadata" not in r.path]
+    part = backend.part_size
+    assert len(gets) <= 1 + (12 << 20) // part + 1, proxy.requests  # the object's size may be one GET (GCS)
+    assert proxy.bytes_out <= (13 << 20), proxy.bytes_out  # each byte once (+ metadata)
+
+
 def test_pt_loads_fetch_each_byte_once(proxy):
     # a .pt is fetched into a temporary file for torch's zip reader: the size, then ranged GETs. (A first
     # 4 MiB read before the size saves a request under 4 MiB but delays every larger load: 32 MiB from

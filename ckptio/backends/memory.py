@@ -51,9 +51,7 @@ class MemoryBackend(Backend):
         return out
 
     def read(self, uri: str) -> bytes:
-        data = self._get(uri)[0]  # immutable: the stored object itself, no copy
-        self.bytes_read += len(data)
-        return data
+        return self.read_range(uri)  # the whole slice of the stored (immutable) bytes is that object: no copy
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         data = self._get(uri)[0]

@@ -145,17 +145,22 @@ def _block_check(hashes: list[int] | None, block: int, obj: str, what: str) -> C
 
 
 class _Ranges:
-    """Reads byte ranges of data objects into their targets on ``pool``: large ranges in ``part_size``
-    pieces, small ones coalesced with their neighbours into single reads (:meth:`submit_small`)."""
+    """Reads byte ranges of data objects into their targets on ``pool``: ranges longer than a group in
+    ``part_size`` pieces, the others coalesced with their neighbours into single reads
+    (:meth:`submit_small`) that stream through the targets (``Backend.readv``, a scatter read). On remote
+    storage a group is up to ``part_size`` bytes (one request where there were one per tensor); where
+    reads are local, ranges from ``COALESCE_MAX`` up are read alone, in parallel, and groups stay small."""
 
     def __init__(self, backend: Backend, pool: cf.Executor) -> None:
         self.backend, self.pool, self.piece = backend, pool, backend.part_size
+        self.alone = COALESCE_MAX if backend.reads_local else backend.part_size  # read by itself from this size
+        self.group = 4 * COALESCE_MAX if backend.reads_local else backend.part_size  # the largest coalesced read
         self.small: dict[str, list[tuple[int, int, memoryview, _Unit]]] = {}
 
     def fetch(self, unit: _Unit, obj: str, start: int, target: memoryview) -> None:
         """Read ``target``'s bytes from ``obj`` at ``start``; the futures go to ``unit`` (small ones once submitted)."""
         n = len(target)
-        if n < COALESCE_MAX:
+        if n < self.alone:
             self.small.setdefault(obj, []).append((start, start + n, target, unit))
             return
         for off in range(0, n, self.piece):
@@ -167,7 +172,7 @@ class _Ranges:
             ranges.sort(key=lambda r: r[0])
             groups: list[list] = []
             for r in ranges:
-                if groups and r[0] - groups[-1][-1][1] <= COALESCE_GAP and r[1] - groups[-1][0][0] <= 4 * COALESCE_MAX:
+                if groups and r[0] - groups[-1][-1][1] <= COALESCE_GAP and r[1] - groups[-1][0][0] <= self.group:
                     groups[-1].append(r)
                 else:
                     groups.append([r])
@@ -188,10 +193,23 @@ class _Ranges:
     def _read_scatter(self, obj: str, start: int, stop: int, parts: list[tuple[int, int, memoryview]]) -> None:
         if len(parts) == 1:
             return self._read_exact(obj, start, parts[0][2])
-        buf = bytearray(stop - start)
-        self._read_exact(obj, start, memoryview(buf))
-        for a, b, t in parts:
-            t[:] = buf[a - start : b - start]
+        views: list[memoryview] = []
+        pos = start
+        for a, b, t in parts:  # in file order: the targets, and throwaway buffers for the gaps between them
+            if a < pos:  # overlapping ranges: read once into a staging buffer, then copy out
+                buf = bytearray(stop - start)
+                self._read_exact(obj, start, memoryview(buf))
+                for a2, b2, t2 in parts:
+                    t2[:] = buf[a2 - start : b2 - start]
+                return None
+            if a > pos:
+                views.append(memoryview(bytearray(a - pos)))
+            views.append(t)
+            pos = b
+        n = self.backend.readv(obj, views, start)
+        if n != pos - start:
+            raise IntegrityError(f"data object {obj} is truncated: wanted bytes [{start}, {pos}), got {n}")
+        return None
 
 
 def _plan_foreign(
