@@ -49,10 +49,9 @@ class Content:
         self._refs: dict[int, set[str]] = {}  # step -> hashes its files' recipes name
         self._settled = False
         self.last: tuple[int, int] = (0, 0)  # (logical bytes, bytes written) of the last save
-        self._mine: tuple[int, set[str]] | None = None  # (step, blocks its recipes name) of this rank's last DCP save
-        # (step, blocks its recipes name) of the last save when this process wrote all of it (pt/fpk, or
-        # DCP without a process group): its commit needs no read of its recipes
-        self._whole: tuple[int, set[str]] | None = None
+        self._mine: tuple[int, set[str]] | None = None  # (step, blocks its recipes name) of this rank's last save
+        # that save is the whole step (pt/fpk, or DCP without a process group): its commit reads no recipe back
+        self._mine_whole = False
         self._due = 0.0  # when a sweep may next delete something (0: unknown, sweep at the next commit)
 
     def _failed(self) -> None:
@@ -80,7 +79,7 @@ class Content:
         finally:
             backend.close()
         self.last = (backend.logical_bytes, backend.bytes_written)
-        self._whole = (step, set(backend.referenced))
+        self._mine, self._mine_whole = (step, backend.referenced), True
         return [name]
 
     def write_dcp(self, step: int, sd: dict[str, Any], pg: Any, options: Mapping[str, Any], rank: int) -> list[str]:
@@ -107,8 +106,7 @@ class Content:
             dist.all_reduce(t, group=pg)
             counts = t.tolist()
         self.last = (counts[0], counts[1])
-        self._mine = (step, backend.referenced)
-        self._whole = (step, set(backend.referenced)) if pg is None else None
+        self._mine, self._mine_whole = (step, backend.referenced), pg is None
         self._settled = False  # rank 0's sweep settles the store again after the commit
         return files
 
@@ -153,8 +151,8 @@ class Content:
             for s in steps:
                 if s in self._refs:
                     continue
-                if self._whole is not None and self._whole[0] == s:  # written by this process just now
-                    self._refs[s] = self._whole[1]
+                if self._mine_whole and self._mine is not None and self._mine[0] == s:  # written here just now
+                    self._refs[s] = set(self._mine[1])
                     continue
                 try:
                     self._refs[s] = step_hashes(self.layout, s, reader)

@@ -23,7 +23,7 @@ from ..backends.base import Backend, Buffer, ObjectInfo, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import retry as _retry
 from .multipart import size_option
-from .ranged import parallel_readinto, parallel_readv, run
+from .ranged import parallel_readv, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -192,18 +192,7 @@ class ObjectStoreBackend(Backend):
 
     # ---- reads -------------------------------------------------------------------------------
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        bucket, key = self._split(uri)
-        mv = memoryview(buf).cast("B")
-
-        async def go() -> int:
-            return await parallel_readinto(
-                lambda s, e, v: self._get_range(uri, bucket, key, s, e, v), mv, offset, self.part_size, self.concurrency
-            )
-
-        n = self._run(uri, go)
-        if n == 0 and len(mv):
-            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
-        return n
+        return self.readv(uri, [memoryview(buf)], offset)
 
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
         """One ranged request per ``part_size`` bytes, each streamed through the buffers it spans."""

@@ -1,11 +1,10 @@
 """Parallel ranged reads and the IO-loop plumbing the object stores share.
 
-Both clients are asyncio-based and run on fsspec's IO loop thread. :func:`parallel_readinto` splits
-a read into ``part_size`` ranges and fetches up to ``concurrency`` of them at once, each streamed
-straight into its slice of the caller's buffer; :func:`parallel_readv` does the same for several
-consecutive buffers (a scatter read: one request may fill many tensors, none staged); :func:`run`
-waits on the loop from a caller's thread; :func:`gather_or_cancel` stops the other requests when one
-fails.
+Both clients are asyncio-based and run on fsspec's IO loop thread. :func:`parallel_readv` splits a
+read of one or several consecutive buffers into ``part_size`` ranges and fetches up to
+``concurrency`` of them at once, each request's body streamed straight through the buffers it spans
+(a scatter read: one request may fill many tensors, none staged); :func:`run` waits on the loop from
+a caller's thread; :func:`gather_or_cancel` stops the other requests when one fails.
 """
 
 from __future__ import annotations
@@ -42,47 +41,37 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-async def parallel_readinto(
-    fetch_into: FetchInto, buf: memoryview, offset: int, part_size: int, concurrency: int
-) -> int:
-    """Fill ``buf`` with the object's bytes from ``offset`` using parallel ranged reads.
-
-    ``fetch_into(start, end, view)`` reads bytes ``[start, end)`` into ``view`` and returns the count
-    (short or 0 past the end of the object). All ranges are requested at once, so no size lookup
-    is needed; the result is the length of the contiguous prefix that was filled.
-    """
-    return await parallel_readv(fetch_into, [buf], offset, part_size, concurrency)
-
-
 async def parallel_readv(
     fetch_into: FetchInto, views: list[memoryview], offset: int, part_size: int, concurrency: int
 ) -> int:
     """Fill the consecutive buffers ``views`` from the object's bytes at ``offset``: requests of up to
     ``part_size`` bytes each (a request's body streams into the buffers it spans, in order; a larger
     buffer is cut), up to ``concurrency`` at once. Returns the length of the filled prefix."""
-    requests: list[tuple[int, list[memoryview]]] = []  # (start in the object, the buffers it fills)
+    requests: list[tuple[int, int, list[memoryview]]] = []  # (start, end in the object, the buffers it fills)
     pos, room = offset, 0
     for v in views:
         while len(v):
             if room == 0:
-                requests.append((pos, []))
+                requests.append((pos, pos, []))
                 room = part_size
             take = v[:room]
-            requests[-1][1].append(take)
+            start, _, part = requests[-1]
+            part.append(take)
             v, pos, room = v[len(take) :], pos + len(take), room - len(take)
+            requests[-1] = (start, pos, part)
     if len(requests) <= 1:
-        return await fetch_into(requests[0][0], pos, requests[0][1]) if requests else 0
+        return await fetch_into(*requests[0]) if requests else 0
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(start: int, part: list[memoryview]) -> int:
+    async def one(start: int, end: int, part: list[memoryview]) -> int:
         async with sem:
-            return await fetch_into(start, start + sum(len(m) for m in part), part)
+            return await fetch_into(start, end, part)
 
-    got = await gather_or_cancel([one(s, part) for s, part in requests])
+    got = await gather_or_cancel([one(*r) for r in requests])
     total = 0
-    for (_, part), g in zip(requests, got, strict=True):
+    for (start, end, _), g in zip(requests, got, strict=True):
         total += g
-        if g < sum(len(m) for m in part):
+        if g < end - start:
             break
     return total
 
