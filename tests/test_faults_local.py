@@ -141,6 +141,47 @@ def test_read_only_mount(ro_fs):
     assert _names(ro_fs) == ["old.pt"]
 
 
+# ---- replacing an existing name --------------------------------------------------------------
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_durable_replace_leaves_no_descriptor_or_name_and_old_readers_keep_old_bytes(tmp_path):
+    # A durable replace holds the old file open across the rename and directory fsync (its blocks are
+    # freed after the commit); the descriptor must not outlive the save, and nothing else may change.
+    target = tmp_path / "ckpt.fpk"
+    ckptio.dump({"w": torch.zeros(1000)}, str(target))
+    reader = open(target, "rb")
+    old = reader.read()
+    reader.seek(0)
+    before = _open_fds()
+    ckptio.dump({"w": torch.ones(1000)}, str(target))
+    ckptio.dump({"w": torch.full((1000,), 2.0)}, str(target))
+    assert _open_fds() == before
+    assert reader.read() == old  # the replaced inode is intact for whoever still has it open
+    reader.close()
+    assert torch.equal(ckptio.load(str(target))["w"], torch.full((1000,), 2.0))
+    assert _names(tmp_path) == ["ckpt.fpk"]
+
+
+def test_durable_replace_of_a_fifo_or_symlink_does_not_block_or_follow(tmp_path):
+    # The old name is opened read-only before the rename: a FIFO there must not block the save (it
+    # runs in a child so a hang fails the test), and a symlink is replaced, not followed.
+    fifo, link, elsewhere = tmp_path / "pipe.fpk", tmp_path / "link.fpk", tmp_path / "elsewhere.bin"
+    os.mkfifo(fifo)
+    elsewhere.write_bytes(b"keep me")
+    os.symlink(elsewhere, link)
+    code = "import sys, torch, ckptio\nfor p in sys.argv[1:]: ckptio.dump({'w': torch.ones(3)}, p)\n"
+    subprocess.run([sys.executable, "-c", code, str(fifo), str(link)], check=True, timeout=60)
+    for p in (fifo, link):
+        assert p.is_file() and not p.is_symlink()
+        assert torch.equal(ckptio.load(str(p))["w"], torch.ones(3))
+    assert elsewhere.read_bytes() == b"keep me"
+
+
 # ---- damage after writing ----------------------------------------------------------------------
 
 

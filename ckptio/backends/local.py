@@ -59,6 +59,18 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+def _open_replaced(path: str) -> int | None:
+    """A read-only descriptor of the regular file at ``path`` (None if there is none or it cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not _stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
 class LocalWriter(Writer):
     def __init__(self, uri: str, path: str, mode: WriteMode, durable: bool) -> None:
         self.uri, self._path, self._mode, self._durable = uri, path, mode, durable
@@ -100,10 +112,20 @@ class LocalWriter(Writer):
                 if self._mode == "create":
                     os.link(self._tmp, self._path)  # atomic create-if-absent
                     os.unlink(self._tmp)
+                    if self._durable:
+                        fsync_dir(os.path.dirname(self._path) or ".")
                 else:
-                    os.replace(self._tmp, self._path)
-                if self._durable:
-                    fsync_dir(os.path.dirname(self._path) or ".")
+                    # Keep the replaced file open across the rename and the directory fsync: its blocks are
+                    # then freed when we close it, after the commit, not inside the transaction the fsync
+                    # waits for (on a filesystem mounted with ``discard`` that wait includes discarding them).
+                    old = _open_replaced(self._path) if self._durable else None
+                    try:
+                        os.replace(self._tmp, self._path)
+                        if self._durable:
+                            fsync_dir(os.path.dirname(self._path) or ".")
+                    finally:
+                        if old is not None:
+                            os.close(old)
         except BaseException:
             f.close()
             self._discard()
