@@ -376,3 +376,30 @@ def test_s3_store_rejecting_checksum_headers_gets_a_hint(s3_faults):
     with pytest.raises(TransferError) as ei:
         b2.write(u, b"x")
     assert "checksum = 'none'" not in str(ei.value)  # no hint once they are off
+
+
+def test_stall_watch_ends_a_silent_body_and_lets_a_slow_steady_one_finish():
+    # one timer moved forward after each chunk: a body that keeps arriving outlives the stall timeout
+    # in total, one that goes silent for longer than it ends with StalledError
+    import asyncio
+
+    from ckptio.objectstore.retry import StalledError, StallWatch
+
+    async def chunk(delay: float) -> bytes:
+        await asyncio.sleep(delay)
+        return b"x"
+
+    async def steady() -> int:
+        async with StallWatch(0.2) as watch:
+            return sum([len(await watch(chunk(0.05))) for _ in range(10)])  # 0.5 s in all
+
+    async def silent() -> None:
+        async with StallWatch(0.2) as watch:
+            await watch(chunk(0.01))
+            await watch(chunk(30))
+
+    assert asyncio.run(steady()) == 10
+    t0 = time.monotonic()
+    with pytest.raises(StalledError):
+        asyncio.run(silent())
+    assert time.monotonic() - t0 < 5

@@ -29,18 +29,30 @@ def _data_requests(proxy) -> list[str]:
     return [r.method for r in proxy.requests if "fields=generation" not in r.path]
 
 
-def test_small_fpk_is_one_put_and_two_requests_to_load(proxy):
+def test_small_fpk_is_one_put_and_one_get_to_load(proxy):
     state, uri = _state(), proxy.uri + "/small.fpk"
     proxy.clear()
     ckptio.dump(state, uri)
     assert len(proxy.requests) == 1, proxy.requests  # one PUT (S3) or one media upload (GCS)
     proxy.clear()
     out = ckptio.load(uri)
-    # the size, then the object whole in one ranged GET. (Reading a first range before the size, as
-    # read() does, saves that request for objects under 4 MiB but puts a serial 4 MiB GET before the
-    # parallel reads of every larger one: 32 MiB loads from moto 0.81x, so .fpk keeps the size first.)
-    assert len(proxy.requests) == 2, proxy.requests
+    # one ranged GET from byte 0: the object's size comes with its headers (Backend.read_head), so no
+    # HEAD first; a larger object's other reads start as soon as those headers are in
+    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_fpk_load_requests_of_a_larger_object_fetch_each_byte_once(proxy):
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(6)}  # 24 MiB: several parts
+    uri = proxy.uri + "/big.fpk"
+    ckptio.dump(state, uri)
+    size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
+    proxy.clear()
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert all(r.method == "GET" and "Range" in r.headers for r in proxy.requests), proxy.requests  # no size lookup
+    assert sum(r.bytes_out for r in proxy.requests) <= size + (64 << 10), proxy.requests
 
 
 def test_small_fpk_partial_load_still_reads_ranges(proxy):

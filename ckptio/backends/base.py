@@ -270,6 +270,13 @@ class Backend(abc.ABC):
         mv[: len(data)] = data
         return len(data)
 
+    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
+        """Fill ``buf`` from byte 0 (``readinto``) and call ``on_size(size)`` once with the object's size,
+        as early as the storage can tell it. Object stores take it from the GET's headers (one request
+        where a size lookup and a read were two); this default looks it up first."""
+        on_size(self.stat(uri).size)
+        return self.readinto(uri, buf, 0)
+
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
         """Fill the consecutive buffers ``views`` from the bytes at ``offset`` (a scatter read); returns
         the count (short at EOF). Object stores stream one request through several buffers; the default

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -190,6 +191,7 @@ class GCSBackend(ObjectStoreBackend):
         ok: tuple[int, ...] = (200,),
         into: list[memoryview] | None = None,
         parse_json: bool = False,
+        on_headers: Callable[[int, Any], None] | None = None,
         range_start: int = 0,
         uri: str = "gs://",
     ) -> tuple[int, Any, Any]:
@@ -207,13 +209,16 @@ class GCSBackend(ObjectStoreBackend):
                 body = await _retry.stall_guard(r.read(), stall)
                 return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
             _retry.check_ranged_status(r.status, range_start, uri)
+            if on_headers is not None:
+                on_headers(r.status, r.headers)
             pos, want = 0, sum(len(v) for v in into)
-            while pos < want:
-                chunk = await _retry.stall_guard(r.content.read(want - pos), stall)
-                if not chunk:
-                    break
-                _ranged.fill(into, chunk, pos)
-                pos += len(chunk)
+            async with _retry.StallWatch(stall) as watch:
+                while pos < want:
+                    chunk = await watch(r.content.read(want - pos))
+                    if not chunk:
+                        break
+                    _ranged.fill(into, chunk, pos)
+                    pos += len(chunk)
             if r.status == 206:
                 _retry.check_range(want, pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
             return r.status, r.headers, pos
@@ -269,7 +274,20 @@ class GCSBackend(ObjectStoreBackend):
             self._fs._session = None
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
+    async def _get_range(
+        self,
+        uri: str,
+        bucket: str,
+        key: str,
+        start: int,
+        end: int,
+        into: list[memoryview],
+        on_size: Callable[[int], None] | None = None,
+    ) -> int:
+        def on_headers(status: int, headers: Any) -> None:
+            if on_size is not None:
+                _tell_size(on_size, status, headers)
+
         try:
             return (
                 await self._request(
@@ -279,6 +297,7 @@ class GCSBackend(ObjectStoreBackend):
                     headers={"Range": f"bytes={start}-{end - 1}"},
                     ok=(200, 206),
                     into=into,
+                    on_headers=on_headers,
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",
@@ -458,3 +477,9 @@ class _GCSWriter(_multipart.MultipartWriter):
         except _HTTPStatus as e:
             if e.status not in (404, 405, 410, 501):  # already gone, or (emulator) cancel not supported
                 raise
+
+
+def _tell_size(on_size: Callable[[int], None], status: int, headers: Any) -> None:
+    size = _retry.object_size(status, headers.get("Content-Range"), headers.get("Content-Length"))
+    if size is not None:
+        on_size(size)

@@ -222,7 +222,16 @@ class S3Backend(ObjectStoreBackend):
                     pass
 
     # ---- reads -----------------------------------------------------------------------------
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
+    async def _get_range(
+        self,
+        uri: str,
+        bucket: str,
+        key: str,
+        start: int,
+        end: int,
+        into: list[memoryview],
+        on_size: Callable[[int], None] | None = None,
+    ) -> int:
         stall = self.policy.stall_timeout
 
         async def once(s3: Any) -> int:
@@ -233,18 +242,25 @@ class S3Backend(ObjectStoreBackend):
                     return 0  # starts past the end of the object
                 raise
             body, total = resp["Body"], 0
+            meta = resp.get("ResponseMetadata", {})
+            if on_size is not None:
+                h = meta.get("HTTPHeaders", {})
+                size = _retry.object_size(meta.get("HTTPStatusCode"), h.get("content-range"), h.get("content-length"))
+                if size is not None:
+                    on_size(size)
             try:
                 _retry.check_ranged_status(resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), start, uri)
-                for view in into:  # the body streams through the buffers in order
-                    pos = 0
-                    while pos < len(view):
-                        n = await _retry.stall_guard(body.readinto(view[pos:]), stall)
-                        if not n:
+                async with _retry.StallWatch(stall) as watch:
+                    for view in into:  # the body streams through the buffers in order
+                        pos = 0
+                        while pos < len(view):
+                            n = await watch(body.readinto(view[pos:]))
+                            if not n:
+                                break
+                            pos += n
+                        total += pos
+                        if pos < len(view):
                             break
-                        pos += n
-                    total += pos
-                    if pos < len(view):
-                        break
             finally:
                 body.close()
             headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})

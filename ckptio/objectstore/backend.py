@@ -136,9 +136,19 @@ class ObjectStoreBackend(Backend):
         """Use what ``credential_provider`` returned for the next requests."""
         raise NotImplementedError
 
-    async def _get_range(self, uri: str, bucket: str, key: str, start: int, end: int, into: list[memoryview]) -> int:
+    async def _get_range(
+        self,
+        uri: str,
+        bucket: str,
+        key: str,
+        start: int,
+        end: int,
+        into: list[memoryview],
+        on_size: Callable[[int], None] | None = None,
+    ) -> int:
         """Read bytes ``[start, end)`` into the consecutive buffers ``into`` (one request, the body
-        streamed through them in order) under the retry policy; the count (0 past the end)."""
+        streamed through them in order) under the retry policy; the count (0 past the end).
+        ``on_size(size)``: called with the whole object's size when the reply's headers tell it."""
         raise NotImplementedError
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
@@ -206,6 +216,23 @@ class ObjectStoreBackend(Backend):
         n = self._run(uri, go)
         if n == 0 and any(len(m) for m in mvs):
             self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        return n
+
+    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
+        """One ranged GET from byte 0; the object's size is taken from its reply's headers (no HEAD),
+        and told as soon as they arrive, while the body is still coming."""
+        bucket, key = self._split(uri)
+        mv = memoryview(buf).cast("B")
+        told: list[int] = []
+
+        def tell(size: int) -> None:
+            if not told:  # once, whatever the retries
+                told.append(size)
+                on_size(size)
+
+        n = self._run(uri, lambda: self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell)) if mv else 0
+        if not told:  # an empty object (416), a buffer of 0 bytes, or a reply without the headers
+            tell(self.stat(uri).size)
         return n
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:

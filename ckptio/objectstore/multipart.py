@@ -78,6 +78,7 @@ class MultipartWriter(Writer):
         self._free: list[bytearray] = []
         self._buf = bytearray()
         self._fill = 0
+        self._cap = 0  # the size the buffer being filled may reach (it may still be growing towards it)
         self._handle: Any = None
         self._started = False
         self._offset = 0  # bytes handed to parts so far
@@ -122,9 +123,7 @@ class MultipartWriter(Writer):
             step = max(self._part_size(), self.part_size)  # parts sent from the caller's memory cost no buffers
             borrowed = len(mv) >= (step if lend else self.max_buffer_bytes)
             if borrowed and self._fill:  # top up the part being filled, then send it
-                k = min(len(self._buf) - self._fill, len(mv))
-                self._buf[self._fill : self._fill + k] = mv[:k]
-                self._fill, mv = self._fill + k, mv[k:]
+                mv = self._take(mv)
                 if mv:
                     self._send_buffer(last=False)
             first = len(self._futures)
@@ -144,6 +143,14 @@ class MultipartWriter(Writer):
         The caller's buffer is only borrowed: every part is uploaded before this returns.
         """
         mv = memoryview(data).cast("B")
+        if self._state == "open" and not self._fill and not self._started and len(mv) <= self.part_size:
+            try:  # one request, straight from the caller's memory
+                run(self._loop, self.put_single, mv)
+                self._state = "closed"
+                return None
+            except BaseException as e:
+                self._abort_quietly()
+                raise self._translated(e) from None
         if self._fill or self._started or len(mv) <= self.part_size:
             self.write(mv)
             return self.close()
@@ -205,7 +212,7 @@ class MultipartWriter(Writer):
 
     def _release_buffers(self) -> None:
         with self._cv:
-            self._buf, self._fill = bytearray(), 0
+            self._buf, self._fill, self._cap = bytearray(), 0, 0
             self._free.clear()
             self._allocated = 0
 
@@ -218,34 +225,43 @@ class MultipartWriter(Writer):
     def _copy(self, mv: memoryview) -> None:
         """Copy ``mv`` into part buffers, sending each full one when more data follows."""
         while mv:
-            if self._fill == len(self._buf):
+            if self._fill == self._cap:
                 if self._fill:  # full, and more data follows: not the last part
                     self._send_buffer(last=False)
-                self._buf, self._fill = self._new_buffer(), 0
-            k = min(len(self._buf) - self._fill, len(mv))
-            self._buf[self._fill : self._fill + k] = mv[:k]
-            self._fill += k
-            mv = mv[k:]
+                self._buf, self._cap = self._new_buffer()
+            mv = self._take(mv)
 
-    def _new_buffer(self) -> bytearray:
+    def _take(self, mv: memoryview) -> memoryview:
+        """Copy what fits of ``mv`` into the buffer being filled; return the rest."""
+        k = min(self._cap - self._fill, len(mv))
+        if len(self._buf) == self._fill:  # a growing first buffer: append (no zero-filled pages)
+            self._buf += mv[:k]
+        else:
+            self._buf[self._fill : self._fill + k] = mv[:k]
+        self._fill += k
+        return mv[k:]
+
+    def _new_buffer(self) -> tuple[bytearray, int]:
+        """A buffer to fill and the size it may reach. The first buffer of an upload starts empty and
+        grows as bytes arrive: a small object costs its own size, not a whole part of fresh memory."""
         size = self._part_size()
         with self._cv:
             while True:
                 self._raise_failed()
                 if self._free and len(self._free[-1]) == size:
-                    return self._free.pop()
+                    return self._free.pop(), size
                 while self._free:  # a smaller size from before the parts grew
                     self._allocated -= len(self._free.pop())
                 if self._allocated + size <= max(self.max_buffer_bytes, 2 * size):
                     self._allocated += size
-                    return bytearray(size)
+                    return (bytearray() if not self._started else bytearray(size)), size
                 self._cv.wait()
 
     def _send_buffer(self, last: bool) -> None:
         buf, fill = self._buf, self._fill
-        recycle = fill == len(buf)
+        recycle = fill == self._cap
         data = buf if recycle else memoryview(buf)[:fill]  # the last, short part
-        self._buf, self._fill = bytearray(), 0
+        self._buf, self._fill, self._cap = bytearray(), 0, 0
         self._submit(data, self._offset + fill if last else None, recycle=buf if recycle else None)
 
     def _submit(self, data: Buffer, total: int | None, recycle: bytearray | None = None) -> None:

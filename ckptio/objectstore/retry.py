@@ -290,6 +290,38 @@ async def stall_guard(read: Awaitable[Any], stall_timeout: float) -> Any:
         raise StalledError(f"no bytes received for {stall_timeout:g}s") from None
 
 
+class StallWatch:
+    """A stall timer over one body's reads: ``async with StallWatch(t) as watch: n = await watch(read)``.
+
+    :class:`StalledError` if no read completes for ``t`` seconds. On Python 3.11+ one timer is moved
+    forward after each read (a body arrives in many small chunks; ``asyncio.wait_for`` would create
+    a task per chunk); on 3.10 each read is guarded by :func:`stall_guard`."""
+
+    def __init__(self, stall_timeout: float) -> None:
+        self.stall_timeout = stall_timeout
+        self._cm: Any = None
+
+    async def __aenter__(self) -> StallWatch:
+        if hasattr(asyncio, "timeout"):
+            self._cm = asyncio.timeout(self.stall_timeout)
+            await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            try:
+                await self._cm.__aexit__(*exc)
+            except TimeoutError:
+                raise StalledError(f"no bytes received for {self.stall_timeout:g}s") from None
+
+    async def __call__(self, read: Awaitable[Any]) -> Any:
+        if self._cm is None:
+            return await stall_guard(read, self.stall_timeout)
+        out = await read
+        self._cm.reschedule(asyncio.get_running_loop().time() + self.stall_timeout)
+        return out
+
+
 def check_ranged_status(status: int | None, start: int, uri: str) -> None:
     """A ranged GET from ``start`` > 0 answered 200 (not 206) carries the object from byte 0: the
     server ignored ``Range``. Raise instead of handing those bytes back as if they were the range."""
@@ -301,6 +333,17 @@ def check_ranged_status(status: int | None, start: int, uri: str) -> None:
             "ranged GETs",
             uri,
         )
+
+
+def object_size(status: int | None, content_range: str | None, content_length: str | None) -> int | None:
+    """The whole object's size from a GET's headers (``Content-Range: bytes a-b/SIZE``, or the length
+    of a 200 reply), or None where they do not say."""
+    if content_range and "/" in content_range:
+        total = content_range.rpartition("/")[2].strip()
+        return int(total) if total.isdigit() else None
+    if status == 200 and content_length and content_length.isdigit():
+        return int(content_length)
+    return None
 
 
 def check_range(view_len: int, got: int, content_range: str | None, content_length: str | None) -> None:

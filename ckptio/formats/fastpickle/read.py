@@ -23,6 +23,7 @@ import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import msgpack
@@ -144,7 +145,7 @@ class BackendSource(Source):
 
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend, uri
-        self.size = backend.stat(uri).size
+        self._size: int | None = None  # looked up on first use (a full load asks for it with its first read)
         self.verified = backend.verifies_reads(uri)
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
@@ -154,29 +155,77 @@ class BackendSource(Source):
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: ThreadPoolExecutor | None = None
 
-    def read_ahead(self) -> None:
-        """For a full load: start fetching the first and the last ``part_size`` bytes, two requests.
+    @property
+    def size(self) -> int:  # type: ignore[override]  # a plain attribute on other sources
+        if self._size is None:
+            self._size = self.backend.stat(self.name).size
+        return self._size
 
-        The header, footer and metadata come with them, and so do the payloads at both ends, so a
-        full load costs about as many ranged requests as reading the object in ``part_size`` parts.
-        Reads of the middle do not wait for them.
+    def read_ahead(self) -> None:
+        """For a full load: fetch the first and the last ``part_size`` bytes, two requests.
+
+        The first needs no size: it starts at once and the object's size comes with its reply's
+        headers (``Backend.read_head``), so an object of up to ``part_size`` costs one request; the
+        header, footer and metadata come with them, and so do the payloads at both ends, so a full
+        load costs about as many ranged requests as reading the object in ``part_size`` parts. Reads
+        of the middle do not wait for them.
         """
-        head = min(self.size, self.part_size)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="fpk-ahead")
+        # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
+        first = memoryview(_mmap.mmap(-1, max(1, self.part_size)))
+        told: list[int] = []
+        ready = threading.Event()
+
+        def on_size(n: int) -> None:
+            told.append(n)
+            ready.set()
+
+        head_f = self._pool.submit(self.backend.read_head, self.name, first, on_size)
+        head_f.add_done_callback(lambda _: ready.set())
+        ready.wait()
+        if not told:
+            head_f.result()  # the read failed: its error
+        if self._size is None:
+            self._size = told[0] if told else self.backend.stat(self.name).size
+        head = min(self.size, len(first))
         tail = min(self.size - head, max(self.part_size, self.prefetch))
-        ranges = ([(self.size - tail, tail)] if tail else []) + [(0, head)]  # the tail first: it holds the metadata
-        self._pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="fpk-ahead")
-        for off, n in ranges:
-            buf = memoryview(bytearray(n))
-            self._ahead.append((off, buf, self._pool.submit(self._fetch, buf, off)))
+        if tail:  # the tail holds the metadata
+            buf = memoryview(_mmap.mmap(-1, tail))
+            self._ahead.append((self.size - tail, buf, self._pool.submit(self._fetch, buf, self.size - tail)))
+        self._ahead.append((0, first[:head], head_f))
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
-        end = offset + sum(len(m) for m in mvs)
-        if any(off < end and offset < off + len(data) for off, data, _ in self._ahead):
-            return super().readv(mvs, offset)  # partly read ahead: staged, the rest fetched
-        return self.backend.readv(self.name, mvs, offset)  # a scatter read: one request, no staging
+        """Buffers that overlap a range read ahead are copied from it one by one; each run of the
+        others is one scatter read (one request, streamed through them, no staging)."""
+        total, run_at = 0, offset
+        run: list[memoryview] = []
+
+        def flush() -> bool:
+            nonlocal total, run
+            want = sum(len(m) for m in run)
+            got = self.backend.readv(self.name, run, run_at) if run else 0
+            total, run = total + got, []
+            return got == want
+
+        pos = offset
+        for m in mvs:
+            if any(off < pos + len(m) and pos < off + len(data) for off, data, _ in self._ahead):
+                if not flush():
+                    return total
+                got = self.readinto(m, pos)
+                total += got
+                if got < len(m):
+                    return total
+            else:
+                if not run:
+                    run_at = pos
+                run.append(m)
+            pos += len(m)
+        flush()
+        return total
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         lo, hi = offset, offset + len(mv)
@@ -200,8 +249,9 @@ class BackendSource(Source):
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:  # the reads in flight end before we return; a size lookup still out is not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+            futures_wait([f for _, _, f in self._ahead])
         self._ahead = []
 
 
@@ -269,16 +319,17 @@ def with_source(src: Source, fn: Callable[[Source], Any]) -> Any:
 # ------------------------------------------------------------------------------------------
 def read_meta(src: Source, full: bool = False) -> Meta:
     """The validated metadata. ``full``: every payload will be read (remote sources may read ahead)."""
+    ahead = src if full and isinstance(src, BackendSource) and not src.local else None
+    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
+        ahead.read_ahead()  # it looks the size up too, in parallel with the first request
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header = b""
-    ahead = src if full and isinstance(src, BackendSource) and not src.local else None
     deferred = ahead is not None
-    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
-        ahead.read_ahead()
+    if ahead is not None:
         tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch:
         with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
