@@ -167,6 +167,37 @@ def test_durable_replace_leaves_no_descriptor_or_name_and_old_readers_keep_old_b
     assert _names(tmp_path) == ["ckpt.fpk"]
 
 
+def test_durable_replace_holds_the_old_file_until_the_directory_fsync_is_done(tmp_path, monkeypatch):
+    from ckptio.backends import local
+
+    target = tmp_path / "ckpt.fpk"
+    ckptio.dump({"w": torch.zeros(1000)}, str(target))
+    if os.major(os.stat(target).st_dev) == 0:
+        pytest.skip("tmp_path is not on a block-device filesystem (the old file is not held there)")
+    old_ino, seen = os.stat(target).st_ino, []
+    real = local.fsync_dir
+
+    def spy(path: str) -> None:
+        held = [os.fstat(int(fd)).st_ino for fd in os.listdir("/proc/self/fd") if _is_file_fd(fd)]
+        seen.append(old_ino in held and os.stat(target).st_ino != old_ino)
+        real(path)
+
+    monkeypatch.setattr(local, "fsync_dir", spy)
+    ckptio.dump({"w": torch.ones(1000)}, str(target))
+    assert seen == [True]  # renamed over, and still open while the directory was synced
+    held = [os.fstat(int(fd)).st_ino for fd in os.listdir("/proc/self/fd") if _is_file_fd(fd)]
+    assert old_ino not in held
+
+
+def _is_file_fd(fd: str) -> bool:
+    try:
+        return os.path.isfile(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")) or os.readlink(
+            f"/proc/self/fd/{fd}"
+        ).endswith(" (deleted)")
+    except OSError:
+        return False
+
+
 def test_durable_replace_of_a_fifo_or_symlink_does_not_block_or_follow(tmp_path):
     # The old name is opened read-only before the rename: a FIFO there must not block the save (it
     # runs in a child so a hang fails the test), and a symlink is replaced, not followed.

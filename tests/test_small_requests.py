@@ -1,7 +1,7 @@
 """Requests per call for small objects on S3 and GCS, counted by a proxy in front of the real server
 (issue 14: the fixed cost per call decides small sizes; a small object is one request).
 
-Counts, not timings: a small ``.fpk`` is one PUT, and a size lookup and one GET to load; a small DCP
+Counts, not timings: a small ``.fpk`` is one PUT, and one GET to load (its size from the reply's headers); a small DCP
 checkpoint is one data object; ``read`` of a small object is one GET with no HEAD first; ``isfile`` is one HEAD.
 """
 
@@ -144,3 +144,31 @@ def test_pt_loads_fetch_each_byte_once(proxy):
     assert torch.equal(out["w"], big["w"])
     size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
     assert proxy.bytes_out <= size + 4096
+
+
+def test_read_head_tells_the_size_once_and_old_get_range_hooks_still_work(proxy):
+    import copy
+
+    backend, uri = ckptio.resolve(proxy.uri + "/obj.bin")
+    data = bytes(range(256)) * 4000
+    backend.write(uri, data)
+    backend.write(uri + "-empty", b"")
+    for size, target in ((len(data), uri), (0, uri + "-empty")):
+        buf, told = bytearray(len(data) + 100), []
+        proxy.clear()
+        assert backend.read_head(target, buf, told.append) == size
+        assert told == [size] and bytes(buf[:size]) == data[:size]
+        if size:
+            assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
+    small = bytearray(1000)  # the buffer smaller than the object: the size is still the object's
+    told = []
+    assert backend.read_head(uri, small, told.append) == 1000 and told == [len(data)] and small == data[:1000]
+
+    class OldHook(type(backend)):  # a subclass written before _get_range took on_size
+        async def _get_range(self, uri, bucket, key, start, end, into):
+            return await super()._get_range(uri, bucket, key, start, end, into)
+
+    old = copy.copy(backend)
+    old.__class__ = OldHook
+    buf, told = bytearray(len(data)), []
+    assert old.read_head(uri, buf, told.append) == len(data) and told == [len(data)] and bytes(buf) == data

@@ -60,15 +60,23 @@ def fsync_dir(path: str) -> None:
 
 
 def _open_replaced(path: str) -> int | None:
-    """A read-only descriptor of the regular file at ``path`` (None if there is none or it cannot be opened)."""
+    """A read-only descriptor of the regular file at ``path`` on a block-device filesystem (ext4, xfs on
+    a disk), else None. Not on NFS, FUSE, tmpfs or overlay (device major 0): there an open file renamed
+    over is silly-renamed or fetched, and nothing is discarded anyway."""
     try:
+        st = os.lstat(path)
+        if not _stat.S_ISREG(st.st_mode) or os.major(st.st_dev) == 0:
+            return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    if not _stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
+    try:
+        if os.fstat(fd).st_ino == st.st_ino:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 class LocalWriter(Writer):

@@ -144,11 +144,16 @@ class MultipartWriter(Writer):
         """
         mv = memoryview(data).cast("B")
         if self._state == "open" and not self._fill and not self._started and len(mv) <= self.part_size:
-            try:  # one request, straight from the caller's memory
-                run(self._loop, self.put_single, mv)
+            # one request, straight from the caller's memory: it must not outlive this call (an
+            # interrupted wait cancels it and waits for it, so the caller's memory is free again)
+            fut = asyncio.run_coroutine_threadsafe(self.put_single(mv), self._loop)
+            try:
+                fut.result()
                 self._state = "closed"
                 return None
             except BaseException as e:
+                fut.cancel()
+                concurrent.futures.wait([fut])
                 self._abort_quietly()
                 raise self._translated(e) from None
         if self._fill or self._started or len(mv) <= self.part_size:

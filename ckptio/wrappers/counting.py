@@ -89,6 +89,11 @@ class CountingBackend(ForwardingBackend):
         self._add(n)
         return n
 
+    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
+        n = self.inner.read_head(uri, buf, on_size)
+        self._add(n)
+        return n
+
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return _CountingWriter(self.inner.open_writer(uri, mode=mode, durable=durable), self._add)
 

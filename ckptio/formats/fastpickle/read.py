@@ -182,6 +182,7 @@ class BackendSource(Source):
 
         head_f = self._pool.submit(self.backend.read_head, self.name, first, on_size)
         head_f.add_done_callback(lambda _: ready.set())
+        self._ahead.append((0, first[:0], head_f))  # close() waits for it whatever happens next
         ready.wait()
         if not told:
             head_f.result()  # the read failed: its error
@@ -192,7 +193,7 @@ class BackendSource(Source):
         if tail:  # the tail holds the metadata
             buf = memoryview(_mmap.mmap(-1, tail))
             self._ahead.append((self.size - tail, buf, self._pool.submit(self._fetch, buf, self.size - tail)))
-        self._ahead.append((0, first[:head], head_f))
+        self._ahead[0] = (0, first[:head], head_f)
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
@@ -249,7 +250,7 @@ class BackendSource(Source):
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:  # the reads in flight end before we return; a size lookup still out is not waited for
+        if pool is not None:  # the reads in flight end before we return
             pool.shutdown(wait=False, cancel_futures=True)
             futures_wait([f for _, _, f in self._ahead])
         self._ahead = []
