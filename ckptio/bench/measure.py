@@ -190,7 +190,10 @@ def run_matrix(
             for target, s in plan:
                 if s != size:
                     continue
-                for impl in target.impls:  # interleaved: every implementation once per repeat
+                k = r % len(target.impls) if target.impls else 0
+                # interleaved: every implementation once per repeat; the order rotates between repeats so
+                # no implementation always runs first (after the previous repeat's loads and removals)
+                for impl in target.impls[k:] + target.impls[:k]:
                     steps = 3 if target.local_dir else 2
                     key = (target.name, impl.name, size)
                     if key in broken or key in capped:
@@ -248,6 +251,10 @@ def run_matrix(
                     finally:
                         with contextlib.suppress(Exception):
                             (target.cleanup or _remove)(uri)
+                        if target.local_dir and hasattr(os, "sync"):
+                            # untimed: freeing (and, on a `discard` mount, discarding) the removed file's
+                            # blocks would otherwise land in the next implementation's fsync
+                            os.sync()
             log(f"  repeat {r + 1}/{repeats} of {human_bytes(size_b)} done ({time.perf_counter() - started:.0f}s)")
         del state
     for t in targets:  # the per-run directory (objects were removed one by one)
