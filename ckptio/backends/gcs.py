@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -284,10 +285,6 @@ class GCSBackend(ObjectStoreBackend):
         into: list[memoryview],
         on_size: Callable[[int], None] | None = None,
     ) -> int:
-        def on_headers(status: int, headers: Any) -> None:
-            if on_size is not None:
-                _tell_size(on_size, status, headers)
-
         try:
             return (
                 await self._request(
@@ -297,7 +294,7 @@ class GCSBackend(ObjectStoreBackend):
                     headers={"Range": f"bytes={start}-{end - 1}"},
                     ok=(200, 206),
                     into=into,
-                    on_headers=on_headers,
+                    on_headers=None if on_size is None else functools.partial(_tell_size, on_size),
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",

@@ -243,13 +243,13 @@ class S3Backend(ObjectStoreBackend):
                 raise
             body, total = resp["Body"], 0
             meta = resp.get("ResponseMetadata", {})
+            status, headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
             if on_size is not None:
-                h = meta.get("HTTPHeaders", {})
-                size = _retry.object_size(meta.get("HTTPStatusCode"), h.get("content-range"), h.get("content-length"))
+                size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
                 if size is not None:
                     on_size(size)
             try:
-                _retry.check_ranged_status(resp.get("ResponseMetadata", {}).get("HTTPStatusCode"), start, uri)
+                _retry.check_ranged_status(status, start, uri)
                 async with _retry.StallWatch(stall) as watch:
                     for view in into:  # the body streams through the buffers in order
                         pos = 0
@@ -263,7 +263,6 @@ class S3Backend(ObjectStoreBackend):
                             break
             finally:
                 body.close()
-            headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
             _retry.check_range(end - start, total, headers.get("content-range"), headers.get("content-length"))
             return total
 

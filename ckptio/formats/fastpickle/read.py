@@ -23,7 +23,6 @@ import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import msgpack
@@ -251,8 +250,7 @@ class BackendSource(Source):
     def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:  # the reads in flight end before we return
-            pool.shutdown(wait=False, cancel_futures=True)
-            futures_wait([f for _, _, f in self._ahead])
+            pool.shutdown(wait=True, cancel_futures=True)
         self._ahead = []
 
 
@@ -322,7 +320,7 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     """The validated metadata. ``full``: every payload will be read (remote sources may read ahead)."""
     ahead = src if full and isinstance(src, BackendSource) and not src.local else None
     if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
-        ahead.read_ahead()  # it looks the size up too, in parallel with the first request
+        ahead.read_ahead()  # the object's size comes with its first request's headers
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
