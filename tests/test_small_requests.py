@@ -1,7 +1,8 @@
 """Requests per call for small objects on S3 and GCS, counted by a proxy in front of the real server
 (issue 14: the fixed cost per call decides small sizes; a small object is one request).
 
-Counts, not timings: a small ``.fpk`` is one PUT, and one GET to load (its size from the reply's headers); a small DCP
+Counts, not timings: a small ``.fpk`` is one PUT, and one GET to load (its size from the reply's headers), as is a
+small ``.pt``; a small DCP
 checkpoint is one data object; ``read`` of a small object is one GET with no HEAD first; ``isfile`` is one HEAD.
 """
 
@@ -125,25 +126,35 @@ def test_dcp_load_of_many_megabyte_tensors_is_one_get_per_part(proxy):
     assert proxy.bytes_out <= (13 << 20), proxy.bytes_out  # each byte once (+ metadata)
 
 
-def test_pt_loads_fetch_each_byte_once(proxy):
-    # a .pt is fetched into a temporary file for torch's zip reader: the size, then ranged GETs. (A first
-    # 4 MiB read before the size saves a request under 4 MiB but delays every larger load: 32 MiB from
-    # moto 0.77x raw s3fs with it, so loads look the size up first.)
+def test_pt_loads_fetch_each_byte_once(proxy, monkeypatch):
+    # a remote .pt is fetched into memory for torch's zip reader: its first part_size bytes by one GET that
+    # also tells the size (no HEAD first), the rest in parallel ranged GETs started when those headers arrive
     state, uri = _state(), proxy.uri + "/small.pt"
     ckptio.dump(state, uri)
     proxy.clear()
     out = ckptio.load(uri)
-    assert len(proxy.requests) == 2, proxy.requests
+    assert [r.method for r in proxy.requests] == ["GET"], proxy.requests
     assert all(torch.equal(out[k], v) for k, v in state.items())
 
-    big = {"w": torch.randn(6 << 18)}  # 6 MiB
+    big = {"w": torch.randn(3 << 20)}  # 12 MiB
     uri = proxy.uri + "/big.pt"
-    ckptio.dump(big, uri, backend_args={"part_size": 8 << 20})
-    proxy.clear()
-    out = ckptio.load(uri, backend_args={"part_size": 8 << 20})
-    assert torch.equal(out["w"], big["w"])
+    ckptio.dump(big, uri, backend_args={"part_size": 16 << 20})
     size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
-    assert proxy.bytes_out <= size + 4096
+    for part, requests in ((16 << 20, 1), (5 << 20, 3)):  # within one part; over several (S3's least is 5 MiB)
+        proxy.clear()
+        out = ckptio.load(uri, backend_args={"part_size": part})
+        assert torch.equal(out["w"], big["w"])
+        assert len(proxy.requests) == requests and all(r.method == "GET" for r in proxy.requests), proxy.requests
+        assert proxy.bytes_out <= size + 4096
+
+    # over the in-memory bound: through a temporary file, the first part not fetched again
+    from ckptio.formats import torch as ptformat
+
+    monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 8 << 20)
+    proxy.clear()
+    out = ckptio.load(uri, backend_args={"part_size": 5 << 20})
+    assert torch.equal(out["w"], big["w"])
+    assert all(r.method == "GET" for r in proxy.requests) and proxy.bytes_out <= size + 4096, proxy.requests
 
 
 def test_read_head_tells_the_size_once_and_old_get_range_hooks_still_work(proxy):

@@ -12,8 +12,10 @@ subclass); client-specific errors are translated here at the boundary.
 from __future__ import annotations
 
 import abc
+import bisect
 import contextlib
 import io
+import itertools
 import mmap
 import os
 import shutil
@@ -209,6 +211,28 @@ class BytesReader(_SeekableReader):
         out[:n] = self._mv[self._pos : self._pos + n]
         self._pos += n
         return n
+
+
+class PiecesReader(_SeekableReader):
+    """:class:`BytesReader` over several buffers read as one, in order (an object fetched in pieces
+    into separate buffers, not copied together)."""
+
+    def __init__(self, pieces: Sequence[Buffer], uri: str = "<memory>") -> None:
+        super().__init__()
+        self._pieces = [memoryview(p).cast("B") for p in pieces]
+        self._starts = list(itertools.accumulate((len(p) for p in self._pieces), initial=0))
+        self.uri, self.size, self._pos = uri, self._starts[-1], 0
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        end, done = min(self._pos + len(out), self.size), 0
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        while self._pos < end:
+            piece, at = self._pieces[i], self._pos - self._starts[i]
+            k = min(len(piece) - at, end - self._pos)
+            out[done : done + k] = piece[at : at + k]
+            done, self._pos, i = done + k, self._pos + k, i + 1
+        return done
 
 
 class Backend(abc.ABC):
@@ -416,18 +440,19 @@ class NodeCache(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
-def copy_to_file(backend: Backend, uri: str, f: BinaryIO) -> int:
-    """Stream an object into an open binary file in ``part_size`` pieces; returns bytes copied."""
-    size = backend.stat(uri).size
-    chunk = bytearray(min(max(size, 1), backend.part_size * backend.concurrency))
-    mv, pos = memoryview(chunk), 0
+def copy_to_file(backend: Backend, uri: str, f: BinaryIO, *, start: int = 0, size: int | None = None) -> int:
+    """Stream an object (from byte ``start``; ``size``: the object's, when known) into an open binary
+    file in ``part_size`` pieces; returns bytes copied."""
+    size = backend.stat(uri).size if size is None else size
+    chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
+    mv, pos = memoryview(chunk), start
     while pos < size:
         n = backend.readinto(uri, mv[: min(len(mv), size - pos)], pos)
         if n <= 0:
             raise NotFoundError(uri, f"object shrank while reading at byte {pos} of {size}")
         f.write(mv[:n])
         pos += n
-    return pos
+    return pos - start
 
 
 def copy_between(

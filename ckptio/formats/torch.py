@@ -1,12 +1,13 @@
 """``torch.save`` files (``.pt``, ``.pth``, ``.ckpt``, ``.pth.tar``).
 
 Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=False`` (or
-``allow_pickle=True``, the name the other formats use) only for files you trust. Loads go through
-``backend.get_local_path``: a local (or node-cached) file is read in place, an object of a storage whose
-reads are local (memory://) from memory up to :data:`IN_MEMORY_MAX`, a remote object is first
-fetched with parallel ranged reads into a temporary file (torch's zip reader over a remote stream
-would issue one small sequential request per record). ``mmap=True`` works everywhere; the mapping
-outlives the temporary file.
+``allow_pickle=True``, the name the other formats use) only for files you trust. A local (or
+node-cached) file is read in place (``backend.local_file``); an object of a storage whose reads are
+local (memory://) from memory; a remote object is fetched into anonymous memory, its first part by
+the one request that also tells its size and the rest by parallel ranged reads, and torch's zip reader
+reads those buffers (over a remote stream it would issue one small sequential request per record).
+Objects over :data:`IN_MEMORY_MAX` go through a temporary file. ``mmap=True`` works everywhere
+(``backend.get_local_path``); the mapping outlives the temporary file.
 
 ``inspect`` / ``verify`` (``ckptio info`` / ``ckptio verify``) read the pickle with
 :class:`_TorchInspector`, an unpickler that builds stand-ins (:class:`TensorInfo`, :class:`_Opaque`)
@@ -15,20 +16,24 @@ instead of tensors and calls nothing it does not know, and check the zip CRC32 o
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import math
+import mmap
+import os
 import pickle
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from typing import IO, Any
 
 from .. import torch_internals as _ti
-from ..backends.base import Backend
+from ..backends.base import Backend, BytesReader, PiecesReader, copy_to_file
 from ..errors import FormatError, IntegrityError
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
-IN_MEMORY_MAX = 512 << 20  # a local-read object up to this size is loaded from memory, not a temporary file
+IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
 
 
 class TorchFormat(StreamFormat):
@@ -53,20 +58,71 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        if backend.reads_local and not kw.get("mmap"):
-            with backend.local_file(uri) as path:
-                if path is not None:
-                    return torch.load(path, **kw)
-                if backend.stat(uri).size <= IN_MEMORY_MAX:  # memory://: no temporary file, no disk
-                    return torch.load(io.BytesIO(backend.read(uri)), **kw)
-        with backend.get_local_path(uri) as path:
-            return torch.load(path, **kw)
+        if kw.get("mmap"):
+            with backend.get_local_path(uri) as path:
+                return torch.load(path, **kw)
+        with backend.local_file(uri) as path:
+            if path is not None:  # a local file, a node-cache entry: read in place
+                return torch.load(path, **kw)
+        if backend.reads_local:  # memory://: no temporary file, no disk
+            if backend.stat(uri).size <= IN_MEMORY_MAX:
+                return torch.load(io.BytesIO(backend.read(uri)), **kw)
+            with backend.get_local_path(uri) as path:
+                return torch.load(path, **kw)
+        return _load_remote(backend, uri, kw)
 
     def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
         return inspect_torch(backend, uri)
 
     def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
         return verify_torch(backend, uri)
+
+
+def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
+    """``torch.load`` of a remote object fetched into anonymous memory: its first ``part_size`` bytes by
+    one request that also tells the object's size (``Backend.read_head``: a small file is one GET, no
+    HEAD); the rest, by parallel ranged reads into a second buffer, starts as soon as that reply's
+    headers are in. torch's zip reader reads the buffers in place. An object over
+    :data:`IN_MEMORY_MAX` goes through a temporary file instead (bounded memory)."""
+    import torch
+
+    head = memoryview(mmap.mmap(-1, max(1, min(backend.part_size, IN_MEMORY_MAX))))  # faulted in as filled
+    part = len(head)
+    sizes: list[int] = []
+    rest: list[tuple[memoryview, concurrent.futures.Future[int]]] = []
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pt-rest")
+
+    def on_size(size: int) -> None:  # on the IO thread, while the first body is still coming
+        sizes.append(size)
+        if part < size <= IN_MEMORY_MAX:
+            buf = memoryview(mmap.mmap(-1, size - part))
+            rest.append((buf, pool.submit(backend.readinto, uri, buf, part)))
+
+    try:
+        n = backend.read_head(uri, head, on_size)
+        size = sizes[0]
+        if n < min(size, len(head)):
+            raise IntegrityError(
+                f"{uri}: {n} of the first {min(size, len(head))} bytes came back (changed while read?)"
+            )
+        if rest:
+            buf, fut = rest[0]
+            got = fut.result()
+            if got != len(buf):
+                raise IntegrityError(f"{uri}: truncated: bytes [{n}, {size}) returned only {got} (changed while read?)")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # nothing reads on after this returns or raises
+    if n >= size:
+        return torch.load(BytesReader(head[:size], uri), **kw)  # type: ignore[arg-type]  # a binary file object
+    if rest:
+        return torch.load(PiecesReader([head, rest[0][0]], uri), **kw)  # type: ignore[arg-type]  # a binary file object
+    with tempfile.TemporaryDirectory(prefix="ckptio-") as tmp:  # over IN_MEMORY_MAX
+        path = os.path.join(tmp, "object.pt")
+        with open(path, "wb") as f:
+            f.write(head[:n])
+            del head
+            copy_to_file(backend, uri, f, start=n, size=size)
+        return torch.load(path, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""``.pt`` loads from storage without a local file: fetched into memory (the first part by the one request
+that also tells the size, the rest in parallel ranges), read in place by torch's zip reader; an object that
+changes while it is read is an error naming it, never a load of mixed bytes. Request counts on S3 / GCS are
+in ``test_small_requests.py``; faults on the wire in ``test_faults.py``."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.backends.base import PiecesReader
+from ckptio.errors import IntegrityError, NotFoundError
+from conftest import UserDictBackend
+
+
+def test_pieces_reader_reads_as_one_file():
+    rng = random.Random(0)
+    pieces = [bytes(rng.randrange(256) for _ in range(n)) for n in (5, 0, 17, 1, 0, 33)]
+    whole = b"".join(pieces)
+    r = PiecesReader([memoryview(p) for p in pieces], "mem://x")
+    assert r.size == len(whole) and r.read() == whole
+    for _ in range(300):
+        pos, n = rng.randrange(len(whole) + 3), rng.randrange(40)
+        r.seek(pos)
+        assert r.read(n) == whole[pos : pos + n]
+        assert r.tell() == min(max(pos, pos + min(n, len(whole) - pos)), max(pos, len(whole)))
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(1000)}, buf)
+    data = buf.getvalue()
+    cut = [data[:7], data[7:500], data[500:]]
+    assert torch.equal(torch.load(PiecesReader(cut), weights_only=True)["w"], torch.arange(1000))
+    assert PiecesReader([]).read() == b""
+
+
+@pytest.fixture
+def userdict():
+    UserDictBackend.store.clear()
+    yield "userdict://bkt"
+    UserDictBackend.store.clear()
+
+
+@pytest.mark.parametrize("part_size", [64 << 10, 8 << 20])  # several pieces; one
+def test_remote_pt_round_trip(userdict, part_size):
+    state = {"w": torch.randn(300_000), "step": 7, "nested": {"b": torch.arange(10)}}
+    uri = userdict + "/m.pt"
+    ckptio.dump(state, uri)
+    out = ckptio.load(uri, backend_args={"part_size": part_size})
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 7 and torch.equal(out["nested"]["b"], torch.arange(10))
+    out["w"].add_(1)  # writable tensors of their own storage, as torch.load's
+    assert out["w"].untyped_storage().nbytes() == state["w"].nbytes
+
+
+def test_remote_pt_over_the_memory_bound_goes_through_a_file(userdict, monkeypatch):
+    from ckptio.formats import torch as ptformat
+
+    monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 256 << 10)
+    state = {"w": torch.randn(300_000)}  # 1.2 MiB
+    ckptio.dump(state, userdict + "/m.pt")
+    out = ckptio.load(userdict + "/m.pt", backend_args={"part_size": 64 << 10})
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_remote_pt_that_shrinks_while_read_is_an_integrity_error(userdict, monkeypatch):
+    state = {"w": torch.randn(300_000)}
+    uri = userdict + "/m.pt"
+    ckptio.dump(state, uri)
+    real = UserDictBackend.read_range
+
+    def shrinking(self, u, start=0, end=None):  # replaced by a shorter object after the first range
+        return real(self, u, start, end) if start == 0 else real(self, u, start, end)[:-100]
+
+    monkeypatch.setattr(UserDictBackend, "read_range", shrinking)
+    with pytest.raises(IntegrityError, match="userdict://bkt/m.pt"):
+        ckptio.load(uri, backend_args={"part_size": 64 << 10})
+
+
+def test_remote_pt_missing_is_not_found(userdict):
+    with pytest.raises(NotFoundError, match="userdict://bkt/none.pt"):
+        ckptio.load(userdict + "/none.pt")
