@@ -81,3 +81,20 @@ def test_remote_pt_that_shrinks_while_read_is_an_integrity_error(userdict, monke
 def test_remote_pt_missing_is_not_found(userdict):
     with pytest.raises(NotFoundError, match="userdict://bkt/none.pt"):
         ckptio.load(userdict + "/none.pt")
+
+
+def test_memory_pt_over_the_memory_bound_needs_no_temporary_file(monkeypatch):
+    from ckptio.backends import base
+    from ckptio.formats import torch as ptformat
+
+    state = {"w": torch.randn(300_000), "b": torch.arange(5)}  # 1.2 MiB
+    ckptio.dump(state, "memory://bkt/big.pt")
+    monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 256 << 10)
+
+    def no_temp(*a, **k):
+        raise AssertionError("a temporary file was made")
+
+    monkeypatch.setattr(base.tempfile, "mkdtemp", no_temp)
+    out = ckptio.load("memory://bkt/big.pt")
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    ckptio.remove("memory://bkt/big.pt")

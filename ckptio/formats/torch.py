@@ -2,11 +2,12 @@
 
 Loads default to ``weights_only=True`` (no code execution); pass ``weights_only=False`` (or
 ``allow_pickle=True``, the name the other formats use) only for files you trust. A local (or
-node-cached) file is read in place (``backend.local_file``); an object of a storage whose reads are
-local (memory://) from memory; a remote object is fetched into anonymous memory, its first part by
+node-cached) file is read in place (``backend.local_file``). An object of a storage whose reads are
+local (memory://) is read from memory (over :data:`IN_MEMORY_MAX`, through a reader that puts each
+record straight into its tensor). A remote object is fetched into anonymous memory, its first part by
 the one request that also tells its size and the rest by parallel ranged reads, and torch's zip reader
-reads those buffers (over a remote stream it would issue one small sequential request per record).
-Objects over :data:`IN_MEMORY_MAX` go through a temporary file. ``mmap=True`` works everywhere
+reads those buffers (over a remote stream it would issue one small sequential request per record);
+one over :data:`IN_MEMORY_MAX` goes through a temporary file. ``mmap=True`` works everywhere
 (``backend.get_local_path``); the mapping outlives the temporary file.
 
 ``inspect`` / ``verify`` (``ckptio info`` / ``ckptio verify``) read the pickle with
@@ -64,11 +65,12 @@ class TorchFormat(StreamFormat):
         with backend.local_file(uri) as path:
             if path is not None:  # a local file, a node-cache entry: read in place
                 return torch.load(path, **kw)
-        if backend.reads_local:  # memory://: no temporary file, no disk
-            if backend.stat(uri).size <= IN_MEMORY_MAX:
+        if backend.reads_local:  # memory://, an incremental step's local blocks: no temporary file
+            size = backend.stat(uri).size
+            if size <= IN_MEMORY_MAX:
                 return torch.load(io.BytesIO(backend.read(uri)), **kw)
-            with backend.get_local_path(uri) as path:
-                return torch.load(path, **kw)
+            with backend.open_reader(uri, size=size) as f:  # bounded memory: records read into their tensors
+                return torch.load(f, **kw)
         return _load_remote(backend, uri, kw)
 
     def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
