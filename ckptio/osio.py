@@ -5,7 +5,8 @@
 has little left to do; ``prefault`` populates a fresh buffer with one ``madvise(MADV_POPULATE_WRITE)``
 (after checking with ``mincore`` that it is not resident already) before a read fills it
 (``prefault_range`` for a raw address); ``memmove`` copies between raw addresses on the calling
-thread in GIL-free chunks (async staging); ``translate_os_errors`` turns an ``OSError`` into the ckptio
+thread in GIL-free chunks (async staging), ``copy_bytes`` out of a ``bytes`` object the same way (memory://
+reads); ``translate_os_errors`` turns an ``OSError`` into the ckptio
 error that names the object. Each is a no-op or declines (returns None) where the platform lacks it.
 """
 
@@ -146,3 +147,23 @@ def memmove(dst: int, src: int, nbytes: int, chunk: int = MEMMOVE_CHUNK) -> None
     """
     for off in range(0, nbytes, chunk):
         ctypes.memmove(dst + off, src + off, min(chunk, nbytes - off))
+
+
+COPY_UNLOCKED_MIN = 1 << 20  # below this, a plain slice assignment (holding the GIL) is cheaper
+
+
+def copy_bytes(dst: memoryview, src: bytes, offset: int = 0) -> int:
+    """Copy ``src[offset : offset + len(dst)]`` into the writable, contiguous ``dst``; returns the count.
+
+    A large copy goes through :func:`memmove` (the GIL released), so threads copying out of memory
+    (memory:// reads) run in parallel as file reads do; ``src`` must be ``bytes`` (its buffer is
+    addressed directly and it stays referenced for the call)."""
+    n = max(0, min(len(dst), len(src) - offset))
+    if n < COPY_UNLOCKED_MIN or type(src) is not bytes:
+        dst[:n] = memoryview(src)[offset : offset + n]
+        return n
+    target = ctypes.c_char.from_buffer(dst)  # raises TypeError for a read-only dst, as the slice would
+    source = ctypes.cast(ctypes.c_char_p(src), ctypes.c_void_p).value or 0
+    memmove(ctypes.addressof(target), source + offset, n)
+    del target
+    return n

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 from ..errors import AlreadyExistsError, NotFoundError
+from ..osio import copy_bytes
 from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode
 
 
@@ -55,9 +56,7 @@ class MemoryBackend(Backend):
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         data = self._get(uri)[0]
-        mv = memoryview(buf).cast("B")
-        n = max(0, min(len(mv), len(data) - offset))
-        mv[:n] = memoryview(data)[offset : offset + n]
+        n = copy_bytes(memoryview(buf).cast("B"), data, offset)  # GIL released for large copies
         self.bytes_read += n
         return n
 
