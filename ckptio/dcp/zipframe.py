@@ -12,6 +12,7 @@ framed by the same bytes at every save (an incremental save then reuses them), e
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import struct
@@ -42,6 +43,7 @@ def _storage_type(dtype: torch.dtype):
     return getattr(torch, _ti.dtype_to_storage_type_map()[dtype])
 
 
+@functools.lru_cache(maxsize=4096)  # the same bytes for every tensor of this dtype and shape (a model has few)
 def _pickle_tensor(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes:
     ref = _StorageRef()
     stride, acc = [], 1
@@ -80,7 +82,7 @@ class ZipFraming:
         for s in shape:
             numel *= s
         records: list[tuple[str, bytes | int]] = [
-            ("archive/data.pkl", _pickle_tensor(dtype, shape, numel)),
+            ("archive/data.pkl", _pickle_tensor(dtype, tuple(shape), numel)),
             ("archive/.format_version", b"1"),
             ("archive/.storage_alignment", str(_ALIGN).encode()),
             ("archive/byteorder", b"little"),
