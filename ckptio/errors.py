@@ -16,6 +16,14 @@ import errno as _errno
 from typing import Any
 
 
+def note(e: BaseException, text: str) -> None:
+    """Attach ``text`` to ``e`` as a note (shown under its traceback; PEP 678), without changing its type."""
+    if hasattr(e, "add_note"):
+        e.add_note(text)
+    else:  # Python 3.10
+        e.__notes__ = [*getattr(e, "__notes__", []), text]  # type: ignore[attr-defined]
+
+
 def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
     """Unpickle ``cls`` from its built-in base's ``args``, without calling ``cls.__init__``."""
     obj = cls.__new__(cls, *args)

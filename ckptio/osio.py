@@ -158,6 +158,9 @@ def copy_bytes(dst: memoryview, src: bytes, offset: int = 0) -> int:
     A large copy goes through :func:`memmove` (the GIL released), so threads copying out of memory
     (memory:// reads) run in parallel as file reads do; ``src`` must be ``bytes`` (its buffer is
     addressed directly and it stays referenced for the call)."""
+    if offset < 0:
+        raise ValueError(f"negative offset {offset}")
+    dst = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
     n = max(0, min(len(dst), len(src) - offset))
     if n < COPY_UNLOCKED_MIN or type(src) is not bytes:
         dst[:n] = memoryview(src)[offset : offset + n]

@@ -45,3 +45,16 @@ def test_memory_reads_copy_large_ranges_without_the_gil(monkeypatch):
     small = bytearray(100)
     assert backend.readinto(uri, small, 10) == 100 and small == data[10:110] and calls == [4 << 20]
     backend.delete(uri)
+
+
+def test_copy_bytes_refuses_negative_offsets_and_counts_bytes_of_any_format():
+    src = os.urandom(3 << 20)
+    with pytest.raises(ValueError, match="negative"):
+        osio.copy_bytes(memoryview(bytearray(2 << 20)), src, -32)
+    backend, uri = ckptio.resolve("memory://osio-test/neg.bin")
+    backend.write(uri, src)
+    with pytest.raises(ValueError, match="memory://osio-test/neg.bin"):
+        backend.readinto(uri, bytearray(2 << 20), -(1 << 44))
+    backend.delete(uri)
+    floats = memoryview(bytearray(2 << 20)).cast("f")  # 512 Ki items, 2 MiB
+    assert osio.copy_bytes(floats, src) == 2 << 20 and floats.cast("B") == src[: 2 << 20]

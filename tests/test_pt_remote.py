@@ -98,3 +98,58 @@ def test_memory_pt_over_the_memory_bound_needs_no_temporary_file(monkeypatch):
     out = ckptio.load("memory://bkt/big.pt")
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
     ckptio.remove("memory://bkt/big.pt")
+
+
+def test_pt_over_the_memory_bound_keeps_the_backends_error(monkeypatch):
+    """torch's file adapter swallows a reader's exception and fails with its own ("read of closed
+    file"); the reader route re-raises the backend's, which names the object."""
+    from ckptio.backends.memory import MemoryBackend
+    from ckptio.formats import torch as ptformat
+
+    state = {"w": torch.randn(300_000)}
+    ckptio.dump(state, "memory://bkt/gone.pt")
+    monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 256 << 10)
+    real = MemoryBackend.readinto
+
+    def vanishing(self, uri, buf, offset=0):
+        if offset > 0:
+            raise NotFoundError(uri)
+        return real(self, uri, buf, offset)
+
+    monkeypatch.setattr(MemoryBackend, "readinto", vanishing)
+    with pytest.raises(NotFoundError, match="memory://bkt/gone.pt"):
+        ckptio.load("memory://bkt/gone.pt")
+    ckptio.remove("memory://bkt/gone.pt")
+
+
+def test_remote_pt_with_a_read_head_that_never_tells_the_size(userdict, monkeypatch):
+    state = {"w": torch.randn(1000)}
+    ckptio.dump(state, userdict + "/quiet.pt")
+    monkeypatch.setattr(UserDictBackend, "read_head", lambda self, uri, buf, on_size: self.readinto(uri, buf, 0))
+    assert torch.equal(ckptio.load(userdict + "/quiet.pt")["w"], state["w"])
+
+
+def test_torchs_process_wide_mmap_default_is_honoured(userdict):
+    from torch.utils.serialization import config
+
+    state = {"w": torch.randn(1000)}
+    ckptio.dump(state, userdict + "/m.pt")
+    ckptio.dump(state, "memory://bkt/m.pt")
+    before = config.load.mmap
+    config.load.mmap = True  # (monkeypatch's undo deletes the setting of torch's config module)
+    try:
+        assert torch.equal(ckptio.load(userdict + "/m.pt")["w"], state["w"])  # through a local file, mapped
+        assert torch.equal(ckptio.load("memory://bkt/m.pt")["w"], state["w"])
+    finally:
+        config.load.mmap = before
+    ckptio.remove("memory://bkt/m.pt")
+
+
+@pytest.mark.parametrize("cut", [0, 1, 100])
+def test_a_torn_pt_names_the_object(userdict, cut):
+    ckptio.dump({"w": torch.randn(1000)}, userdict + "/t.pt")
+    data, gen = UserDictBackend.store[userdict + "/t.pt"]
+    UserDictBackend.store[userdict + "/t.pt"] = (data[:cut], gen)
+    with pytest.raises(Exception) as ei:
+        ckptio.load(userdict + "/t.pt")
+    assert "userdict://bkt/t.pt" in str(ei.value) + "".join(getattr(ei.value, "__notes__", []))

@@ -55,6 +55,8 @@ class MemoryBackend(Backend):
         return self.read_range(uri)  # the whole slice of the stored (immutable) bytes is that object: no copy
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        if offset < 0:
+            raise ValueError(f"negative offset {offset} reading {uri}")
         data = self._get(uri)[0]
         n = copy_bytes(memoryview(buf).cast("B"), data, offset)  # GIL released for large copies
         self.bytes_read += n

@@ -27,6 +27,7 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend
 from ..context import resolve
+from ..errors import note  # noqa: F401  # re-exported: the dcp modules import it from here
 
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -47,13 +48,6 @@ def merge_backend_options(part_size: int | None, concurrency: int | None, option
 
 def metadata_name(rank: int | None, use_collectives: bool) -> str:
     return METADATA_NAME if use_collectives or rank is None else f"__{rank}{METADATA_NAME}"
-
-
-def note(e: BaseException, text: str) -> None:
-    if hasattr(e, "add_note"):
-        e.add_note(text)
-    else:  # Python 3.10
-        e.__notes__ = [*getattr(e, "__notes__", []), text]  # type: ignore[attr-defined]
 
 
 def uint8_view(t: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from .. import torch_internals as _ti
-from ..backends.base import Backend, BytesReader, PiecesReader, copy_to_file
-from ..errors import FormatError, IntegrityError
+from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, copy_to_file
+from ..errors import FormatError, IntegrityError, note
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
@@ -56,10 +56,18 @@ class TorchFormat(StreamFormat):
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
+        try:
+            return self._load(backend, uri, kw)
+        except Exception as e:  # torch's own errors (a torn or junk file) do not say which file
+            if uri not in str(e):
+                note(e, f"ckptio: loading {uri}")
+            raise
+
+    def _load(self, backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        if kw.get("mmap"):
+        if kw.get("mmap", _mmap_default()):  # explicit, or torch's process-wide default
             with backend.get_local_path(uri) as path:
                 return torch.load(path, **kw)
         with backend.local_file(uri) as path:
@@ -69,8 +77,7 @@ class TorchFormat(StreamFormat):
             size = backend.stat(uri).size
             if size <= IN_MEMORY_MAX:
                 return torch.load(io.BytesIO(backend.read(uri)), **kw)
-            with backend.open_reader(uri, size=size) as f:  # bounded memory: records read into their tensors
-                return torch.load(f, **kw)
+            return _load_through_reader(backend, uri, size, kw)
         return _load_remote(backend, uri, kw)
 
     def inspect(self, backend: Backend, uri: str) -> dict[str, Any]:
@@ -78,6 +85,45 @@ class TorchFormat(StreamFormat):
 
     def verify(self, backend: Backend, uri: str) -> dict[str, Any]:
         return verify_torch(backend, uri)
+
+
+def _mmap_default() -> bool:
+    """torch's process-wide default for ``torch.load(mmap=...)`` (``torch.utils.serialization.config``)."""
+    try:
+        from torch.utils.serialization import config
+
+        return bool(config.load.mmap)
+    except (ImportError, AttributeError):  # a torch without the setting
+        return False
+
+
+class _ErrorKeepingReader(RangeReader):
+    """A reader whose read errors survive ``torch.load``: torch's file adapter swallows an exception
+    from ``readinto`` and fails later with one of its own ("read of closed file"), which names
+    neither the object nor the cause."""
+
+    error: BaseException | None = None
+
+    def readinto(self, b: Any) -> int:
+        try:
+            return super().readinto(b)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+
+def _load_through_reader(backend: Backend, uri: str, size: int, kw: dict[str, Any]) -> Any:
+    """``torch.load`` through a buffered reader over the backend (bounded memory: each record is read
+    straight into its tensor); the backend's own error (damaged, missing) is the one raised."""
+    import torch
+
+    raw = _ErrorKeepingReader(backend, uri, size)
+    try:
+        return torch.load(io.BufferedReader(raw, buffer_size=1 << 20), **kw)
+    except Exception as e:
+        if raw.error is not None:
+            raise raw.error from e
+        raise
 
 
 def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
@@ -102,7 +148,7 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
 
     try:
         n = backend.read_head(uri, head, on_size)
-        size = sizes[0]
+        size = sizes[0] if sizes else backend.stat(uri).size  # (a user backend's read_head that never told)
         if n < min(size, len(head)):
             raise IntegrityError(
                 f"{uri}: {n} of the first {min(size, len(head))} bytes came back (changed while read?)"
