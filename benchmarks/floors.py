@@ -50,9 +50,9 @@ import torch  # noqa: E402
 import ckptio  # noqa: E402
 from ckptio import dcp  # noqa: E402
 from ckptio.bench.heap import trim_heap  # noqa: E402
-from ckptio.bench.impls import Impl, local_baselines  # noqa: E402
+from ckptio.bench.impls import Impl, fsspec_baselines, local_baselines  # noqa: E402
 from ckptio.bench.targets import S3_CREDS  # noqa: E402
-from ckptio.bench.workload import make_state, nbytes, pack, touch, unpack  # noqa: E402
+from ckptio.bench.workload import make_state, nbytes, touch, u8, unpack  # noqa: E402
 
 Op = Callable[[str], Any]  # takes a fresh name, returns what a load returns
 
@@ -73,12 +73,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_fsync(path: str, data: Any, flags: int = 0) -> None:
+def _write_fsync(path: str, pieces: list[Any], flags: int = 0) -> None:
+    """Write ``pieces`` in order (the tensors' own memory, as the raw baseline writes it) and fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
     try:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd, view) :]
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -89,7 +91,7 @@ def _dcp_meta(state: dict[str, torch.Tensor]) -> bytes:
 
 
 def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op], dict[str, Op]]:
-    data, meta = pack(state), _dcp_meta(state)
+    data, meta = [u8(t) for t in state.values()], _dcp_meta(state)
     base = {i.name: i for i in local_baselines()}  # the throughput benchmark's own baselines
     raw, tsave = base["raw write/read"], base["torch.save/load"]
 
@@ -113,7 +115,7 @@ def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op],
             _write_fsync(obj + ".tmp", data)
             os.rename(obj + ".tmp", obj)
             _fsync_dir(d)
-        _write_fsync(os.path.join(d, ".metadata.tmp"), meta)
+        _write_fsync(os.path.join(d, ".metadata.tmp"), [meta])
         os.link(os.path.join(d, ".metadata.tmp"), os.path.join(d, ".metadata"))
         os.unlink(os.path.join(d, ".metadata.tmp"))
         _fsync_dir(d)
@@ -189,8 +191,9 @@ def _dcp_load(state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tenso
 
 def remote_ops(state: dict[str, torch.Tensor], fs: Any, base: str) -> tuple[dict[str, Op], dict[str, Op]]:
     """``base``: scheme://bucket; fs: the raw fsspec filesystem on the same server."""
-    data, meta = bytes(pack(state)), _dcp_meta(state)
+    data, meta = [u8(t) for t in state.values()], _dcp_meta(state)
     path = base.split("://", 1)[1]
+    raw = fsspec_baselines(fs, base.split("://", 1)[0], {})[0]  # the throughput benchmark's raw s3fs/gcsfs
     buf = io.BytesIO()
     torch.save(state, buf)
 
@@ -198,27 +201,28 @@ def remote_ops(state: dict[str, torch.Tensor], fs: Any, base: str) -> tuple[dict
         with contextlib.suppress(FileNotFoundError):
             fs.ls(f"{path}/{name}.rawdcp/", refresh=True)  # the overwrite check
         put(f"{name}.rawdcp/__0_0.distcp", data)
-        put(f"{name}.rawdcp/.metadata", meta)
+        put(f"{name}.rawdcp/.metadata", [meta])
 
     def raw_dcp_read(name: str) -> dict[str, torch.Tensor]:
         pickle.loads(fs.cat_file(f"{path}/{name}.rawdcp/.metadata"))
         fs.info(f"{path}/{name}.rawdcp/__0_0.distcp", refresh=True)
         return unpack(state, fs.cat_file(f"{path}/{name}.rawdcp/__0_0.distcp"))
 
-    def put(name: str, payload: bytes) -> None:  # as the throughput benchmark's raw baseline writes
+    def put(name: str, pieces: list[Any]) -> None:  # as the throughput benchmark's raw baseline writes
         with fs.open(f"{path}/{name}", "wb") as f:
-            f.write(payload)
+            for piece in pieces:
+                f.write(piece)
 
     saves: dict[str, Op] = {
-        "raw 1 PUT": lambda n: put(n, data),
+        "raw 1 PUT": lambda n: raw.save(state, f"{base}/{n}{raw.suffix}"),
         "raw DCP (3 requests)": raw_dcp,
-        "raw PUT of a .pt": lambda n: put(f"{n}.raw.pt", buf.getvalue()),
+        "raw PUT of a .pt": lambda n: put(f"{n}.raw.pt", [buf.getbuffer()]),
         "ckptio .fpk": lambda n: ckptio.dump(state, f"{base}/{n}.fpk"),
         "ckptio .pt": lambda n: ckptio.dump(state, f"{base}/{n}.pt"),
         "ckptio DCP": lambda n: dcp.save(state, f"{base}/{n}.dcp"),
     }
     loads: dict[str, Op] = {
-        "raw 1 GET": lambda n: unpack(state, fs.cat_file(f"{path}/{n}")),
+        "raw 1 GET": lambda n: raw.load(state, f"{base}/{n}{raw.suffix}"),
         "raw DCP read (3 requests)": raw_dcp_read,
         "raw GET + torch.load": lambda n: torch.load(io.BytesIO(fs.cat_file(f"{path}/{n}.raw.pt")), weights_only=True),
         "ckptio .fpk": lambda n: ckptio.load(f"{base}/{n}.fpk"),
