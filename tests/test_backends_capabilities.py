@@ -122,3 +122,16 @@ def test_object_store_derived_backends_are_kept_and_closed_with_their_parent(s3_
     assert derived._client is None  # type: ignore[attr-defined]
     assert backend.with_options(max_buffer_bytes=16 << 20) is not derived  # a new one after close
     backend.close()
+
+
+def test_counting_forwards_pin_version_and_still_counts(s3_uri):
+    backend, uri = ckptio.resolve(s3_uri + "/pin.bin")
+    backend.write(uri, b"x" * 1000)
+    seen, add = _counter()
+    counted = CountingBackend(backend, add)
+    pinned = counted.pin_version(uri)
+    assert pinned is not counted and isinstance(pinned, CountingBackend)
+    buf = bytearray(1000)
+    assert pinned.readinto(uri, buf, 0) == 1000 and sum(seen) == 1000
+    local = CountingBackend(LocalBackend(), add)
+    assert local.pin_version("/tmp/x") is local  # nothing to pin: the same wrapper

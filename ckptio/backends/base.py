@@ -389,6 +389,13 @@ class Backend(abc.ABC):
         A missing object raises NotFoundError where the storage would have yielded a path."""
         yield None
 
+    def pin_version(self, uri: str) -> Backend:
+        """Capability: this backend for reading ``uri`` in several calls as one object: every read of
+        ``uri`` through the result comes from the version the first one saw, or raises IntegrityError
+        (the object was replaced meanwhile). Object stores pin the first reply's ETag or generation.
+        Default: self (a storage whose reads cannot straddle versions, or that cannot tell them apart)."""
+        return self
+
     def verifies_reads(self, uri: str) -> bool:
         """Capability: True when every byte this backend reads for ``uri`` has already been checked
         against a content hash (an incremental step's recipe: each block against its 128-bit name), so a

@@ -284,17 +284,22 @@ class GCSBackend(ObjectStoreBackend):
         end: int,
         into: list[memoryview],
         on_size: Callable[[int], None] | None = None,
+        pin: _ranged.VersionPin | None = None,
     ) -> int:
+        params = {"alt": "media"}
+        pinned = pin.version if pin is not None else None
+        if pinned:
+            params["generation"] = pinned  # that generation's bytes, or 404 once it is gone
         try:
             return (
                 await self._request(
                     "GET",
                     f"{self._api}/b/{bucket}/o/{_q(key)}",
-                    params={"alt": "media"},
+                    params=params,
                     headers={"Range": f"bytes={start}-{end - 1}"},
                     ok=(200, 206),
                     into=into,
-                    on_headers=None if on_size is None else functools.partial(_tell_size, on_size),
+                    on_headers=functools.partial(_on_read_headers, uri, on_size, pin),
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",
@@ -303,6 +308,8 @@ class GCSBackend(ObjectStoreBackend):
         except _HTTPStatus as e:
             if e.status == 416:
                 return 0
+            if e.status == 404 and pinned:
+                raise _ranged.replaced(uri, pinned) from None
             raise
 
     # ---- writes ----------------------------------------------------------------------------
@@ -476,7 +483,13 @@ class _GCSWriter(_multipart.MultipartWriter):
                 raise
 
 
-def _tell_size(on_size: Callable[[int], None], status: int, headers: Any) -> None:
-    size = _retry.object_size(status, headers.get("Content-Range"), headers.get("Content-Length"))
-    if size is not None:
-        on_size(size)
+def _on_read_headers(
+    uri: str, on_size: Callable[[int], None] | None, pin: _ranged.VersionPin | None, status: int, headers: Any
+) -> None:
+    """A ranged GET's headers: its generation checked against the pinned one, then its size told."""
+    if pin is not None:
+        pin.check(uri, headers.get("x-goog-generation"))
+    if on_size is not None:
+        size = _retry.object_size(status, headers.get("Content-Range"), headers.get("Content-Length"))
+        if size is not None:
+            on_size(size)

@@ -231,19 +231,30 @@ class S3Backend(ObjectStoreBackend):
         end: int,
         into: list[memoryview],
         on_size: Callable[[int], None] | None = None,
+        pin: _ranged.VersionPin | None = None,
     ) -> int:
         stall = self.policy.stall_timeout
 
         async def once(s3: Any) -> int:
+            cond = {"IfMatch": pin.version} if pin is not None and pin.version else {}
             try:
-                resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+                resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **cond)
             except ClientError as e:
-                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                code = e.response.get("Error", {}).get("Code")
+                if code == "InvalidRange":
                     return 0  # starts past the end of the object
+                if code == "PreconditionFailed" and cond:
+                    raise _ranged.replaced(uri, cond["IfMatch"]) from None
                 raise
             body, total = resp["Body"], 0
             meta = resp.get("ResponseMetadata", {})
             status, headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
+            if pin is not None:
+                try:
+                    pin.check(uri, headers.get("etag"))
+                except Exception:
+                    body.close()
+                    raise
             if on_size is not None:
                 size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
                 if size is not None:

@@ -130,10 +130,12 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     """``torch.load`` of a remote object fetched into anonymous memory: its first ``part_size`` bytes by
     one request that also tells the object's size (``Backend.read_head``: a small file is one GET, no
     HEAD); the rest, by parallel ranged reads into a second buffer, starts as soon as that reply's
-    headers are in. torch's zip reader reads the buffers in place. An object over
-    :data:`IN_MEMORY_MAX` goes through a temporary file instead (bounded memory)."""
+    headers are in, all from the version the first reply came from (``Backend.pin_version``: torch
+    checks no CRC, so an object replaced meanwhile would load as a mix). torch's zip reader reads the
+    buffers in place. An object over :data:`IN_MEMORY_MAX` goes through a temporary file instead."""
     import torch
 
+    backend = backend.pin_version(uri)  # head and rest from one version of the object, or IntegrityError
     head = memoryview(mmap.mmap(-1, max(1, min(backend.part_size, IN_MEMORY_MAX))))  # faulted in as filled
     part = len(head)
     sizes: list[int] = []

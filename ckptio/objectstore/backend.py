@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import Backend, Buffer, ObjectInfo, read_first
+from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from . import retry as _retry
 from .multipart import size_option
-from .ranged import parallel_readv, run
+from .ranged import VersionPin, parallel_readv, run
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -146,10 +146,13 @@ class ObjectStoreBackend(Backend):
         end: int,
         into: list[memoryview],
         on_size: Callable[[int], None] | None = None,
+        pin: VersionPin | None = None,
     ) -> int:
         """Read bytes ``[start, end)`` into the consecutive buffers ``into`` (one request, the body
         streamed through them in order) under the retry policy; the count (0 past the end).
-        ``on_size(size)``: called with the whole object's size when the reply's headers tell it."""
+        ``on_size(size)``: called with the whole object's size when the reply's headers tell it.
+        ``pin``: the reply's version (ETag, generation) goes through ``pin.check`` before the body is
+        read; a pinned version is sent as a precondition where the store has one."""
         raise NotImplementedError
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
@@ -202,16 +205,21 @@ class ObjectStoreBackend(Backend):
             raise self.translate(e, uri) from None
 
     # ---- reads -------------------------------------------------------------------------------
-    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        return self.readv(uri, [memoryview(buf)], offset)
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0, *, pin: VersionPin | None = None) -> int:
+        return self.readv(uri, [memoryview(buf)], offset, pin=pin)
 
-    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
-        """One ranged request per ``part_size`` bytes, each streamed through the buffers it spans."""
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0, *, pin: VersionPin | None = None) -> int:
+        """One ranged request per ``part_size`` bytes, each streamed through the buffers it spans; all
+        of them from one version of the object (``pin``'s, or the first reply's)."""
         bucket, key = self._split(uri)
         mvs = [memoryview(v).cast("B") for v in views]
+        one = pin if pin is not None else VersionPin()  # one call, one version
 
         async def go() -> int:
-            fetch = functools.partial(self._get_range, uri, bucket, key)
+            if _hook_takes(type(self)._get_range, "pin"):
+                fetch = functools.partial(self._get_range, uri, bucket, key, pin=one)
+            else:  # a subclass's hook from before pins existed
+                fetch = functools.partial(self._get_range, uri, bucket, key)
             return await parallel_readv(fetch, mvs, offset, self.part_size, self.concurrency)
 
         n = self._run(uri, go)
@@ -219,24 +227,31 @@ class ObjectStoreBackend(Backend):
             self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
         return n
 
-    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
+    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None], *, pin: VersionPin | None = None) -> int:
         """One ranged GET from byte 0; the object's size is taken from its reply's headers (no HEAD),
         and told as soon as they arrive, while the body is still coming."""
-        if not _takes_on_size(type(self)._get_range):  # a subclass's hook from before on_size existed
+        if not _hook_takes(type(self)._get_range, "on_size"):  # a subclass's hook from before on_size existed
             return super().read_head(uri, buf, on_size)
         bucket, key = self._split(uri)
         mv = memoryview(buf).cast("B")
         told: list[int] = []
+        extra = {"pin": pin} if pin is not None and _hook_takes(type(self)._get_range, "pin") else {}
 
         def tell(size: int) -> None:
             if not told:  # once, whatever the retries
                 told.append(size)
                 on_size(size)
 
-        n = self._run(uri, lambda: self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell)) if mv else 0
+        if mv:
+            n = self._run(uri, lambda: self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell, **extra))
+        else:
+            n = 0
         if not told:  # an empty object (416), a buffer of 0 bytes, or a reply without the headers
             tell(self.stat(uri).size)
         return n
+
+    def pin_version(self, uri: str) -> Backend:
+        return _PinnedReads(self, uri)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if end is None:
@@ -249,9 +264,11 @@ class ObjectStoreBackend(Backend):
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def read(self, uri: str) -> bytes:
-        """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first)."""
+        """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first); a
+        larger one's other reads come from the same version."""
         self._split(uri)
-        head, whole = read_first(self, uri)
+        reads = self.pin_version(uri)
+        head, whole = read_first(reads, uri)
         if whole:
             return bytes(head)
         n = len(head)
@@ -260,7 +277,7 @@ class ObjectStoreBackend(Backend):
             return bytes(head)
         buf = bytearray(size)
         buf[:n] = head
-        got = n + self.readinto(uri, memoryview(buf)[n:], n)
+        got = n + reads.readinto(uri, memoryview(buf)[n:], n)
         return bytes(buf) if got == size else bytes(buf[:got])
 
     def isfile(self, uri: str) -> bool:
@@ -307,6 +324,52 @@ class ObjectStoreBackend(Backend):
 
 
 @functools.cache
-def _takes_on_size(get_range: Callable[..., Any]) -> bool:
+def _hook_takes(get_range: Callable[..., Any], name: str) -> bool:
+    """Whether a store's ``_get_range`` takes the keyword ``name`` (a subclass's hook may predate it)."""
     params = inspect.signature(get_range).parameters.values()
-    return any(p.name == "on_size" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class _PinnedReads(Backend):
+    """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); other
+    objects and every other operation are ``inner``'s."""
+
+    def __init__(self, inner: ObjectStoreBackend, uri: str) -> None:
+        super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
+        self.inner, self.uri, self.name = inner, uri, inner.name
+        self.max_buffer_bytes = inner.max_buffer_bytes
+        self._pin = VersionPin()
+
+    def _pin_for(self, uri: str) -> VersionPin | None:
+        return self._pin if uri == self.uri else None
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        return self.inner.readinto(uri, buf, offset, pin=self._pin_for(uri))
+
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
+        return self.inner.readv(uri, views, offset, pin=self._pin_for(uri))
+
+    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
+        return self.inner.read_head(uri, buf, on_size, pin=self._pin_for(uri))
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        if end is None:
+            end = self.inner.stat(uri).size
+        buf = bytearray(max(0, end - start))
+        n = self.readinto(uri, buf, start) if buf else 0
+        return bytes(buf[:n])
+
+    def pin_version(self, uri: str) -> Backend:
+        return self if uri == self.uri else self.inner.pin_version(uri)
+
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        return self.inner.open_writer(uri, mode=mode, durable=durable)
+
+    def stat(self, uri: str) -> ObjectInfo:
+        return self.inner.stat(uri)
+
+    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
+        return self.inner.list(uri, recursive=recursive)
+
+    def delete(self, uri: str) -> None:
+        self.inner.delete(uri)

@@ -15,9 +15,39 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from ..errors import IntegrityError
+
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
 FetchInto = Callable[[int, int, list[memoryview]], Awaitable[int]]
+
+
+class VersionPin:
+    """The version (an ETag, a generation) that reads of one object must all come from: the first
+    reply's. A store sends it as a precondition where it can (S3 ``If-Match``, a GCS ``generation``)
+    and checks each reply's own; a reply without one is not checked. Used on the IO loop only."""
+
+    __slots__ = ("version",)
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+
+    def check(self, uri: str, seen: str | None) -> None:
+        """Pin ``seen`` if nothing is pinned yet; raise if it is another version than the pinned one."""
+        if not seen:
+            return
+        if self.version is None:
+            self.version = seen
+        elif seen != self.version:
+            raise replaced(uri, self.version, seen)
+
+
+def replaced(uri: str, pinned: str, seen: str | None = None) -> IntegrityError:
+    now = f", then {seen}" if seen else ""
+    return IntegrityError(
+        f"{uri} was replaced while it was being read (version {pinned}{now}); nothing read from it "
+        f"was used: read it again"
+    )
 
 
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:

@@ -14,7 +14,7 @@ never disappears or appears by accident):
   reports what is left as done when the call returns).
 - ``Writer.local_fileno``: declined (None): the counting writer must see every byte written;
   ``Writer.mark_boundary``: forwarded.
-- ``with_options``: the wrapped backend's derived backend, counted into the same ``add``.
+- ``with_options``, ``pin_version``: the wrapped backend's derived backend, counted into the same ``add``.
 - ``writes_in_place``, ``max_buffer_bytes``, ``node_cache``: the wrapped backend's (counting
   buffers nothing; what a node cache fetches ahead of use is not the caller's reads).
 - ``list_pending_writes``/``abort_pending_write``: forwarded. ``close``: nothing (the wrapped
@@ -117,6 +117,10 @@ class CountingBackend(ForwardingBackend):
     def with_options(self, **options: Any) -> Backend:
         inner = self.inner.with_options(**options)
         return self if inner is self.inner else CountingBackend(inner, self._add)
+
+    def pin_version(self, uri: str) -> Backend:
+        pinned = self.inner.pin_version(uri)
+        return self if pinned is self.inner else CountingBackend(pinned, self._add)
 
     @property
     def node_cache(self) -> NodeCache | None:

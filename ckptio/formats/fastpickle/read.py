@@ -143,7 +143,7 @@ class BackendSource(Source):
     prefetch = TAIL_PREFETCH
 
     def __init__(self, backend: Backend, uri: str) -> None:
-        self.backend, self.name = backend, uri
+        self.backend, self.name = backend.pin_version(uri), uri  # every read from one version of it
         self._size: int | None = None  # looked up on first use (a full load asks for it with its first read)
         self.verified = backend.verifies_reads(uri)
         self.concurrency = backend.concurrency
