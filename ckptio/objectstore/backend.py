@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer, read_first
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
+from ..wrappers.forwarding import ForwardingBackend
 from . import retry as _retry
 from .multipart import size_option
 from .ranged import VersionPin, parallel_readv, run
@@ -330,14 +331,14 @@ def _hook_takes(get_range: Callable[..., Any], name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-class _PinnedReads(Backend):
+class _PinnedReads(ForwardingBackend):
     """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); other
     objects and every other operation are ``inner``'s."""
 
     def __init__(self, inner: ObjectStoreBackend, uri: str) -> None:
-        super().__init__(part_size=inner.part_size, concurrency=inner.concurrency)
-        self.inner, self.uri, self.name = inner, uri, inner.name
-        self.max_buffer_bytes = inner.max_buffer_bytes
+        super().__init__(inner)
+        self.inner: ObjectStoreBackend = inner
+        self.uri, self.name = uri, inner.name
         self._pin = VersionPin()
 
     def _pin_for(self, uri: str) -> VersionPin | None:
@@ -356,20 +357,14 @@ class _PinnedReads(Backend):
         if end is None:
             end = self.inner.stat(uri).size
         buf = bytearray(max(0, end - start))
-        n = self.readinto(uri, buf, start) if buf else 0
-        return bytes(buf[:n])
+        if not buf:
+            self.inner.stat(uri)  # an empty range of a missing object is still an error
+            return b""
+        n = self.readinto(uri, buf, start)
+        return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
     def pin_version(self, uri: str) -> Backend:
         return self if uri == self.uri else self.inner.pin_version(uri)
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return self.inner.open_writer(uri, mode=mode, durable=durable)
-
-    def stat(self, uri: str) -> ObjectInfo:
-        return self.inner.stat(uri)
-
-    def list(self, uri: str, *, recursive: bool = False) -> Iterator[ObjectInfo]:
-        return self.inner.list(uri, recursive=recursive)
-
-    def delete(self, uri: str) -> None:
-        self.inner.delete(uri)
