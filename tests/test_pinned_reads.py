@@ -98,3 +98,13 @@ def test_unchanged_objects_and_other_objects_read_as_before(s3_uri):
     backend.write(uri + "-2", b"changed")
     assert view.read(uri + "-2") == b"changed"
     assert view.pin_version(uri) is view
+
+
+def test_a_copy_in_parts_comes_from_one_version(s3_uri, s3_endpoint, monkeypatch, tmp_path):
+    backend, uri = ckptio.resolve(f"{s3_uri}/big.bin", part_size=5 * MiB, concurrency=1)
+    backend.write(uri, b"a" * (12 * MiB))
+    done = _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"b" * (12 * MiB))
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        with backend.get_local_path(uri):  # copied in part_size * concurrency pieces
+            pass
+    assert done

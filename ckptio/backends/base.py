@@ -449,12 +449,13 @@ class NodeCache(Protocol):
 
 def copy_to_file(backend: Backend, uri: str, f: BinaryIO, *, start: int = 0, size: int | None = None) -> int:
     """Stream an object (from byte ``start``; ``size``: the object's, when known) into an open binary
-    file in ``part_size`` pieces; returns bytes copied."""
+    file in ``part_size`` pieces, all from one version of it (``pin_version``); returns bytes copied."""
     size = backend.stat(uri).size if size is None else size
     chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
     mv, pos = memoryview(chunk), start
+    reads = backend.pin_version(uri)
     while pos < size:
-        n = backend.readinto(uri, mv[: min(len(mv), size - pos)], pos)
+        n = reads.readinto(uri, mv[: min(len(mv), size - pos)], pos)
         if n <= 0:
             raise NotFoundError(uri, f"object shrank while reading at byte {pos} of {size}")
         f.write(mv[:n])
