@@ -26,20 +26,31 @@ def test_version_pin_pins_the_first_version_and_refuses_another():
     pin.check("s3://b/k", None)  # a reply without a version: not checked
     assert pin.version is None
     pin.check("s3://b/k", '"a"')
-    pin.check("s3://b/k", '"a"')
+    pin.check("s3://b/k", 'W/"a"')  # the same version, weakened by a proxy
+    pin.check("s3://b/k", "a", reply=False)  # as a stat may spell it
     pin.check("s3://b/k", None)
+    assert pin.version == "a" and pin.token == '"a"'  # a GET reply's strong ETag: the If-Match token
     with pytest.raises(IntegrityError, match=r"s3://b/k was replaced while it was being read"):
         pin.check("s3://b/k", '"b"')
+    weak = VersionPin()
+    weak.check("s3://b/k", 'W/"a"')
+    assert weak.version == "a" and weak.token is None  # compared, never sent as a precondition
+    seeded = VersionPin('"a"')  # from a stat: compared, not sent
+    assert seeded.version == "a" and seeded.token is None
+    assert VersionPin("None").version is None  # GCS metadata without a generation
 
 
-def _replace_before_the_second_read(monkeypatch, s3_endpoint: str, uri: str, new: bytes) -> list[int]:
-    """Replace the object (same size, other bytes) right before the first read that does not start at 0."""
+def _replace_before_the_second_read(
+    monkeypatch, s3_endpoint: str, uri: str, new: bytes, *, first: bool = False
+) -> list[int]:
+    """Replace the object (other bytes) right before the first read that does not start at 0 (``first``:
+    before the very first read, i.e. after a size lookup)."""
     bucket, key = uri[len("s3://") :].split("/", 1)
     done: list[int] = []
     real = ObjectStoreBackend.readv
 
     def readv(self, u, views, offset=0, **kw):
-        if u == uri and offset > 0 and not done:
+        if u == uri and (offset > 0 or first) and not done:
             s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=new)
             done.append(offset)
         return real(self, u, views, offset, **kw)
@@ -108,3 +119,58 @@ def test_a_copy_in_parts_comes_from_one_version(s3_uri, s3_endpoint, monkeypatch
         with backend.get_local_path(uri):  # copied in part_size * concurrency pieces
             pass
     assert done
+
+
+def test_a_cache_fill_of_a_replaced_object_is_an_error_and_caches_nothing(s3_uri, s3_endpoint, monkeypatch, tmp_path):
+    from ckptio.cache import CachedBackend
+
+    inner, uri = ckptio.resolve(f"{s3_uri}/c.bin", part_size=5 * MiB, concurrency=1)
+    inner.write(uri, b"a" * (12 * MiB))
+    cached = CachedBackend(inner, str(tmp_path / "cache"))
+    done = _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"b" * (12 * MiB))
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        cached.read(uri)  # the entry is keyed by version a: its bytes must all be a's
+    assert done
+    monkeypatch.undo()
+    assert cached.read(uri) == b"b" * (12 * MiB)  # nothing mixed was kept
+
+
+def test_a_size_and_bytes_of_different_versions_are_an_error(s3_uri, s3_endpoint, monkeypatch):
+    backend, uri = ckptio.resolve(f"{s3_uri}/s.bin", part_size=5 * MiB, concurrency=1)
+    backend.write(uri, b"a" * (12 * MiB))
+    _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"b" * (14 * MiB), first=True)
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        with backend.get_local_path(uri):  # the size from a stat of a, the bytes from b
+            pass
+    monkeypatch.undo()
+    backend.write(uri, b"a" * (12 * MiB))
+    real_stat = ObjectStoreBackend.stat
+    swapped: list[str] = []
+
+    def stat(self, u):  # replaced by a small object between the first range and the size lookup
+        if u == uri and not swapped:
+            bucket, key = uri[len("s3://") :].split("/", 1)
+            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"small")
+            swapped.append(u)
+        return real_stat(self, u)
+
+    monkeypatch.setattr(ObjectStoreBackend, "stat", stat)
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        backend.read(uri)  # not the first 4 MiB of a as if they were the whole object
+    assert swapped
+
+
+def test_a_store_whose_read_overrides_predate_pins_still_reads(s3_uri, s3_endpoint):
+    from ckptio.backends.s3 import S3Backend
+    from conftest import S3_TEST_OPTIONS
+
+    class Older(S3Backend):
+        def readinto(self, uri, buf, offset=0):  # no pin keyword
+            return super().readinto(uri, buf, offset)
+
+    backend = Older(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
+    uri = f"{s3_uri}/old.bin"
+    backend.write(uri, b"z" * (6 * MiB))
+    buf = bytearray(6 * MiB)
+    assert backend.pin_version(uri).readinto(uri, buf, 0) == 6 * MiB and buf == b"z" * (6 * MiB)
+    assert backend.pin_version(uri).with_options(concurrency=2).read(uri) == b"z" * (6 * MiB)

@@ -389,10 +389,11 @@ class Backend(abc.ABC):
         A missing object raises NotFoundError where the storage would have yielded a path."""
         yield None
 
-    def pin_version(self, uri: str) -> Backend:
-        """Capability: this backend for reading ``uri`` in several calls as one object: every read of
-        ``uri`` through the result comes from the version the first one saw, or raises IntegrityError
-        (the object was replaced meanwhile). Object stores pin the first reply's ETag or generation.
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        """Capability: this backend for reading ``uri`` in several calls as one object: every read (and
+        ``stat``) of ``uri`` through the result comes from one version of it, ``version`` (an
+        :attr:`ObjectInfo.version` the caller holds) or the first one seen, or raises IntegrityError
+        (the object was replaced meanwhile). Object stores pin an ETag or a generation.
         Default: self (a storage whose reads cannot straddle versions, or that cannot tell them apart)."""
         return self
 
@@ -450,10 +451,10 @@ class NodeCache(Protocol):
 def copy_to_file(backend: Backend, uri: str, f: BinaryIO, *, start: int = 0, size: int | None = None) -> int:
     """Stream an object (from byte ``start``; ``size``: the object's, when known) into an open binary
     file in ``part_size`` pieces, all from one version of it (``pin_version``); returns bytes copied."""
-    size = backend.stat(uri).size if size is None else size
+    reads = backend.pin_version(uri)
+    size = reads.stat(uri).size if size is None else size  # the size and the bytes of one version
     chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
     mv, pos = memoryview(chunk), start
-    reads = backend.pin_version(uri)
     while pos < size:
         n = reads.readinto(uri, mv[: min(len(mv), size - pos)], pos)
         if n <= 0:

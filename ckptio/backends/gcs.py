@@ -287,7 +287,7 @@ class GCSBackend(ObjectStoreBackend):
         pin: _ranged.VersionPin | None = None,
     ) -> int:
         params = {"alt": "media"}
-        pinned = pin.version if pin is not None else None
+        pinned = pin.version if pin is not None and pin.version and pin.version.isdigit() else None
         if pinned:
             params["generation"] = pinned  # that generation's bytes, or 404 once it is gone
         try:

@@ -236,14 +236,15 @@ class S3Backend(ObjectStoreBackend):
         stall = self.policy.stall_timeout
 
         async def once(s3: Any) -> int:
-            cond = {"IfMatch": pin.version} if pin is not None and pin.version else {}
+            cond = {"IfMatch": pin.token} if pin is not None and pin.token else {}
             try:
                 resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **cond)
             except ClientError as e:
                 code = e.response.get("Error", {}).get("Code")
                 if code == "InvalidRange":
                     return 0  # starts past the end of the object
-                if code == "PreconditionFailed" and cond:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if cond and (code == "PreconditionFailed" or status == 412):
                     raise _ranged.replaced(uri, cond["IfMatch"]) from None
                 raise
             body, total = resp["Body"], 0

@@ -417,9 +417,11 @@ def download(inner: Backend, info: ObjectInfo, f: BinaryIO, fsync: bool) -> Bloc
     chunk = max(1, min(info.size, inner.part_size * inner.concurrency))
     bufs = [bytearray(chunk), bytearray(chunk)] if info.size > chunk else [bytearray(chunk)]
 
+    reads = inner.pin_version(info.uri, info.version)  # the bytes of the version the entry is keyed by
+
     def fetch(i: int, pos: int) -> tuple[memoryview, int]:
         mv = memoryview(bufs[i % len(bufs)])[: min(chunk, info.size - pos)]
-        n = inner.readinto(info.uri, mv, pos)
+        n = reads.readinto(info.uri, mv, pos)
         if n != len(mv):
             raise IntegrityError(
                 f"{info.uri}: object shrank while caching (got {pos + n} of {info.size} "

@@ -251,8 +251,8 @@ class ObjectStoreBackend(Backend):
             tell(self.stat(uri).size)
         return n
 
-    def pin_version(self, uri: str) -> Backend:
-        return _PinnedReads(self, uri)
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        return _PinnedReads(self, uri, version)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if end is None:
@@ -273,7 +273,7 @@ class ObjectStoreBackend(Backend):
         if whole:
             return bytes(head)
         n = len(head)
-        size = self.stat(uri).size
+        size = reads.stat(uri).size  # of the version the head came from, or IntegrityError
         if size <= n:
             return bytes(head)
         buf = bytearray(size)
@@ -332,39 +332,65 @@ def _hook_takes(get_range: Callable[..., Any], name: str) -> bool:
 
 
 class _PinnedReads(ForwardingBackend):
-    """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); other
-    objects and every other operation are ``inner``'s."""
+    """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); a
+    ``stat`` of ``uri`` through it pins or checks the version too. Other objects and every other
+    operation are ``inner``'s."""
 
-    def __init__(self, inner: ObjectStoreBackend, uri: str) -> None:
+    def __init__(self, inner: ObjectStoreBackend, uri: str, version: str | None = None) -> None:
         super().__init__(inner)
         self.inner: ObjectStoreBackend = inner
         self.uri, self.name = uri, inner.name
-        self._pin = VersionPin()
+        self._pin = VersionPin(version)
+        cls = type(inner)  # a subclass's override from before pins existed is called without one
+        self._takes = {m: _hook_takes(getattr(cls, m), "pin") for m in ("readinto", "readv", "read_head")}
 
-    def _pin_for(self, uri: str) -> VersionPin | None:
-        return self._pin if uri == self.uri else None
+    def _pin_kw(self, method: str, uri: str) -> dict[str, Any]:
+        return {"pin": self._pin} if uri == self.uri and self._takes[method] else {}
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        return self.inner.readinto(uri, buf, offset, pin=self._pin_for(uri))
+        return self.inner.readinto(uri, buf, offset, **self._pin_kw("readinto", uri))
 
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
-        return self.inner.readv(uri, views, offset, pin=self._pin_for(uri))
+        return self.inner.readv(uri, views, offset, **self._pin_kw("readv", uri))
 
     def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
-        return self.inner.read_head(uri, buf, on_size, pin=self._pin_for(uri))
+        return self.inner.read_head(uri, buf, on_size, **self._pin_kw("read_head", uri))
+
+    def stat(self, uri: str) -> ObjectInfo:
+        info = self.inner.stat(uri)
+        if uri == self.uri and not info.is_dir:
+            self._pin.check(uri, info.version, reply=False)  # the size and the bytes from one version
+        return info
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if end is None:
-            end = self.inner.stat(uri).size
+            end = self.stat(uri).size
         buf = bytearray(max(0, end - start))
         if not buf:
-            self.inner.stat(uri)  # an empty range of a missing object is still an error
+            self.stat(uri)  # an empty range of a missing object is still an error
             return b""
         n = self.readinto(uri, buf, start)
         return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
-    def pin_version(self, uri: str) -> Backend:
-        return self if uri == self.uri else self.inner.pin_version(uri)
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        if uri != self.uri:
+            return self.inner.pin_version(uri, version)
+        if version is not None:
+            self._pin.check(uri, version, reply=False)
+        return self
+
+    def with_options(self, **options: Any) -> Backend:
+        derived = self.inner.with_options(**options)
+        return self if derived is self.inner else derived.pin_version(self.uri, self._pin.version)
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return self.inner.open_writer(uri, mode=mode, durable=durable)
+
+    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        self.inner.write(uri, data, mode=mode, durable=durable)
+
+    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
+        self.inner.copy(src, dst, mode=mode)
+
+    def rmtree(self, uri: str) -> None:
+        self.inner.rmtree(uri)

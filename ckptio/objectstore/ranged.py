@@ -10,6 +10,7 @@ a caller's thread; :func:`gather_or_cancel` stops the other requests when one fa
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,23 +24,41 @@ FetchInto = Callable[[int, int, list[memoryview]], Awaitable[int]]
 
 
 class VersionPin:
-    """The version (an ETag, a generation) that reads of one object must all come from: the first
-    reply's. A store sends it as a precondition where it can (S3 ``If-Match``, a GCS ``generation``)
-    and checks each reply's own; a reply without one is not checked. Used on the IO loop only."""
+    """The version (an ETag, a generation) that reads of one object must all come from: the first one
+    seen, from a reply or from the ``stat`` the caller read the size from. Each reply's own version is
+    checked against it; a reply without one is not checked. A store also sends it as a precondition
+    where it can: S3 ``If-Match`` with :attr:`token`, a strong ETag a GET reply carried (a HEAD's or a
+    weak one is only compared); GCS ``generation=``. Versions compare without quotes or a ``W/``."""
 
-    __slots__ = ("version",)
+    __slots__ = ("_lock", "token", "version")
 
-    def __init__(self) -> None:
-        self.version: str | None = None
+    def __init__(self, version: str | None = None) -> None:
+        self.version: str | None = _plain(version)
+        self.token: str | None = None
+        self._lock = threading.Lock()  # replies check on the IO loop, a stat through a view on its caller
 
-    def check(self, uri: str, seen: str | None) -> None:
-        """Pin ``seen`` if nothing is pinned yet; raise if it is another version than the pinned one."""
-        if not seen:
+    def check(self, uri: str, seen: str | None, *, reply: bool = True) -> None:
+        """Pin ``seen`` if nothing is pinned yet; raise if it is another version than the pinned one.
+        ``reply``: ``seen`` came with a GET reply (it may then serve as the precondition token)."""
+        plain = _plain(seen)
+        if plain is None:
             return
-        if self.version is None:
-            self.version = seen
-        elif seen != self.version:
-            raise replaced(uri, self.version, seen)
+        with self._lock:
+            if self.version is None:
+                self.version = plain
+            elif plain != self.version:
+                raise replaced(uri, self.version, plain)
+            if reply and self.token is None and seen and not seen.strip().startswith("W/"):
+                self.token = seen.strip()
+
+
+def _plain(version: str | None) -> str | None:
+    """``W/"abc"`` / ``"abc"`` -> ``abc``; None for nothing (GCS metadata without a generation reads "None")."""
+    if not version or version == "None":
+        return None
+    v = version.strip()
+    v = v[2:] if v.startswith("W/") else v
+    return v.strip('"') or None
 
 
 def replaced(uri: str, pinned: str, seen: str | None = None) -> IntegrityError:
@@ -65,9 +84,10 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
         t.cancel()
     if pending:
         await asyncio.wait(pending)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+    errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # every one retrieved
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
     return [t.result() for t in tasks]
 
 

@@ -118,8 +118,8 @@ class CountingBackend(ForwardingBackend):
         inner = self.inner.with_options(**options)
         return self if inner is self.inner else CountingBackend(inner, self._add)
 
-    def pin_version(self, uri: str) -> Backend:
-        pinned = self.inner.pin_version(uri)
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        pinned = self.inner.pin_version(uri, version)
         return self if pinned is self.inner else CountingBackend(pinned, self._add)
 
     @property
