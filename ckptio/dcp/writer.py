@@ -42,7 +42,7 @@ from .layout import (
     uint8_view,
 )
 from .metadata import commit, delete_objects, prepare_overwrite
-from .zipframe import ZipFraming
+from .zipframe import framing
 
 __all__ = ["StorageWriter", "bound_memory"]
 
@@ -148,7 +148,7 @@ def _write_tensor(w: Writer, t: torch.Tensor, checksums: bool, info: dict[str, A
     """Write the tensor ``t`` framed as a torch.save archive (its frame named by the item ``key``: the
     same bytes at every save); records its layout and checksums in ``info``."""
     nbytes = t.numel() * t.element_size()
-    z = ZipFraming(t.dtype, tuple(t.shape), nbytes, key)
+    z = framing(t.dtype, tuple(t.shape), nbytes, key)
     w.write(z.head)
     hashes: list[int] = []
     h = xxhash.xxh3_64() if checksums else None

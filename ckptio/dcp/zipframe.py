@@ -24,7 +24,7 @@ import xxhash
 
 from .. import torch_internals as _ti
 
-__all__ = ["ZipFraming"]
+__all__ = ["ZipFraming", "framing"]
 
 
 class _StorageRef:
@@ -166,3 +166,14 @@ class ZipFraming:
             off32,
         )
         return hdr + name + extra
+
+
+def framing(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, key: str | None) -> ZipFraming:
+    """The framing of an item: built once per process for a named one (its bytes are the same at every
+    save, so a training loop's saves reuse them), afresh for an unnamed one (a random id)."""
+    return ZipFraming(dtype, shape, nbytes) if key is None else _named_framing(dtype, shape, nbytes, key)
+
+
+@functools.lru_cache(maxsize=4096)  # ~1 KiB each
+def _named_framing(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, key: str) -> ZipFraming:
+    return ZipFraming(dtype, shape, nbytes, key)
