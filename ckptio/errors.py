@@ -24,6 +24,15 @@ def note(e: BaseException, text: str) -> None:
         e.__notes__ = [*getattr(e, "__notes__", []), text]  # type: ignore[attr-defined]
 
 
+def replaced(uri: str, pinned: str, seen: str | None = None) -> IntegrityError:
+    """The error for an object replaced while one load read it in several calls (``Backend.pin_version``)."""
+    now = f", then {seen}" if seen else ""
+    return IntegrityError(
+        f"{uri} was replaced while it was being read (version {pinned}{now}); nothing read from it "
+        f"was used: read it again"
+    )
+
+
 def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
     """Unpickle ``cls`` from its built-in base's ``args``, without calling ``cls.__init__``."""
     obj = cls.__new__(cls, *args)

@@ -174,3 +174,45 @@ def test_a_store_whose_read_overrides_predate_pins_still_reads(s3_uri, s3_endpoi
     buf = bytearray(6 * MiB)
     assert backend.pin_version(uri).readinto(uri, buf, 0) == 6 * MiB and buf == b"z" * (6 * MiB)
     assert backend.pin_version(uri).with_options(concurrency=2).read(uri) == b"z" * (6 * MiB)
+
+
+@pytest.mark.parametrize("ext", [".pt", ".fpk"])
+def test_a_memory_object_replaced_mid_load_loads_the_version_it_started_with(monkeypatch, ext):
+    """memory:// pins by snapshot: the stored bytes are immutable and a write replaces them."""
+    from ckptio.backends.memory import MemoryBackend
+    from ckptio.formats import torch as ptformat
+
+    uri = f"memory://pins/m{ext}"
+    ckptio.dump({"w": torch.zeros(300_000)}, uri)
+    monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 256 << 10)  # .pt: the reader route, many reads
+    real = MemoryBackend.readinto
+    swapped: list[int] = []
+
+    def readinto(self, u, buf, offset=0):
+        if offset > 0 and not swapped:
+            ckptio.dump({"w": torch.ones(300_000)}, uri)
+            swapped.append(offset)
+        return real(self, u, buf, offset)
+
+    monkeypatch.setattr(MemoryBackend, "readinto", readinto)
+    monkeypatch.setattr("ckptio.backends.memory.copy_bytes", _swap_then(uri, swapped))
+    out = ckptio.load(uri)["w"]
+    assert swapped and torch.equal(out, torch.zeros(300_000))  # all of the first version
+    assert torch.equal(ckptio.load(uri)["w"], torch.ones(300_000))
+    backend, resolved = ckptio.resolve(uri)
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        backend.pin_version(resolved, version="0")  # not the version the caller holds
+    ckptio.remove(uri)
+
+
+def _swap_then(uri: str, swapped: list[int]):
+    """copy_bytes that replaces the object before its first copy from past the start (snapshot reads)."""
+    from ckptio import osio
+
+    def copy(dst, src, offset=0):
+        if offset > 0 and not swapped:
+            ckptio.dump({"w": torch.ones(300_000)}, uri)
+            swapped.append(offset)
+        return osio.copy_bytes(dst, src, offset)
+
+    return copy

@@ -10,8 +10,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..errors import AlreadyExistsError, NotFoundError
+from ..errors import AlreadyExistsError, NotFoundError, replaced
 from ..osio import copy_bytes
+from ..wrappers.forwarding import ForwardingBackend
 from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode
 
 
@@ -76,6 +77,14 @@ class MemoryBackend(Backend):
             _STORE.generation += 1
             self._objects[k] = (bytes(data), time.time(), _STORE.generation)
 
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        """A snapshot: ``uri``'s stored bytes as they are now (a write replaces them, never changes
+        them), read without a copy; a ``version`` other than theirs is an IntegrityError."""
+        data, mtime, gen = self._get(uri)
+        if version is not None and version != str(gen):
+            raise replaced(uri, version, str(gen))
+        return _Snapshot(self, uri, data, ObjectInfo(uri, len(data), mtime, str(gen)))
+
     def _get(self, uri: str) -> tuple[bytes, float, int]:
         try:
             return self._objects[_key(uri)]
@@ -114,3 +123,45 @@ class MemoryBackend(Backend):
         with self._lock:
             if self._objects.pop(_key(uri), None) is None:
                 raise NotFoundError(uri)
+
+
+class _Snapshot(ForwardingBackend):
+    """``inner`` with ``uri`` read from the bytes it held when the view was made; other objects and
+    every other operation are ``inner``'s."""
+
+    def __init__(self, inner: MemoryBackend, uri: str, data: bytes, info: ObjectInfo) -> None:
+        super().__init__(inner)
+        self.inner: MemoryBackend = inner
+        self.name, self.uri, self._data, self._info = inner.name, uri, data, info
+
+    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        if uri != self.uri:
+            return self.inner.readinto(uri, buf, offset)
+        if offset < 0:
+            raise ValueError(f"negative offset {offset} reading {uri}")
+        n = copy_bytes(memoryview(buf).cast("B"), self._data, offset)
+        self.inner.bytes_read += n
+        return n
+
+    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
+        if uri != self.uri:
+            return self.inner.read_range(uri, start, end)
+        out = self._data[start:end]
+        self.inner.bytes_read += len(out)
+        return out
+
+    def read(self, uri: str) -> bytes:
+        return self.read_range(uri)
+
+    def stat(self, uri: str) -> ObjectInfo:
+        return self._info if uri == self.uri else self.inner.stat(uri)
+
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        if uri != self.uri:
+            return self.inner.pin_version(uri, version)
+        if version is not None and version != self._info.version:
+            raise replaced(uri, version, self._info.version)
+        return self
+
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        return self.inner.open_writer(uri, mode=mode, durable=durable)

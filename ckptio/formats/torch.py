@@ -117,7 +117,7 @@ def _load_through_reader(backend: Backend, uri: str, size: int, kw: dict[str, An
     straight into its tensor); the backend's own error (damaged, missing) is the one raised."""
     import torch
 
-    raw = _ErrorKeepingReader(backend, uri, size)
+    raw = _ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
     try:
         return torch.load(io.BufferedReader(raw, buffer_size=1 << 20), **kw)
     except Exception as e:

@@ -16,7 +16,9 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from ..errors import IntegrityError
+from ..errors import replaced
+
+__all__ = ["VersionPin", "gather_or_cancel", "parallel_readv", "replaced", "run"]
 
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
@@ -59,14 +61,6 @@ def _plain(version: str | None) -> str | None:
     v = version.strip()
     v = v[2:] if v.startswith("W/") else v
     return v.strip('"') or None
-
-
-def replaced(uri: str, pinned: str, seen: str | None = None) -> IntegrityError:
-    now = f", then {seen}" if seen else ""
-    return IntegrityError(
-        f"{uri} was replaced while it was being read (version {pinned}{now}); nothing read from it "
-        f"was used: read it again"
-    )
 
 
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
