@@ -255,8 +255,8 @@ class ObjectStoreBackend(Backend):
         return _PinnedReads(self, uri, version)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        if end is None:
-            end = self.stat(uri).size
+        if end is None:  # the size and the bytes of one version
+            return self.pin_version(uri).read_range(uri, start, end)
         buf = bytearray(max(0, end - start))
         if not buf:
             self.stat(uri)  # an empty range of a missing object is still an error
