@@ -35,6 +35,7 @@ from ..errors import (
     MissingDependencyError,
     NotFoundError,
     TransferError,
+    replaced,
 )
 from ..objectstore import body as _body
 from ..objectstore import multipart as _multipart
@@ -309,7 +310,7 @@ class GCSBackend(ObjectStoreBackend):
             if e.status == 416:
                 return 0
             if e.status == 404 and pinned:
-                raise _ranged.replaced(uri, pinned) from None
+                raise replaced(uri, pinned) from None
             raise
 
     # ---- writes ----------------------------------------------------------------------------

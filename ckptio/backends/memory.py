@@ -47,18 +47,22 @@ class MemoryBackend(Backend):
         self.bytes_read = 0  # counted so tests can check that partial loads read only what they need
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        data = self._get(uri)[0]
-        out = data[start:end]
-        self.bytes_read += len(out)
-        return out
+        return self._slice(self._get(uri)[0], start, end)
 
     def read(self, uri: str) -> bytes:
         return self.read_range(uri)  # the whole slice of the stored (immutable) bytes is that object: no copy
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        return self._copy_out(uri, self._get(uri)[0], buf, offset)
+
+    def _slice(self, data: bytes, start: int, end: int | None) -> bytes:
+        out = data[start:end]
+        self.bytes_read += len(out)
+        return out
+
+    def _copy_out(self, uri: str, data: bytes, buf: Buffer, offset: int) -> int:
         if offset < 0:
             raise ValueError(f"negative offset {offset} reading {uri}")
-        data = self._get(uri)[0]
         n = copy_bytes(memoryview(buf).cast("B"), data, offset)  # GIL released for large copies
         self.bytes_read += n
         return n
@@ -137,18 +141,12 @@ class _Snapshot(ForwardingBackend):
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         if uri != self.uri:
             return self.inner.readinto(uri, buf, offset)
-        if offset < 0:
-            raise ValueError(f"negative offset {offset} reading {uri}")
-        n = copy_bytes(memoryview(buf).cast("B"), self._data, offset)
-        self.inner.bytes_read += n
-        return n
+        return self.inner._copy_out(uri, self._data, buf, offset)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if uri != self.uri:
             return self.inner.read_range(uri, start, end)
-        out = self._data[start:end]
-        self.inner.bytes_read += len(out)
-        return out
+        return self.inner._slice(self._data, start, end)
 
     def read(self, uri: str) -> bytes:
         return self.read_range(uri)

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from .. import uri as _uri
-from ..errors import MissingDependencyError, TransferError
+from ..errors import MissingDependencyError, TransferError, replaced
 from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
@@ -245,7 +245,7 @@ class S3Backend(ObjectStoreBackend):
                     return 0  # starts past the end of the object
                 status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 if cond and (code == "PreconditionFailed" or status == 412):
-                    raise _ranged.replaced(uri, cond["IfMatch"]) from None
+                    raise replaced(uri, cond["IfMatch"]) from None
                 raise
             body, total = resp["Body"], 0
             meta = resp.get("ResponseMetadata", {})

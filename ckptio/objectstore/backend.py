@@ -257,12 +257,7 @@ class ObjectStoreBackend(Backend):
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if end is None:  # the size and the bytes of one version
             return self.pin_version(uri).read_range(uri, start, end)
-        buf = bytearray(max(0, end - start))
-        if not buf:
-            self.stat(uri)  # an empty range of a missing object is still an error
-            return b""
-        n = self.readinto(uri, buf, start)
-        return bytes(buf) if n == len(buf) else bytes(buf[:n])
+        return _range_of(self, uri, start, end)
 
     def read(self, uri: str) -> bytes:
         """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first); a
@@ -331,6 +326,16 @@ def _hook_takes(get_range: Callable[..., Any], name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def _range_of(backend: Backend, uri: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``uri`` through ``backend.readinto`` (short at the end)."""
+    buf = bytearray(max(0, end - start))
+    if not buf:
+        backend.stat(uri)  # an empty range of a missing object is still an error
+        return b""
+    n = backend.readinto(uri, buf, start)
+    return bytes(buf) if n == len(buf) else bytes(buf[:n])
+
+
 class _PinnedReads(ForwardingBackend):
     """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); a
     ``stat`` of ``uri`` through it pins or checks the version too. Other objects and every other
@@ -363,14 +368,7 @@ class _PinnedReads(ForwardingBackend):
         return info
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        if end is None:
-            end = self.stat(uri).size
-        buf = bytearray(max(0, end - start))
-        if not buf:
-            self.stat(uri)  # an empty range of a missing object is still an error
-            return b""
-        n = self.readinto(uri, buf, start)
-        return bytes(buf) if n == len(buf) else bytes(buf[:n])
+        return _range_of(self, uri, start, self.stat(uri).size if end is None else end)
 
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
         if uri != self.uri:

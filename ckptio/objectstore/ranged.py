@@ -18,8 +18,6 @@ from fsspec.asyn import sync
 
 from ..errors import replaced
 
-__all__ = ["VersionPin", "gather_or_cancel", "parallel_readv", "replaced", "run"]
-
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
 FetchInto = Callable[[int, int, list[memoryview]], Awaitable[int]]
