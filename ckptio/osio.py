@@ -18,7 +18,7 @@ import errno
 import mmap as _mmap
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
@@ -41,6 +41,10 @@ def translate_os_errors(uri: str) -> Iterator[None]:
         raise AccessDeniedError(uri) from e
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
+    except NotADirectoryError as e:
+        raise NotADirectoryError(
+            errno.ENOTDIR, f"a parent of {uri} is a file, not a directory (remove it or pick another path)", uri
+        ) from e
     except OSError as e:
         full = {
             errno.ENOSPC: "no space left on device",
@@ -63,6 +67,35 @@ def preadinto(fd: int, mv: memoryview, offset: int) -> int:
         if n == 0:
             break
         total += n
+    return total
+
+
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv
+
+
+def preadv_into(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Scatter-read the consecutive byte buffers ``views`` from ``offset``, in as few ``preadv`` calls
+    as the kernel allows (<= 1024 buffers and <= 1 GiB a call), until all are full or EOF; returns the
+    count. One system call where a ``preadinto`` per buffer makes one each."""
+    total, i, skip = 0, 0, 0  # bytes read; the first buffer not yet full, and how much of it is
+    while i < len(views):
+        batch: list[memoryview] = []
+        room, j = 1 << 30, i
+        while j < len(views) and len(batch) < _IOV_MAX and room > 0:
+            part = (views[j][skip:] if j == i else views[j])[:room]
+            batch.append(part)
+            room -= len(part)
+            j += 1
+        want = sum(len(b) for b in batch)
+        n = os.preadv(fd, batch, offset + total) if want else 0
+        if n == 0:
+            break
+        total += n
+        left = skip + n
+        while i < len(views) and left >= len(views[i]):
+            left -= len(views[i])
+            i += 1
+        skip = left
     return total
 
 

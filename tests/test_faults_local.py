@@ -213,15 +213,35 @@ def test_durable_replace_of_a_fifo_or_symlink_does_not_block_or_follow(tmp_path)
     assert elsewhere.read_bytes() == b"keep me"
 
 
+@pytest.mark.parametrize("ext", [".fpk", ".pt", ".json"])
+def test_saves_into_new_directories_and_under_a_file_name_the_uri(tmp_path, ext):
+    deep = tmp_path / "a" / "b" / f"x{ext}"  # parents made on the first write into them
+    ckptio.dump({"w": 1}, str(deep))
+    assert ckptio.load(str(deep)) == {"w": 1}
+    (tmp_path / "plain").write_bytes(b"keep")
+    for uri in (tmp_path / "plain" / f"x{ext}", tmp_path / "plain" / "sub" / f"x{ext}"):
+        with pytest.raises(NotADirectoryError, match=f"a parent of {uri} is a file"):
+            ckptio.dump({"w": 1}, str(uri))
+    assert (tmp_path / "plain").read_bytes() == b"keep"
+    with pytest.raises(ckptio.AlreadyExistsError):
+        ckptio.dump({"w": 2}, str(deep), mode="create")
+    assert sorted(os.listdir(deep.parent)) == [f"x{ext}"]  # no temporary left behind
+
+
 # ---- damage after writing ----------------------------------------------------------------------
 
 
-def test_fpk_bit_flip_is_detected_with_object_and_range(tmp_path):
+# below and above ckptio.threads.PARALLEL_MIN: hashed in the calling thread, and on other threads
+@pytest.mark.parametrize("numel", [300 * 300, 3 << 20])
+@pytest.mark.parametrize("mmap", [None, False])  # the default (a verified mapping) and copy mode
+def test_fpk_bit_flip_is_detected_with_object_and_range(tmp_path, numel, mmap):
     p = str(tmp_path / "s.fpk")
-    ckptio.dump({"w": torch.randn(300, 300)}, p)
+    w = torch.randn(numel)
+    ckptio.dump({"v": torch.ones(5), "w": w}, p)
+    assert torch.equal(ckptio.load(p, mmap=mmap)["w"], w)  # what the writer hashed is what the reader finds
     flip_byte(p, os.path.getsize(p) // 2)
     with pytest.raises(IntegrityError) as ei:
-        ckptio.load(p)
+        ckptio.load(p, mmap=mmap)
     assert p in str(ei.value) and "'w'" in str(ei.value) and "bytes [" in str(ei.value)
 
 

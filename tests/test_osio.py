@@ -1,4 +1,5 @@
-"""``ckptio.osio.copy_bytes``: the copy memory:// reads use (large copies with the GIL released)."""
+"""``ckptio.osio``: copy_bytes (the copy memory:// reads use, large copies with the GIL released) and
+preadv_into (the scatter read local readv uses)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,73 @@ def test_copy_bytes_refuses_negative_offsets_and_counts_bytes_of_any_format():
     backend.delete(uri)
     floats = memoryview(bytearray(2 << 20)).cast("f")  # 512 Ki items, 2 MiB
     assert osio.copy_bytes(floats, src) == 2 << 20 and floats.cast("B") == src[: 2 << 20]
+
+
+def _views(sizes: list[int]) -> tuple[bytearray, list[memoryview]]:
+    buf = bytearray(sum(sizes))
+    out, pos = [], 0
+    for n in sizes:
+        out.append(memoryview(buf)[pos : pos + n])
+        pos += n
+    return buf, out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_preadv_into_reads_what_one_read_would_with_short_reads_and_eof(tmp_path, monkeypatch, seed):
+    import random
+
+    rng = random.Random(seed)
+    data = os.urandom(rng.randrange(0, 20000))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    sizes = [rng.choice([0, 0, 1, 7, 100, 4096, 5000]) for _ in range(rng.randrange(0, 40))]
+    offset = rng.randrange(0, len(data) + 10)
+    real = os.preadv
+    if seed % 2:  # the kernel may return fewer bytes than asked: every caller must carry on from there
+
+        def short(fd, bufs, off):
+            want = sum(len(b) for b in bufs)
+            if want <= 1:
+                return real(fd, bufs, off)
+            cut = rng.randrange(1, want)
+            trimmed, room = [], cut
+            for b in bufs:
+                trimmed.append(b[: max(0, min(len(b), room))])
+                room -= len(trimmed[-1])
+            return real(fd, trimmed, off)
+
+        monkeypatch.setattr(osio.os, "preadv", short)
+    buf, views = _views(sizes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = osio.preadv_into(fd, views, offset)
+    finally:
+        os.close(fd)
+    want = data[offset : offset + len(buf)]
+    assert n == len(want) and bytes(buf[:n]) == want and buf[n:] == bytearray(len(buf) - n)
+
+
+def test_preadv_into_takes_more_buffers_than_one_call_allows(tmp_path, monkeypatch):
+    data = os.urandom(3000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(osio.os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+    buf, views = _views([1] * 2500)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert osio.preadv_into(fd, views, 100) == 2500
+    finally:
+        os.close(fd)
+    assert bytes(buf) == data[100:2600] and max(calls) <= 1024 and len(calls) == 3
+
+
+def test_local_readv_scatters_in_one_open_and_names_a_missing_file(tmp_path):
+    data = os.urandom(10000)
+    (tmp_path / "f").write_bytes(data)
+    backend, _ = ckptio.resolve(str(tmp_path / "f"))
+    buf, views = _views([10, 0, 4000, 3, 9000])
+    assert backend.readv(str(tmp_path / "f"), views, 50) == 9950 and bytes(buf[:9950]) == data[50:]
+    with pytest.raises(FileNotFoundError, match="nope"):
+        backend.readv(str(tmp_path / "nope"), views, 0)

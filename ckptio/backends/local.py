@@ -15,13 +15,13 @@ import os
 import shutil
 import stat as _stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError
 from ..osio import preadinto as _preadinto
-from ..osio import translate_os_errors
+from ..osio import preadv_into, translate_os_errors
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
@@ -84,11 +84,14 @@ class LocalWriter(Writer):
         self.uri, self._path, self._mode, self._durable = uri, path, mode, durable
         directory = os.path.dirname(path) or "."
         with translate_os_errors(uri):
-            os.makedirs(directory, exist_ok=True)
             if mode == "create" and os.path.lexists(path):
                 raise AlreadyExistsError(uri)
             self._tmp = os.path.join(directory, f".{os.path.basename(path)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
-            self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)
+            try:
+                self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)
+            except FileNotFoundError:  # a new directory: made on the first write into it
+                os.makedirs(directory, exist_ok=True)
+                self._f = open(self._tmp, "xb", buffering=0)
 
     def write(self, data: Buffer) -> int:
         if self._f is None:
@@ -174,6 +177,15 @@ class LocalBackend(Backend):
             fd = os.open(path, os.O_RDONLY)
             try:
                 return _preadinto(fd, mv, offset)
+            finally:
+                os.close(fd)
+
+    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
+        path = local_path(uri)
+        with translate_os_errors(uri):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return preadv_into(fd, [memoryview(v).cast("B") for v in views], offset)
             finally:
                 os.close(fd)
 
