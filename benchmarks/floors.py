@@ -16,7 +16,8 @@ local (fsync everywhere)
                              commit: the least a crash-safe two-file commit needs
   torch dcp.save, no writes  torch's DCP API with a writer that writes nothing (planner, bookkeeping):
                              what every DCP save through torch pays on top of its files
-  loads: raw read; torch.load; raw DCP read (.metadata + unpickle + data readinto)
+  loads: raw read; torch.load; raw DCP read (.metadata + unpickle + data readinto); torch dcp.load
+  with a reader that reads nothing (torch's API on every DCP load)
 S3 (moto) / GCS (emulator) on loopback
   raw 1 PUT / 1 GET          s3fs / gcsfs, the GET unpacked into fresh tensors (the throughput baseline)
   raw DCP                    overwrite check (one listing) + data PUT + .metadata PUT; load: .metadata
@@ -145,6 +146,7 @@ def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op],
         "ckptio .fpk": lambda n: ckptio.load(os.path.join(root, n + ".fpk")),
         "ckptio .pt": lambda n: ckptio.load(os.path.join(root, n + ".ckptio.pt")),
         "ckptio DCP": lambda n: _dcp_load(state, os.path.join(root, n + ".dcp")),
+        "torch dcp.load, no reads": lambda n: _dcp_load_api_only(state, os.path.join(root, n + ".dcp")),
     }
     return saves, loads
 
@@ -181,6 +183,51 @@ def _dcp_api_only(state: dict[str, torch.Tensor]) -> None:
             return True
 
     save(state, storage_writer=NoWrites())
+
+
+_metadata_bytes: dict[int, bytes] = {}
+
+
+def _dcp_load_api_only(state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tensor]:
+    """torch's ``dcp.load`` into fresh tensors with a reader that reads nothing but hands over the
+    ``.metadata`` of the first checkpoint of ``state`` (read in the warm-up round): the planner and bookkeeping of every
+    load through torch's API, on top of which a reader reads its files."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.storage import StorageReader
+    from torch.futures import Future
+
+    if id(state) not in _metadata_bytes:  # in the warm-up round, not counted: every save of state has the same
+        _metadata_bytes[id(state)] = ckptio.get(uri + "/.metadata")
+    meta = _metadata_bytes[id(state)]
+
+    class NoReads(StorageReader):
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return pickle.loads(meta)
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: Any) -> Any:
+            return plans
+
+        def read_data(self, plan: Any, planner: Any) -> Future:
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    load(out, storage_reader=NoReads())
+    return out
 
 
 def _dcp_load(state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tensor]:
@@ -233,8 +280,8 @@ def remote_ops(state: dict[str, torch.Tensor], fs: Any, base: str) -> tuple[dict
 
 
 def measure(saves: dict[str, Op], loads: dict[str, Op], repeats: int) -> dict[str, list[float]]:
-    """Each repeat: every save once, then every load of what the saves wrote, the order rotating by one
-    between repeats; the heap trimmed before each timed call (as the throughput benchmark does)."""
+    """Each repeat: every save once, then every load of what the saves wrote, both orders rotating by
+    one between repeats; the heap trimmed before each timed call (as the throughput benchmark does)."""
     times: dict[str, list[float]] = {}
     names = list(saves)
     for r in range(repeats + 1):  # the first round warms imports, clients and connections: not counted
@@ -246,7 +293,9 @@ def measure(saves: dict[str, Op], loads: dict[str, Op], repeats: int) -> dict[st
             saves[key](tag)
             if r:
                 times.setdefault(f"save  {key}", []).append(time.perf_counter() - t)
-        for key, op in loads.items():
+        lnames = list(loads)
+        for key in lnames[r % len(lnames) :] + lnames[: r % len(lnames)]:
+            op = loads[key]
             trim_heap()
             t = time.perf_counter()
             out = op(tag)

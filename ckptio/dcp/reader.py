@@ -29,6 +29,7 @@ from .. import torch_internals as _ti
 from .. import uri as _uri
 from ..backends.base import Backend, BytesReader
 from ..errors import FormatError, IncompleteCheckpointError, IntegrityError
+from ..threads import Inline, executor
 from .checks import box_problem, entry_problem, pickle_problem, tensor_problem, zip_problem
 from .layout import (
     CHECKSUM_BLOCK,
@@ -47,18 +48,6 @@ __all__ = ["StorageReader", "contiguous_span"]
 COALESCE_MAX = 1024 * 1024  # ranges below this are merged with their neighbours into one read
 COALESCE_GAP = 64 * 1024
 INLINE_MAX = 4 * 1024 * 1024  # a plan reading at most this many bytes runs its reads in the calling thread
-
-
-class _Inline(cf.Executor):
-    """Runs each task at once in the calling thread (a small plan: no threads to start or hand over to)."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future:
-        f: cf.Future = cf.Future()
-        try:
-            f.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed on through the future, as a pool would
-            f.set_exception(e)
-        return f
 
 
 @dataclasses.dataclass
@@ -288,6 +277,7 @@ class StorageReader(AtURI, _storage.StorageReader):
         self._objects: dict[str, str] = {}  # data object name in the metadata -> URI, checked to be inside
         self._sizes: dict[str, int] = {}  # data object URI -> its size (one stat each)
         self._metadata: Metadata | None = None
+        self._checked: tuple[Metadata | None, dict[str, str]] = (None, {})  # metadata read, its data objects
 
     @property
     def metadata_error(self) -> BaseException | None:
@@ -301,6 +291,7 @@ class StorageReader(AtURI, _storage.StorageReader):
         self._sizes = {}
         self._metadata = None
         self._metadata_error = None
+        self._checked = (None, {})
         if checkpoint_id:
             self._set_uri(checkpoint_id)
         self._meta_uri = self._path(METADATA_NAME)
@@ -330,14 +321,18 @@ class StorageReader(AtURI, _storage.StorageReader):
                 ) from None
             raise
         metadata = loads_metadata(data, meta)
-        data_objects(metadata, self.backend, self.root, meta)  # refuse names outside the checkpoint up front
+        # refuse names outside the checkpoint up front; set_up_storage_reader reuses the answer
+        self._checked = (metadata, data_objects(metadata, self.backend, self.root, meta))
         self._meta_uri = meta
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
-        self._objects = data_objects(metadata, self.backend, self.root, self._meta_uri)
+        checked, objects = self._checked
+        if checked is not metadata:  # metadata this reader did not read (or read another)
+            objects = data_objects(metadata, self.backend, self.root, self._meta_uri)
+        self._objects = objects
         self.storage_data = metadata.storage_data
         self._metadata, self._sizes = metadata, {}
         self.rank = kwargs.get("rank")
@@ -412,7 +407,7 @@ class StorageReader(AtURI, _storage.StorageReader):
 
         self._check_plan(plan)
         small = sum(self.storage_data[r.storage_index].length for r in plan.items) <= INLINE_MAX
-        pool: cf.Executor = _Inline() if small else cf.ThreadPoolExecutor(self.thread_count, "ckptio-dcp-read")
+        pool = Inline() if small else executor(self.thread_count, "ckptio-dcp-read")
         with pool:
             ranges = _Ranges(self.data_backend, pool)
 

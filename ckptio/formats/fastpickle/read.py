@@ -32,6 +32,7 @@ import xxhash
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
 from ...osio import preadinto, prefault, translate_os_errors
+from ...threads import PARALLEL_MIN
 from .layout import (
     ALIGN,
     CHUNK,
@@ -508,7 +509,9 @@ def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict
 
 def verify_parallel(meta: Meta, idxs: list[int], mvs: dict[int, memoryview], threads: int = 2) -> None:
     """:func:`_verify` with the payloads shared out among ``threads`` (xxhash releases the GIL), largest
-    first, each to the least loaded thread."""
+    first, each to the least loaded thread; in the calling thread below ``PARALLEL_MIN`` bytes."""
+    if sum(meta.storages[i][1] for i in idxs) < PARALLEL_MIN:
+        threads = 1
     groups: list[list[int]] = [[] for _ in range(threads)]
     loads = [0] * threads
     for i in sorted(idxs, key=lambda i: -meta.storages[i][1]):

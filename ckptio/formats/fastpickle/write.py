@@ -14,7 +14,6 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ import xxhash
 
 from ...backends.base import Writer
 from ...osio import sync_file_range, translate_os_errors
+from ...threads import executor
 from .encode import Encoder, Storage
 from .layout import ALIGN, CHUNK, FLAG_PICKLE, FOOTER, FOOTER_MAGIC, HEADER, MAGIC, MAX_IOV, VERSION, align, pack
 
@@ -151,7 +151,8 @@ def write_stream(enc: Encoder, tree: bytes, out: Sink) -> int:
     to_hash: list[tuple[Storage, memoryview]] = []
     hashing = 0
     futures: list[Any] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="fpk-hash") as hasher:
+    cpu_bytes = sum(s.nbytes for s in enc.storages if s.location == "cpu")
+    with executor(1, "fpk-hash", cpu_bytes) as hasher:
 
         def flush() -> None:
             nonlocal gathered
