@@ -42,9 +42,7 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except IsADirectoryError as e:
         raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except NotADirectoryError as e:
-        raise NotADirectoryError(
-            errno.ENOTDIR, f"a parent of {uri} is a file, not a directory (remove it or pick another path)", uri
-        ) from e
+        raise NotADirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri) from e
     except OSError as e:
         full = {
             errno.ENOSPC: "no space left on device",
@@ -83,8 +81,9 @@ def preadv_into(fd: int, views: Sequence[memoryview], offset: int) -> int:
         room, j = 1 << 30, i
         while j < len(views) and len(batch) < _IOV_MAX and room > 0:
             part = (views[j][skip:] if j == i else views[j])[:room]
-            batch.append(part)
-            room -= len(part)
+            if len(part):  # empty buffers take no slot: data behind 1024 of them is still read
+                batch.append(part)
+                room -= len(part)
             j += 1
         want = sum(len(b) for b in batch)
         n = os.preadv(fd, batch, offset + total) if want else 0

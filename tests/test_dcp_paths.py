@@ -92,6 +92,15 @@ def test_reader_refuses_names_leaving_the_checkpoint(local_ckpt, case):
         cd.StorageReader(local_ckpt).read_metadata()
 
 
+def test_metadata_changed_after_it_was_read_is_checked_again(local_ckpt):
+    reader = cd.StorageReader(local_ckpt)
+    metadata = reader.read_metadata()  # checked here; set_up reuses that answer only for the same names
+    for sinfo in metadata.storage_data.values():
+        sinfo.relative_path = "../outside.bin"
+    with pytest.raises(FormatError, match="outside.bin"):
+        reader.set_up_storage_reader(metadata, True)
+
+
 def test_absolute_path_to_a_real_file_is_refused(local_ckpt, tmp_path):
     assert_load_refused(local_ckpt, str(tmp_path / "outside.bin"))
 

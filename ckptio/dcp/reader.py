@@ -330,7 +330,8 @@ class StorageReader(AtURI, _storage.StorageReader):
         if metadata.storage_data is None:
             raise IncompleteCheckpointError(f"checkpoint {self.uri!r}: metadata has no storage_data")
         checked, objects = self._checked
-        if checked is not metadata:  # metadata this reader did not read (or read another)
+        names = {getattr(s, "relative_path", None) for s in metadata.storage_data.values()}
+        if checked is not metadata or not names <= objects.keys():  # metadata not read here, or changed since
             objects = data_objects(metadata, self.backend, self.root, self._meta_uri)
         self._objects = objects
         self.storage_data = metadata.storage_data
