@@ -484,6 +484,55 @@ def test_full_remote_load_reads_each_byte_once(memory_uri, part_size):
     assert size - 3 * 64 <= backend.bytes_read <= size
 
 
+def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_uri, monkeypatch):
+    import gc
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    shared = []
+    real_view = fpk_read.BackendSource.ahead_view
+
+    def view(self, offset, nbytes):
+        v = real_view(self, offset, nbytes)
+        if v is not None:
+            shared.append(nbytes)
+        return v
+
+    monkeypatch.setattr(fpk_read.BackendSource, "ahead_view", view)
+
+    # part_size 5 MiB: a 12 MiB object is read ahead at both ends, its middle read into fresh tensors
+    state = {
+        "head": torch.randn(1000),
+        "middle": torch.randn(2 << 20),
+        "tail": torch.randn(1000),
+        "n": 3,
+    }
+    uri = f"{s3_uri}/views.fpk"
+    fp.save(state, uri)
+    opts = {"backend_args": {"part_size": 5 << 20}}
+    out = ckptio.load(uri, **opts)
+    gc.collect()
+    junk = [torch.full((1 << 20,), 7.0) for _ in range(8)]  # reuse any memory wrongly freed
+    for k in ("head", "middle", "tail"):
+        assert torch.equal(out[k], state[k]), k
+    del junk
+    assert sorted(shared) == [4000, 4000]  # head and tail are views of the read-ahead buffers; the middle is read
+    shared.clear()
+    copies = ckptio.load(uri, mmap=False, **opts)  # copies asked for: every payload its own
+    assert shared == [] and all(torch.equal(copies[k], state[k]) for k in ("head", "middle", "tail"))
+    # damage inside each read-ahead range is caught before anything is returned
+    data = bytearray(ckptio.get(uri))
+    for where in ("head", "tail"):
+        bad = bytearray(data)
+        raw = state[where].numpy().tobytes()
+        at = bad.find(raw[:64])
+        assert at > 0
+        bad[at + 100] ^= 0x10
+        ckptio.put(bytes(bad), f"{s3_uri}/bad-{where}.fpk")
+        with pytest.raises(IntegrityError, match=f"bad-{where}.fpk.*{where}"):
+            ckptio.load(f"{s3_uri}/bad-{where}.fpk", **opts)
+
+
 @pytest.mark.parametrize(
     "pos, error, message",
     [

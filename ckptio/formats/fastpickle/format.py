@@ -38,6 +38,7 @@ def load_source(
 ) -> Any:
     if verify is None:  # an explicit mapping stays lazy unless verification is asked for
         verify = mmap is not True
+    share = mmap is None  # by default a remote load may return views of what it read ahead (not mmap=False)
     if mmap is None:  # a file ckptio opened by path (replaced by rename, never rewritten in place): mapped
         mmap = src.mappable and into is None
     # a full load reads ahead the ends of a remote file (staged); a load into the caller's tensors does not
@@ -65,7 +66,7 @@ def load_source(
             payloads = map_payloads(src, meta, sidxs, verify)
         else:
             bufs = {meta.tensors[i].storage: byte_view(t) for i, t in targets.items()}
-            payloads = read_payloads(src, meta, sidxs, verify, bufs)
+            payloads = read_payloads(src, meta, sidxs, verify, bufs, share)
             for t in targets.values():  # written behind autograd's back: as an in-place op would
                 torch.autograd.graph.increment_version(t)
     finally:

@@ -13,6 +13,7 @@ Payload checksums are skipped for a backend that checked every byte against a co
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import gc
@@ -32,7 +33,7 @@ import xxhash
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
 from ...osio import preadinto, prefault, translate_os_errors
-from ...threads import PARALLEL_MIN
+from ...threads import PARALLEL_MIN, shared_pool
 from .layout import (
     ALIGN,
     CHUNK,
@@ -153,7 +154,7 @@ class BackendSource(Source):
         if self.local:  # memory, local disks (an incremental step's blocks): as a local file is read
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: cf.Executor | None = None
 
     @property
     def size(self) -> int:  # type: ignore[override]  # a plain attribute on other sources
@@ -170,7 +171,7 @@ class BackendSource(Source):
         load costs about as many ranged requests as reading the object in ``part_size`` parts. Reads
         of the middle do not wait for them.
         """
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="fpk-ahead")
+        self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
         first = memoryview(_mmap.mmap(-1, max(1, self.part_size)))
         told: list[int] = []
@@ -248,10 +249,23 @@ class BackendSource(Source):
                 return lo - offset + got
         return len(mv)
 
+    def ahead_view(self, offset: int, nbytes: int) -> memoryview | None:
+        """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
+        (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
+        for off, data, fut in self._ahead:
+            if off <= offset and offset + nbytes <= off + len(data):
+                if fut.result() != len(data):
+                    raise IntegrityError(
+                        f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
+                    )
+                return data[offset - off : offset - off + nbytes]
+        return None
+
     def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:  # the reads in flight end before we return
-            pool.shutdown(wait=True, cancel_futures=True)
+        """The reads ahead that have not started are cancelled; those in flight end before this returns."""
+        futures = [fut for _, _, fut in self._ahead if not fut.cancel()]
+        self._pool = None
+        cf.wait(futures)
         self._ahead = []
 
 
@@ -412,12 +426,31 @@ def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, 
 
 
 def read_payloads(
-    src: Source, meta: Meta, idxs: list[int], verify: bool, into: dict[int, torch.Tensor] | None = None
+    src: Source,
+    meta: Meta,
+    idxs: list[int],
+    verify: bool,
+    into: dict[int, torch.Tensor] | None = None,
+    share: bool = False,
 ) -> dict[int, torch.Tensor]:
     """Read the given storages into fresh uint8 tensors (or the caller's, ``into``: storage index ->
-    uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read."""
+    uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read.
+
+    ``share``: a payload that lies wholly inside a range a remote source read ahead (the first and
+    last ``part_size`` bytes; a small object whole) is returned as a view of that buffer instead of a
+    copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
     into = into or {}
-    bufs = {i: into[i] if i in into else torch.empty(meta.storages[i][1], dtype=torch.uint8) for i in idxs}
+    shared: dict[int, torch.Tensor] = {}
+    if share and isinstance(src, BackendSource):
+        for i in idxs:
+            off, nbytes = meta.storages[i][:2]
+            view = src.ahead_view(off, nbytes) if i not in into and nbytes else None
+            if view is not None:
+                shared[i] = torch.frombuffer(view, dtype=torch.uint8)
+    bufs = {
+        i: into[i] if i in into else shared[i] if i in shared else torch.empty(meta.storages[i][1], dtype=torch.uint8)
+        for i in idxs
+    }
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
@@ -426,7 +459,7 @@ def read_payloads(
     limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
-    for run in _runs(idxs, meta.storages, COALESCE_GAP, limit):
+    for run in _runs([i for i in idxs if i not in shared], meta.storages, COALESCE_GAP, limit):
         first = meta.storages[run[0]]
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
             split.append(run[0])
@@ -443,8 +476,8 @@ def read_payloads(
             pos = off + nbytes
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
     _run_jobs(jobs, src.concurrency)
-    if verify and split:
-        verify_parallel(meta, split, mvs)
+    if verify and (split or shared):
+        verify_parallel(meta, split + list(shared), mvs)
     return bufs
 
 

@@ -1,0 +1,57 @@
+"""``ckptio.threads``: work too small for a thread runs inline; the shared pool survives a fork."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from ckptio import threads
+
+
+def test_inline_runs_at_once_and_hands_errors_through_the_future():
+    ran = []
+    with threads.executor(4, "t", nbytes=threads.PARALLEL_MIN - 1) as ex:
+        assert isinstance(ex, threads.Inline)
+        f = ex.submit(ran.append, 1)
+        assert ran == [1] and f.done() and f.result() is None
+        bad = ex.submit(int, "x")
+        with pytest.raises(ValueError):
+            bad.result()
+    with threads.executor(1, "t", nbytes=threads.PARALLEL_MIN) as ex:
+        assert not isinstance(ex, threads.Inline) and ex.submit(int, "7").result() == 7
+
+
+def _child(q):
+    q.put(threads.shared_pool().submit(os.getpid).result(timeout=20))
+
+
+def test_shared_pool_starts_anew_in_a_forked_child():
+    # the parent's pool has an idle thread: a child that reused it would queue work no thread ever runs
+    assert threads.shared_pool().submit(os.getpid).result() == os.getpid()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q,))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("the forked child hung on the shared pool")
+    assert p.exitcode == 0 and q.get(timeout=5) == p.pid
+
+
+def test_more_concurrent_remote_loads_than_shared_threads(s3_uri):
+    import concurrent.futures as cf
+
+    import torch
+
+    import ckptio
+
+    state = {"w": torch.randn(1000), "b": torch.arange(5)}
+    uri = f"{s3_uri}/many.fpk"
+    ckptio.dump(state, uri)
+    n = threads.SHARED_WORKERS + 8  # read-ahead requests queue for the shared threads, and all finish
+    with cf.ThreadPoolExecutor(n) as ex:
+        outs = [f.result(timeout=120) for f in [ex.submit(ckptio.load, uri) for _ in range(n)]]
+    assert all(torch.equal(o["w"], state["w"]) and torch.equal(o["b"], state["b"]) for o in outs)
