@@ -10,6 +10,7 @@ ckptio's promise (the floor), next to ckptio and the simple baseline:
 local (fsync everywhere)
   raw write + fsync          1 file fsync; a crash can leave a torn file (the throughput baseline)
   raw atomic replace         temporary file + fsync + rename + directory fsync (any crash-safe save)
+  torch.save, atomic replace torch.save to a temporary path + the same: the crash-safe .pt floor
   raw DCP commit             ckptio's protocol with os calls: data temporary file + fsync + rename +
                              directory fsync, then .metadata temporary + fsync + link + directory fsync
   raw DCP, 3 fsyncs          data file written under its final (fresh) name + fsync, then the .metadata
@@ -106,6 +107,18 @@ def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op],
         os.rename(tmp, final)
         _fsync_dir(root)
 
+    def torch_atomic(name: str) -> None:
+        final = os.path.join(root, name + ".atomic.pt")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        torch.save(state, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+
     def dcp_commit(name: str, minimal: bool) -> None:
         d = os.path.join(root, name + (".rawdcp3" if minimal else ".rawdcp"))
         os.mkdir(d)
@@ -135,6 +148,7 @@ def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op],
         "raw DCP, 3 fsyncs": lambda n: dcp_commit(n, True),
         "torch dcp.save, no writes": lambda n: _dcp_api_only(state),
         "torch.save + fsync": lambda n: tsave.save(state, at(tsave, n)),
+        "torch.save, atomic replace": torch_atomic,
         "ckptio .fpk": lambda n: ckptio.dump(state, os.path.join(root, n + ".fpk")),
         "ckptio .pt": lambda n: ckptio.dump(state, os.path.join(root, n + ".ckptio.pt")),
         "ckptio DCP": lambda n: dcp.save(state, os.path.join(root, n + ".dcp")),

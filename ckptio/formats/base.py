@@ -10,6 +10,7 @@ plain JSON data, which :func:`jsonable` and :func:`dtype_size` help build.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import io
 import math
@@ -18,6 +19,9 @@ from typing import IO, Any, ClassVar
 
 from ..backends.base import Backend, WriteMode, Writer
 from ..errors import FormatError
+from ..osio import translate_os_errors
+
+LOCAL_BUFFER = 64 << 10  # a stream format's small writes to a local file are gathered up to this size
 
 
 class Format(abc.ABC):
@@ -86,8 +90,17 @@ class StreamFormat(Format):
                 self.dump_file(obj, t, **kwargs)
                 t.flush()
                 t.detach()
-            else:
+            elif (fd := w.local_fileno()) is None:
                 self.dump_file(obj, w, **kwargs)  # type: ignore[arg-type]  # a Writer is a binary file-like, not an IO
+            else:  # a local file: the dozens of small writes torch.save & co. make, buffered onto its descriptor
+                with translate_os_errors(w.uri):
+                    f = open(fd, "wb", buffering=LOCAL_BUFFER, closefd=False)  # closed below, not the descriptor
+                    try:
+                        self.dump_file(obj, f, **kwargs)
+                        f.flush()
+                    finally:
+                        with contextlib.suppress(OSError):  # after a failed write: that error, not the flush's
+                            f.close()
 
     def load(self, backend: Backend, uri: str, **kwargs: Any) -> Any:
         f = backend.open_reader(uri)
