@@ -68,6 +68,13 @@ def preadinto(fd: int, mv: memoryview, offset: int) -> int:
     return total
 
 
+def anonymous(n: int) -> memoryview:
+    """``n`` (at least 1) bytes of anonymous memory: page-aligned, faulted in only as written (no zeroing
+    first) and private, so a forked child (a DataLoader worker) gets a copy on write, never the pages
+    of tensors the parent made from it."""
+    return memoryview(_mmap.mmap(-1, max(1, n), flags=_mmap.MAP_PRIVATE))
+
+
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 
 

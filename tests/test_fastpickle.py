@@ -500,26 +500,42 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
 
     monkeypatch.setattr(fpk_read.BackendSource, "ahead_view", view)
 
-    # part_size 5 MiB: a 12 MiB object is read ahead at both ends, its middle read into fresh tensors
+    # part_size 5 MiB: a 12.6 MB object is read ahead at both ends, its middle read into fresh tensors
     state = {
         "head": torch.randn(1000),
-        "middle": torch.randn(2 << 20),
+        "middle": torch.randn(3 << 20),  # 12 MiB: the tail range starts inside it, wherever the size says
         "tail": torch.randn(1000),
+        "c": torch.randn(77, dtype=torch.complex128),  # in the tail: its view is 16-byte aligned like the file's
         "n": 3,
+        "odd": "x",
     }
     uri = f"{s3_uri}/views.fpk"
     fp.save(state, uri)
+    for pad in range(64):  # an object whose size is no multiple of 64: the tail range then starts off one
+        if len(ckptio.get(uri)) % 64:
+            break
+        state["odd"] += "x"
+        fp.save(state, uri)
     opts = {"backend_args": {"part_size": 5 << 20}}
     out = ckptio.load(uri, **opts)
     gc.collect()
     junk = [torch.full((1 << 20,), 7.0) for _ in range(8)]  # reuse any memory wrongly freed
-    for k in ("head", "middle", "tail"):
+    for k in ("head", "middle", "tail", "c"):
         assert torch.equal(out[k], state[k]), k
+        assert out[k].data_ptr() % 64 == 0, k  # as aligned as in the file (some kernels fault otherwise)
     del junk
-    assert sorted(shared) == [4000, 4000]  # head and tail are views of the read-ahead buffers; the middle is read
+    assert sorted(shared) == [77 * 16, 4000, 4000]  # views of the read-ahead buffers; the middle is read
+    # the buffers are private: a forked child (a DataLoader worker) writing a loaded tensor changes its copy only
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=out["tail"].add_, args=(1.0,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and torch.equal(out["tail"], state["tail"])
     shared.clear()
     copies = ckptio.load(uri, mmap=False, **opts)  # copies asked for: every payload its own
-    assert shared == [] and all(torch.equal(copies[k], state[k]) for k in ("head", "middle", "tail"))
+    assert shared == [] and all(torch.equal(copies[k], state[k]) for k in ("head", "middle", "tail", "c"))
     # damage inside each read-ahead range is caught before anything is returned
     data = bytearray(ckptio.get(uri))
     for where in ("head", "tail"):

@@ -16,7 +16,6 @@ import bisect
 import contextlib
 import io
 import itertools
-import mmap
 import os
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
 from ..errors import NotFoundError
+from ..osio import anonymous
 
 WriteMode = Literal["overwrite", "create"]
 Buffer = bytes | bytearray | memoryview
@@ -477,6 +477,6 @@ def read_first(backend: Backend, uri: str, limit: int = SMALL_OBJECT) -> tuple[m
     lookup first, and whether they are the whole object (fewer came back). A missing object raises
     NotFoundError. On an object store a small object is then one GET, header and footer included.
     The buffer is anonymous memory, faulted in only as far as it is filled (not zeroed first)."""
-    buf = memoryview(mmap.mmap(-1, max(1, min(limit, backend.part_size))))
+    buf = anonymous(min(limit, backend.part_size))
     n = backend.readinto(uri, buf, 0)  # 0 bytes: empty, or missing (readinto raises then)
     return buf[:n], n < len(buf)

@@ -21,7 +21,6 @@ import concurrent.futures
 import dataclasses
 import io
 import math
-import mmap
 import os
 import pickle
 import tempfile
@@ -32,6 +31,7 @@ from typing import IO, Any
 from .. import torch_internals as _ti
 from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, copy_to_file
 from ..errors import FormatError, IntegrityError, note
+from ..osio import anonymous
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
@@ -136,7 +136,7 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     import torch
 
     backend = backend.pin_version(uri)  # head and rest from one version of the object, or IntegrityError
-    head = memoryview(mmap.mmap(-1, max(1, min(backend.part_size, IN_MEMORY_MAX))))  # faulted in as filled
+    head = anonymous(min(backend.part_size, IN_MEMORY_MAX))  # faulted in as filled
     part = len(head)
     sizes: list[int] = []
     rest: list[tuple[memoryview, concurrent.futures.Future[int]]] = []
@@ -145,7 +145,7 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     def on_size(size: int) -> None:  # on the IO thread, while the first body is still coming
         sizes.append(size)
         if part < size <= IN_MEMORY_MAX:
-            buf = memoryview(mmap.mmap(-1, size - part))
+            buf = anonymous(size - part)
             rest.append((buf, pool.submit(backend.readinto, uri, buf, part)))
 
     try:

@@ -32,7 +32,7 @@ import xxhash
 
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
-from ...osio import preadinto, prefault, translate_os_errors
+from ...osio import anonymous, preadinto, prefault, translate_os_errors
 from ...threads import PARALLEL_MIN, shared_pool
 from .layout import (
     ALIGN,
@@ -173,7 +173,7 @@ class BackendSource(Source):
         """
         self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
-        first = memoryview(_mmap.mmap(-1, max(1, self.part_size)))
+        first = anonymous(self.part_size)
         told: list[int] = []
         ready = threading.Event()
 
@@ -191,9 +191,10 @@ class BackendSource(Source):
             self._size = told[0] if told else self.backend.stat(self.name).size
         head = min(self.size, len(first))
         tail = min(self.size - head, max(self.part_size, self.prefetch))
-        if tail:  # the tail holds the metadata
-            buf = memoryview(_mmap.mmap(-1, tail))
-            self._ahead.append((self.size - tail, buf, self._pool.submit(self._fetch, buf, self.size - tail)))
+        if tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
+            start = max(head, (self.size - tail) // ALIGN * ALIGN)
+            buf = anonymous(self.size - start)
+            self._ahead.append((start, buf, self._pool.submit(self._fetch, buf, start)))
         self._ahead[0] = (0, first[:head], head_f)
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
@@ -253,7 +254,8 @@ class BackendSource(Source):
         """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
         (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
         for off, data, fut in self._ahead:
-            if off <= offset and offset + nbytes <= off + len(data):
+            # a view must be as aligned as the payload is in the file (element size; some kernels fault)
+            if off <= offset and offset + nbytes <= off + len(data) and (offset - off) % ALIGN == 0:
                 if fut.result() != len(data):
                     raise IntegrityError(
                         f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
