@@ -511,7 +511,7 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
     }
     uri = f"{s3_uri}/views.fpk"
     fp.save(state, uri)
-    for pad in range(64):  # an object whose size is no multiple of 64: the tail range then starts off one
+    for _ in range(64):  # an object whose size is no multiple of 64: the tail range then starts off one
         if len(ckptio.get(uri)) % 64:
             break
         state["odd"] += "x"
