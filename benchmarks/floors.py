@@ -165,24 +165,32 @@ def local_ops(state: dict[str, torch.Tensor], root: str) -> tuple[dict[str, Op],
     return saves, loads
 
 
+class _NoStorage:
+    """What torch's DCP asks of a storage writer or reader that moves no bytes (plans passed through)."""
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
 def _dcp_api_only(state: dict[str, torch.Tensor]) -> None:
     """torch's ``dcp.save`` with a writer that writes nothing: what its planner and bookkeeping cost."""
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
     from torch.futures import Future
 
-    class NoWrites(StorageWriter):
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
+    class NoWrites(_NoStorage, StorageWriter):
         def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: Any) -> Any:
-            return plans
 
         def write_data(self, plan: Any, planner: Any) -> Future:
             fut: Future = Future()
@@ -192,10 +200,6 @@ def _dcp_api_only(state: dict[str, torch.Tensor]) -> None:
         def finish(self, metadata: Any, results: Any) -> None:
             pass
 
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return True
-
     save(state, storage_writer=NoWrites())
 
 
@@ -204,8 +208,8 @@ _metadata_bytes: dict[int, bytes] = {}
 
 def _dcp_load_api_only(state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tensor]:
     """torch's ``dcp.load`` into fresh tensors with a reader that reads nothing but hands over the
-    ``.metadata`` of the first checkpoint of ``state`` (read in the warm-up round): the planner and bookkeeping of every
-    load through torch's API, on top of which a reader reads its files."""
+    ``.metadata`` of the first checkpoint of ``state`` (read in the warm-up round): the planner and
+    bookkeeping of every load through torch's API, on top of which a reader reads its files."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.storage import StorageReader
     from torch.futures import Future
@@ -214,30 +218,17 @@ def _dcp_load_api_only(state: dict[str, torch.Tensor], uri: str) -> dict[str, to
         _metadata_bytes[id(state)] = ckptio.get(uri + "/.metadata")
     meta = _metadata_bytes[id(state)]
 
-    class NoReads(StorageReader):
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
+    class NoReads(_NoStorage, StorageReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return pickle.loads(meta)
 
         def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             pass
 
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: Any) -> Any:
-            return plans
-
         def read_data(self, plan: Any, planner: Any) -> Future:
             fut: Future = Future()
             fut.set_result(None)
             return fut
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return True
 
     out = {k: torch.empty_like(v) for k, v in state.items()}
     load(out, storage_reader=NoReads())

@@ -58,14 +58,7 @@ def translate_os_errors(uri: str) -> Iterator[None]:
 
 def preadinto(fd: int, mv: memoryview, offset: int) -> int:
     """``pread`` into ``mv`` until full or EOF (in <=1 GiB calls; Linux caps one read at ~2 GiB)."""
-    total = 0
-    step = 1 << 30
-    while total < len(mv):
-        n = os.preadv(fd, [mv[total : total + step]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total
+    return preadv_into(fd, [mv], offset)
 
 
 def anonymous(n: int) -> memoryview:

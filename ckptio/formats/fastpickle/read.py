@@ -23,7 +23,6 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -235,8 +234,8 @@ class BackendSource(Source):
         for off, data, fut in self._ahead:  # copy what is read ahead at either end of the request
             end = off + len(data)
             start_in, end_in = off <= lo < end, lo < off < hi <= end
-            if (start_in or end_in) and fut.result() != len(data):
-                raise IntegrityError(f"{self.name}: truncated: bytes [{off}, {end}) returned only {fut.result()}")
+            if start_in or end_in:
+                self._arrived(off, data, fut)
             if start_in:
                 k = min(hi, end) - lo
                 mv[lo - offset : lo - offset + k] = data[lo - off : lo - off + k]
@@ -250,16 +249,20 @@ class BackendSource(Source):
                 return lo - offset + got
         return len(mv)
 
+    def _arrived(self, off: int, data: memoryview, fut: Any) -> None:
+        """Wait for the range read ahead into ``data`` (from byte ``off``); IntegrityError if it came short."""
+        if fut.result() != len(data):
+            raise IntegrityError(
+                f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
+            )
+
     def ahead_view(self, offset: int, nbytes: int) -> memoryview | None:
         """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
         (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
         for off, data, fut in self._ahead:
             # a view must be as aligned as the payload is in the file (element size; some kernels fault)
             if off <= offset and offset + nbytes <= off + len(data) and (offset - off) % ALIGN == 0:
-                if fut.result() != len(data):
-                    raise IntegrityError(
-                        f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
-                    )
+                self._arrived(off, data, fut)
                 return data[offset - off : offset - off + nbytes]
         return None
 
@@ -348,7 +351,7 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     if ahead is not None:
         tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch:
-        with ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
+        with cf.ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
             tail = src.read(size - tail_len, tail_len)
             header = head_f.result()
@@ -513,7 +516,7 @@ def _run_jobs(jobs: list[Callable[[], None]], concurrency: int) -> None:
         for j in jobs:
             j()
         return
-    with ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
+    with cf.ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
         for f in [ex.submit(j) for j in jobs]:
             f.result()
 
