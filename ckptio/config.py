@@ -429,12 +429,16 @@ class Settings:
 
     def map_path(self, uri: str) -> str:
         """Apply ``path_mapping``: the longest matching prefix is rewritten."""
+        if not self.path_mapping:
+            return uri
         best = max((p for p in self.path_mapping if uri.startswith(p)), key=len, default=None)
         return uri if best is None else self.path_mapping[best] + uri[len(best) :]
 
     def resolve_alias(self, uri: str) -> tuple[str, Mapping[str, Any]]:
         """Rewrite an alias scheme to its target (aliases may chain; cycles are refused at load)."""
         extra: dict[str, Any] = {}
+        if not self.aliases:
+            return uri, extra
         while True:
             scheme, rest = _uri.split(uri)
             alias = self.aliases.get(scheme)

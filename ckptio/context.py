@@ -52,7 +52,7 @@ def translate_backend_args(args: Mapping[str, Any]) -> tuple[Mapping[str, str], 
 
 
 def _freeze(options: Mapping[str, Any]) -> str:
-    return json.dumps(options, sort_keys=True, default=repr)
+    return json.dumps(options, sort_keys=True, default=repr) if options else "{}"
 
 
 class Context:
@@ -154,7 +154,7 @@ class Context:
                     f"ckptio.set_s3_backend(key={backend_key!r}, backend_args=...) first"
                 )
             backend_args = {**self.named_backends[backend_key], **(backend_args or {})}
-        elif backend_args is None and _uri.scheme_of(uri) in ("s3", "s3a") and "default" in self.named_backends:
+        elif backend_args is None and "default" in self.named_backends and _uri.scheme_of(uri) in ("s3", "s3a"):
             backend_args = self.named_backends["default"]
         if not backend_args:
             return uri, None, {}

@@ -216,12 +216,16 @@ class FormatRegistry(_Registry):
 
     def find(self, uri: str) -> Entry:
         """The entry with the longest extension matching ``uri``'s name (``.pth.tar`` beats ``.tar``)."""
-        name = _uri.basename(uri).lower()
+        name = uri.rstrip("/").rsplit("/", 1)[-1].lower()  # the last path segment (the scheme ends in "/")
+        entries = self._entries
         for attempt in range(2):
-            with self._lock:
-                best = max((k for k in self._entries if name.endswith(k)), key=len, default=None)
-                if best is not None:
-                    return self._entries[best]
+            # every key starts with "." (_norm_ext): the longest match starts at the first dot that gives one
+            i = name.find(".")
+            while i >= 0:
+                entry = entries.get(name[i:])  # one dict look-up per dot, no lock (never iterated here)
+                if entry is not None:
+                    return entry
+                i = name.find(".", i + 1)
             if attempt == 0:
                 self._load_entry_points()
         raise UnknownFormatError(

@@ -290,6 +290,34 @@ def test_register_format_decorator_and_conflicts(tmp_path):
         ckptio.registry.formats.unregister("other")
 
 
+def test_format_is_the_longest_extension_of_the_last_path_segment():
+    """Format look-up by name: the longest registered extension wins, case does not matter, a dot in a
+    directory or bucket name is not an extension, and nothing matches a name without one."""
+    find = ckptio.registry.formats.find
+
+    @ckptio.register_format("longer", extensions=[".V2.PT"])
+    class Longer(ckptio.StreamFormat):
+        def dump_file(self, obj, f, **kw):
+            f.write(obj)
+
+        def load_file(self, f, **kw):
+            return f.read()
+
+    try:
+        assert find("/a/m.v2.pt").name == "longer"  # registered upper case, found lower case
+        assert find("s3://bkt/run/M.V2.PT").name == "longer"
+        assert find("/a/m.x.v2.pt").name == "longer"
+        assert find("/a/m.pt").name == find("/a/mv2.pt").name == "torch"  # ".pt" only: no dot before "v2"
+        assert find("/a/m.pth.tar").name == "torch"
+        assert find("memory://bkt/m.fpk").name == "fastpickle"
+        assert find("s3://bkt/dir.json/").name == "json"  # a trailing slash names the same object
+        for bad in ("s3://bkt.pt/model", "/runs/v1.pt/model", "s3://bkt/model", "/a/pt", "/a/m.", "s3://b.json/x"):
+            with pytest.raises(UnknownFormatError, match="extension matches none"):
+                find(bad)
+    finally:
+        ckptio.registry.formats.unregister("longer")
+
+
 def test_text_stream_format_gets_str_streams(root):
     """``StreamFormat.text = True``: dump_file writes str and load_file reads str, on every backend."""
 

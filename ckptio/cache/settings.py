@@ -54,14 +54,10 @@ def cache_options(
     True (the settings' directory, else the default one), a path (the directory), or a mapping with ``cache_dir``,
     ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``.
     """
-    from ..config import coerce_options
-
-    found = {k: backend_options.pop(k) for k in CACHE_OPTIONS if k in backend_options}
+    found = {k: backend_options.pop(k) for k in CACHE_OPTIONS if k in backend_options} if backend_options else {}
+    if cache is False or (cache is None and "cache_dir" not in found):
+        return None
     table = table or {}
-    if cache is False:
-        return None
-    if cache is None and "cache_dir" not in found:
-        return None
     opts: dict[str, Any] = {"cache_dir": None, "max_bytes": None, "verify": False, "fsync": False}
     opts.update({TABLE_KEYS[k]: v for k, v in table.items()})
     renamed = {"cache_verify": "verify", "cache_fsync": "fsync"}
@@ -73,6 +69,8 @@ def cache_options(
         bad = set(given_cache) - set(_ARGUMENT_KEYS)
         if bad:
             raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected {', '.join(_ARGUMENT_KEYS)}")
+        from ..config import coerce_options
+
         names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
         given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
         opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})

@@ -208,37 +208,38 @@ def validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> Meta
             raise bad(f"tensor {i} has invalid fields")
         nbytes = out_s[sidx][1]
         numel = math.prod(shape)
-        key = repr(path if len(path) <= 200 else path[:200] + "...")
         if kind == KIND_NUMPY:
-            itemsize = np_dtype(dtype, f"{name}: malformed metadata: array {key}").itemsize
+            itemsize = np_dtype(dtype, f"{name}: malformed metadata: array {_key(path)}").itemsize
             if not itemsize:  # numpy would allocate the array anyway, one byte per item
-                raise bad(f"array {key}: dtype {dtype} has 0 bytes per item")
+                raise bad(f"array {_key(path)}: dtype {dtype} has 0 bytes per item")
             if math.prod(d or 1 for d in shape) * itemsize > INT64_MAX:
-                raise bad(f"array {key}: shape {shape} of {dtype} is larger than any array can be")
+                raise bad(f"array {_key(path)}: shape {shape} of {dtype} is larger than any array can be")
             if numel * itemsize != nbytes or stride or soff or tflags:
-                raise bad(f"array {key}: shape {shape} of {dtype} does not match its {nbytes} bytes")
+                raise bad(f"array {_key(path)}: shape {shape} of {dtype} does not match its {nbytes} bytes")
         else:
             dt = DTYPES.get(dtype)
             if dt is None or (dt not in QUANT_INT if kind == KIND_QUANT else dt in _QUANT_ALL):
-                raise bad(f"tensor {key}: unknown dtype {dtype[:40]!r}")
+                raise bad(f"tensor {_key(path)}: unknown dtype {dtype[:40]!r}")
             if len(stride) != len(shape):
-                raise bad(f"tensor {key}: shape and stride lengths differ")
+                raise bad(f"tensor {_key(path)}: shape and stride lengths differ")
             if numel > INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
-                raise bad(f"tensor {key}: shape {shape} has more elements than any tensor can have")
+                raise bad(f"tensor {_key(path)}: shape {shape} has more elements than any tensor can have")
             if (
                 numel
                 and (soff + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) + 1) * dt.itemsize > nbytes
             ):
                 raise bad(
-                    f"tensor {key}: shape {shape} stride {stride} offset {soff} exceeds its storage of {nbytes} bytes"
+                    f"tensor {_key(path)}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
+                    f"{nbytes} bytes"
                 )
             if tflags & TF_REQUIRES_GRAD and not (dt.is_floating_point or dt.is_complex):
-                raise bad(f"tensor {key}: requires_grad on dtype {dtype}")
+                raise bad(f"tensor {_key(path)}: requires_grad on dtype {dtype}")
             if kind == KIND_QUANT:
                 # torch copies a quantized tensor out of its integers: no more elements than stored bytes
                 if numel * dt.itemsize > nbytes or not _valid_qextra(extra, shape):
                     raise bad(
-                        f"tensor {key}: invalid quantization parameters or shape {shape} larger than its {nbytes} bytes"
+                        f"tensor {_key(path)}: invalid quantization parameters or shape {shape} larger than its "
+                        f"{nbytes} bytes"
                     )
                 qparams[i] = extra
         off, nb, checksum, loc = out_s[sidx]
@@ -261,6 +262,11 @@ def validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> Meta
             )
         )
     return Meta(name, size, flags, out_s, out_t, qparams, tree, all_cpu=all_cpu)
+
+
+def _key(path: str) -> str:
+    """A tensor's path for an error message (built only when there is one)."""
+    return repr(path if len(path) <= 200 else path[:200] + "...")
 
 
 def _dims_ok(dims: list) -> bool:
