@@ -94,8 +94,11 @@ def dump(
     fmt = _format_for(uri, file_format)
     backend, resolved = _resolve(uri, backend_args, backend_key)
     try:
-        with _reporting(progress, backend, uri, 0) as backend:
+        if progress is None or progress is False:
             fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
+        else:
+            with _reporting(progress, backend, uri, 0) as backend:
+                fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
     except TypeError as e:
         raise TypeError(f"cannot write {uri!r} as {fmt.name}: {e}") from e
     return None
@@ -139,14 +142,21 @@ def load(
 
 
 def _load(fmt: Format, backend: Backend, resolved: str, uri: str, progress: Any, kwargs: dict[str, Any]) -> Any:
-    total = backend.stat(resolved).size if progress not in (None, False) else 0
-    with _reporting(progress, backend, uri, total) as counted:
-        if backend.node_cache is not None and not fmt.reads_through_cache:  # a plain local file: mmap works
-            with backend.local_file(resolved) as path:  # the verified entry, held for the load
-                if path is not None:
-                    local = LocalBackend(part_size=backend.part_size, concurrency=backend.concurrency)
-                    return fmt.load(local, path, **kwargs)
-        return fmt.load(counted, resolved, **kwargs)
+    if progress is None or progress is False:
+        return _load_from(fmt, backend, backend, resolved, kwargs)
+    with _reporting(progress, backend, uri, backend.stat(resolved).size) as counted:
+        return _load_from(fmt, backend, counted, resolved, kwargs)
+
+
+def _load_from(fmt: Format, backend: Backend, counted: Backend, resolved: str, kwargs: dict[str, Any]) -> Any:
+    """``fmt.load`` through ``counted`` (``backend``, or it wrapped to report progress); a node-local
+    cache entry is loaded as the local file it is."""
+    if backend.node_cache is not None and not fmt.reads_through_cache:  # a plain local file: mmap works
+        with backend.local_file(resolved) as path:  # the verified entry, held for the load
+            if path is not None:
+                local = LocalBackend(part_size=backend.part_size, concurrency=backend.concurrency)
+                return fmt.load(local, path, **kwargs)
+    return fmt.load(counted, resolved, **kwargs)
 
 
 @contextlib.contextmanager
