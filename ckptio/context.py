@@ -68,6 +68,9 @@ class Context:
 
     @property
     def settings(self) -> Settings:
+        s = self._settings  # set once under the lock, replaced by None (never changed in place) on configure
+        if s is not None:
+            return s
         with self._lock:
             if self._settings is None:
                 base = (

@@ -81,6 +81,7 @@ class _Registry:
 
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}  # key -> entry
+        self._by_scheme: dict[str, list[str]] | None = None  # BackendRegistry's index of _entries
         self._lock = threading.RLock()
         self._entry_points_loaded = False
 
@@ -106,12 +107,14 @@ class _Registry:
             entry = Entry(name, keys, target, extra)
             for k in keys:
                 self._entries[k] = entry
+            self._by_scheme = None
             return entry
 
     def unregister(self, name: str) -> None:
         with self._lock:
             for k in [k for k, e in self._entries.items() if e.name == name]:
                 del self._entries[k]
+            self._by_scheme = None
 
     def names(self) -> list[str]:
         self._load_entry_points()
@@ -190,12 +193,21 @@ class BackendRegistry(_Registry):
         )
 
     def _match(self, uri: str, scheme: str) -> Entry | None:
+        if not scheme:
+            return self._entries.get("")
         with self._lock:
-            if not scheme:
-                return self._entries.get("")
+            index = self._by_scheme
+            if index is None:  # prefixes by scheme, longest first (rebuilt after a change)
+                index = {}
+                for k in sorted(self._entries, key=len, reverse=True):
+                    if k:
+                        index.setdefault(k.split("://", 1)[0], []).append(k)
+                self._by_scheme = index
+            keys = index.get(scheme, ())
+            if len(keys) == 1 and len(keys[0]) == len(scheme) + 3:  # the usual case: only "scheme://"
+                return self._entries[keys[0]]
             low = uri[: len(scheme) + 3].lower() + uri[len(scheme) + 3 :]
-            best_key = max((k for k in self._entries if k and low.startswith(k)), key=len, default=None)
-            return self._entries[best_key] if best_key is not None else None
+            return next((self._entries[k] for k in keys if low.startswith(k)), None)
 
 
 def _fsspec_protocol(scheme: str) -> bool:

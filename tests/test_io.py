@@ -348,6 +348,26 @@ def test_register_backend_conflict_requires_force():
             pass
 
 
+def test_backend_is_the_longest_registered_prefix_and_sees_registrations():
+    """A prefix longer than ``scheme://`` (one bucket) wins for the URIs under it, whatever the case of
+    the scheme; registering and unregistering take effect on the next look-up."""
+    find = ckptio.registry.backends.find
+    assert find("memory://team/x.pt").name == "memory"  # looked up (and indexed) before the registration
+
+    @ckptio.register_backend("team", prefixes=["memory://team/"])
+    class Team(ckptio.Backend):
+        pass
+
+    try:
+        assert find("memory://team/x.pt").name == "team"
+        assert find("MEMORY://team/x.pt").name == "team"
+        assert find("memory://teams/x.pt").name == find("memory://other/x.pt").name == "memory"
+        assert find("/tmp/x.pt").name == find("file:///tmp/x.pt").name == "local"
+    finally:
+        ckptio.registry.backends.unregister("team")
+    assert find("memory://team/x.pt").name == "memory"
+
+
 def test_ordered_dict_roundtrip_pt(root):
     od = OrderedDict([("b", torch.ones(1)), ("a", torch.zeros(1))])
     uri = ckptio.join_path(root, "od.pt")

@@ -52,6 +52,7 @@ COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
+LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
 
 
 # ------------------------------------------------------------------------------------------
@@ -105,6 +106,7 @@ def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: in
 class FdSource(Source):
     concurrency = 2
     local = True
+    prefetch = LOCAL_TAIL
 
     def __init__(self, fd: int, name: str, owned: bool) -> None:
         self.fd, self.name, self._owned = fd, name, owned
@@ -151,6 +153,7 @@ class BackendSource(Source):
         self.part_size = backend.part_size
         self.local = backend.reads_local
         if self.local:  # memory, local disks (an incremental step's blocks): as a local file is read
+            # no tail read past the footer: a read counted for progress must not overlap another
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: cf.Executor | None = None
@@ -270,7 +273,8 @@ class BackendSource(Source):
         """The reads ahead that have not started are cancelled; those in flight end before this returns."""
         futures = [fut for _, _, fut in self._ahead if not fut.cancel()]
         self._pool = None
-        cf.wait(futures)
+        if futures:
+            cf.wait(futures)
         self._ahead = []
 
 
@@ -350,7 +354,7 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     deferred = ahead is not None
     if ahead is not None:
         tail = src.read(size - tail_len, tail_len)
-    elif src.concurrency > 1 and src.prefetch:
+    elif src.concurrency > 1 and src.prefetch and not src.local:  # no request latency to hide locally
         with cf.ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
             tail = src.read(size - tail_len, tail_len)
