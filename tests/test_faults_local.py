@@ -228,6 +228,31 @@ def test_saves_into_new_directories_and_under_a_file_name_the_uri(tmp_path, ext)
     assert sorted(os.listdir(deep.parent)) == [f"x{ext}"]  # no temporary left behind
 
 
+@pytest.mark.parametrize("mode", ["overwrite", "create"])
+def test_a_durable_save_makes_the_directories_it_creates_durable_too(tmp_path, monkeypatch, mode):
+    """A file's directory entry is fsynced, and so is the entry of every directory the save made (in its
+    parent): after a power loss the new ``step_N/`` cannot be missing with the file inside it. A save into
+    an existing directory syncs that directory only; ``durable=False`` syncs nothing."""
+    from ckptio.backends import local
+
+    synced: list[str] = []
+    real = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda p: (synced.append(os.path.abspath(p)), real(p)))
+    root = tmp_path / "runs"
+    root.mkdir()
+    target = root / "run7" / "step_100" / "model.fpk"
+    ckptio.dump({"w": torch.ones(3)}, str(target), mode=mode)
+    # the file's directory, then the parent of each directory made (deepest first)
+    assert synced == [str(target.parent), str(root / "run7"), str(root)]
+    synced.clear()
+    ckptio.dump({"w": torch.ones(3)}, str(target.parent / "optim.fpk"), mode=mode)
+    assert synced == [str(target.parent)]  # nothing new: no extra fsync
+    synced.clear()
+    ckptio.put(b"x", str(root / "run8" / "a.bin"), durable=False)
+    assert synced == []
+    assert torch.equal(ckptio.load(str(target))["w"], torch.ones(3))
+
+
 # ---- damage after writing ----------------------------------------------------------------------
 
 

@@ -79,6 +79,19 @@ def _open_replaced(path: str) -> int | None:
     return None
 
 
+def _missing_dirs(directory: str) -> list[str]:
+    """``directory`` and those of its ancestors that do not exist, deepest first (what makedirs will make)."""
+    out: list[str] = []
+    d = os.path.abspath(directory)
+    while not os.path.exists(d):
+        out.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return out
+
+
 class LocalWriter(Writer):
     def __init__(self, uri: str, path: str, mode: WriteMode, durable: bool) -> None:
         self.uri, self._path, self._mode, self._durable = uri, path, mode, durable
@@ -87,9 +100,11 @@ class LocalWriter(Writer):
             if mode == "create" and os.path.lexists(path):
                 raise AlreadyExistsError(uri)
             self._tmp = os.path.join(directory, f".{os.path.basename(path)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+            self._new_dirs: list[str] = []  # directories this writer made, deepest first
             try:
                 self._f: BinaryIO | None = open(self._tmp, "xb", buffering=0)
             except FileNotFoundError:  # a new directory: made on the first write into it
+                self._new_dirs = _missing_dirs(directory)
                 os.makedirs(directory, exist_ok=True)
                 self._f = open(self._tmp, "xb", buffering=0)
 
@@ -137,6 +152,9 @@ class LocalWriter(Writer):
                     finally:
                         if old is not None:
                             os.close(old)
+                if self._durable:
+                    for d in self._new_dirs:  # each new directory's entry in its parent: durable as the file is
+                        fsync_dir(os.path.dirname(d) or ".")
         except BaseException:
             f.close()
             self._discard()
