@@ -100,14 +100,16 @@ def _exchange(obj: Any, group: Any, timeout: float, what: str) -> list[Any]:
     """all_gather of a picklable object, with a timeout on each collective."""
     world = dist.get_world_size(group)
     data = pickle.dumps(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    sizes = [torch.zeros(1, dtype=torch.int64, device="cpu") for _ in range(world)]
     _wait(
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group, async_op=True), timeout, what
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device="cpu"), group=group, async_op=True),
+        timeout,
+        what,
     )
     width = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(width, dtype=torch.uint8)
+    mine = torch.zeros(width, dtype=torch.uint8, device="cpu")
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    outs = [torch.empty(width, dtype=torch.uint8, device="cpu") for _ in range(world)]
     _wait(dist.all_gather(outs, mine, group=group, async_op=True), timeout, what)
     return [pickle.loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
@@ -233,9 +235,9 @@ def _load_network(
     if not head.ok:
         raise RankFailedError(f"rank {src} failed to read {uri}: {head.error_type}: {head.value}")
     size, resolved = head.value
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = torch.empty(size, dtype=torch.uint8, device="cpu")
     mv = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
-    flag = torch.zeros(1, dtype=torch.int64)
+    flag = torch.zeros(1, dtype=torch.int64, device="cpu")
     for off in range(0, size, int(chunk_size)):
         n = min(int(chunk_size), size - off)
         if rank == src:

@@ -519,3 +519,34 @@ def test_copy_if_symlink_fails(tmp_path, monkeypatch):
     assert ckptio.get_text("memory://sym/f.txt") == "disk"
     assert ckptio.copy_if_symlink_fails(tmp_path / "d", "memory://sym/d") is False
     assert ckptio.get_text("memory://sym/d/g.txt") == "in dir"
+
+
+@pytest.mark.parametrize("ext", [".fpk", ".pt", ".safetensors", "dcp", "checkpointer"])
+def test_saves_and_loads_inside_a_default_device_context(root, ext):
+    """Code that builds its model under ``with torch.device("meta")`` (or ``torch.set_default_device("cuda")``)
+    still saves and loads CPU tensors: ckptio's own buffers are made on the CPU, whatever the default."""
+    from ckptio import dcp
+    from ckptio.checkpointer import Checkpointer
+
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int64)}
+    uri = ckptio.join_path(root, f"dev{ext}")
+    with torch.device("meta"):
+        if ext == "dcp":
+            dcp.save(state, uri)
+            out = {k: torch.zeros_like(v, device="cpu") for k, v in state.items()}
+            dcp.load(out, uri)
+        elif ext == "checkpointer":
+            ck = Checkpointer(uri)
+            ck.save(1, {"model": state})
+            target = {"model": {k: torch.zeros_like(v, device="cpu") for k, v in state.items()}}
+            assert ck.load(target) == 1
+            out = target["model"]
+        else:
+            ckptio.dump(state, uri)
+            out = ckptio.load(uri)
+            if ext == ".fpk":  # copy mode and (local files) a mapping without verification
+                for mmap in (False, True) if "://" not in uri else (False,):
+                    assert all(torch.equal(ckptio.load(uri, mmap=mmap)[k], state[k]) for k in state)
+    assert set(out) == set(state)
+    for k, v in state.items():
+        assert out[k].device.type == "cpu" and torch.equal(out[k], v), k

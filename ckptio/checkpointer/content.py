@@ -102,7 +102,7 @@ class Content:
             import torch
             import torch.distributed as dist
 
-            t = torch.tensor(counts, dtype=torch.int64)
+            t = torch.tensor(counts, dtype=torch.int64, device="cpu")
             dist.all_reduce(t, group=pg)
             counts = t.tolist()
         self.last = (counts[0], counts[1])

@@ -158,7 +158,11 @@ def _read_dcp(
     reader.check_tensors(f for f in new if isinstance(md.state_dict_metadata[f], TensorStorageMetadata))
     for fqn, path in new.items():
         meta = md.state_dict_metadata[fqn]
-        value = torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
+        value = (
+            torch.empty(meta.size, dtype=meta.properties.dtype, device="cpu")
+            if isinstance(meta, TensorStorageMetadata)
+            else None
+        )
         set_element(tree, path, value)
     for k in tree:
         _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)

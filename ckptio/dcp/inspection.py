@@ -36,7 +36,7 @@ def _read(uri: str | os.PathLike, backend_options: dict[str, Any]) -> tuple[Meta
 
 
 def _dtype_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch.")), device="cpu").element_size()
 
 
 def inspect(uri: str | os.PathLike, **backend_options: Any) -> dict[str, Any]:

@@ -205,7 +205,7 @@ def _plan_foreign(
     req: ReadItem, planner: LoadPlanner, sinfo: Any, obj: str, fetch: Callable, load_bytes: Callable
 ) -> _Unit:
     """An item written by torch's writers: one ranged read of the item, then torch's own decoding."""
-    buf = torch.empty(sinfo.length, dtype=torch.uint8)
+    buf = torch.empty(sinfo.length, dtype=torch.uint8, device="cpu")
     unit = _Unit(req, obj, lambda: None, temp_bytes=sinfo.length)
 
     def finish() -> None:
@@ -493,7 +493,7 @@ class StorageReader(AtURI, _storage.StorageReader):
             target = uint8_view(dest)
             unit = _Unit(req, obj, lambda: None)
         else:
-            target = torch.empty(hi - lo, dtype=torch.uint8)
+            target = torch.empty(hi - lo, dtype=torch.uint8, device="cpu")
             unit = _Unit(req, obj, lambda: None, temp_bytes=hi - lo)
 
         def finish_tensor() -> None:

@@ -178,4 +178,4 @@ def dtype_size(dtype: str) -> int:
     """Bytes per element of a torch dtype named ``"float32"`` or ``"torch.float32"``."""
     import torch
 
-    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch.")), device="cpu").element_size()

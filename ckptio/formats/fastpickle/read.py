@@ -457,7 +457,11 @@ def read_payloads(
             if view is not None:
                 shared[i] = torch.frombuffer(view, dtype=torch.uint8)
     bufs = {
-        i: into[i] if i in into else shared[i] if i in shared else torch.empty(meta.storages[i][1], dtype=torch.uint8)
+        i: into[i]
+        if i in into
+        else shared[i]
+        if i in shared
+        else torch.empty(meta.storages[i][1], dtype=torch.uint8, device="cpu")
         for i in idxs
     }
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
@@ -540,7 +544,7 @@ def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict
     for i in idxs:
         off, nbytes = meta.storages[i][:2]
         if nbytes == 0:
-            out[i] = torch.empty(0, dtype=torch.uint8)
+            out[i] = torch.empty(0, dtype=torch.uint8, device="cpu")
         else:
             out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
     if verify:

@@ -46,7 +46,7 @@ def _get_staging() -> torch.Tensor:
     """One reused host buffer (pinned when CUDA is present) for copying device tensors out."""
     global _staging
     if _staging is None:
-        _staging = torch.empty(CHUNK // 2, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        _staging = torch.empty(CHUNK // 2, dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
     return _staging
 
 
@@ -55,7 +55,7 @@ def _cpu_view(data: Any) -> memoryview:
     if isinstance(data, np.ndarray):
         return memoryview(data).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     # a uint8 tensor over the storage: cheaper than a ctypes array at its address, and it keeps the storage alive
-    return memoryview(torch.empty(0, dtype=torch.uint8).set_(data).numpy())  # type: ignore[arg-type]
+    return memoryview(torch.empty(0, dtype=torch.uint8, device="cpu").set_(data).numpy())  # type: ignore[arg-type]
 
 
 class Sink:

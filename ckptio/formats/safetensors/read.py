@@ -114,7 +114,7 @@ def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int
     ranged reads straight into it (as few requests as ``part_size`` allows, no staging copy); each tensor
     gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
     start = min((e.offset for e in entries), default=src.size)
-    buf = torch.empty(src.size - start, dtype=torch.uint8)
+    buf = torch.empty(src.size - start, dtype=torch.uint8, device="cpu")
     mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     have = max(0, min(len(head) - start, len(mv)))
     mv[:have] = head[start : start + have]  # what the header's read brought along
@@ -173,7 +173,7 @@ def load_source(
     for i in idxs:  # views of a mapping or of one buffer must be aligned to their element size
         if payloads[i].data_ptr() % getattr(torch, infos[i].dtype).itemsize:
             payloads[i] = payloads[i].clone()
-    payloads.update({i: torch.empty(0, dtype=torch.uint8) for i, e in enumerate(entries) if not e.nbytes})
+    payloads.update({i: torch.empty(0, dtype=torch.uint8, device="cpu") for i, e in enumerate(entries) if not e.nbytes})
     make = tensor_factory(meta, payloads, map_location)
     return {e.key: make(i) for i, e in enumerate(entries)}
 
