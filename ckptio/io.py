@@ -17,6 +17,7 @@ from typing import IO, Any
 from . import registry as _registry
 from . import transfer as _transfer
 from . import uri as _uri
+from .backends import local as _local
 from .backends.base import Backend, WriteMode
 from .backends.local import LocalBackend, local_path
 from .context import default_context
@@ -445,7 +446,7 @@ def copytree(
     if not infos and not sb.isdir(s):
         raise NotFoundError(os.fspath(src), "no such directory")
     if _is_local(d):  # as shutil: the destination directory exists afterwards, even for an empty tree
-        os.makedirs(local_path(d), exist_ok=True)
+        _local.makedirs(local_path(d))  # durable, as the files written into it
     _transfer.copy_objects(sb, _transfer.tree_targets(infos, s, db, d, named=src), db, mode=mode)
     return dst
 

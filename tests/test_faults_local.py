@@ -250,6 +250,8 @@ def test_a_durable_save_makes_the_directories_it_creates_durable_too(tmp_path, m
     synced.clear()
     ckptio.put(b"x", str(root / "run8" / "a.bin"), durable=False)
     assert synced == []
+    ckptio.copytree(str(target.parent), str(root / "copy" / "step_100"))  # the destination root it makes, too
+    assert {str(root / "copy"), str(root)} <= set(synced)
     assert torch.equal(ckptio.load(str(target))["w"], torch.ones(3))
 
 

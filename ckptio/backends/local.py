@@ -92,6 +92,15 @@ def _missing_dirs(directory: str) -> list[str]:
     return out
 
 
+def makedirs(path: str, durable: bool = True) -> None:
+    """``os.makedirs(path, exist_ok=True)``; ``durable``: the entry of each directory made is fsynced in its parent."""
+    made = _missing_dirs(path)
+    os.makedirs(path, exist_ok=True)
+    if durable:
+        for d in made:
+            fsync_dir(os.path.dirname(d) or ".")
+
+
 class LocalWriter(Writer):
     def __init__(self, uri: str, path: str, mode: WriteMode, durable: bool) -> None:
         self.uri, self._path, self._mode, self._durable = uri, path, mode, durable
