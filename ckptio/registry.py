@@ -226,20 +226,28 @@ class FormatRegistry(_Registry):
     def _norm(self, key: str) -> str:
         return _norm_ext(key)
 
+    def _probe(self, name: str) -> Entry | None:
+        """Every key starts with "." (_norm_ext): the longest match starts at the first dot that gives one,
+        one dict look-up per dot (never an iteration, so no lock is needed)."""
+        i = name.find(".")
+        while i >= 0:
+            entry = self._entries.get(name[i:])
+            if entry is not None:
+                return entry
+            i = name.find(".", i + 1)
+        return None
+
     def find(self, uri: str) -> Entry:
         """The entry with the longest extension matching ``uri``'s name (``.pth.tar`` beats ``.tar``)."""
-        name = uri.rstrip("/").rsplit("/", 1)[-1].lower()  # the last path segment (the scheme ends in "/")
-        entries = self._entries
-        for attempt in range(2):
-            # every key starts with "." (_norm_ext): the longest match starts at the first dot that gives one
-            i = name.find(".")
-            while i >= 0:
-                entry = entries.get(name[i:])  # one dict look-up per dot, no lock (never iterated here)
-                if entry is not None:
-                    return entry
-                i = name.find(".", i + 1)
-            if attempt == 0:
-                self._load_entry_points()
+        name = _uri.basename(uri).lower()
+        entry = self._probe(name)  # no lock: a registered format is found without waiting
+        if entry is not None:
+            return entry
+        self._load_entry_points()
+        with self._lock:  # another thread may be loading the entry points: wait for it
+            entry = self._probe(name)
+        if entry is not None:
+            return entry
         raise UnknownFormatError(
             f"no format for {uri!r}: its extension matches none of {', '.join(self.keys())}. Pass "
             f"file_format=... or register one with @ckptio.register_format(name, extensions=[...])."

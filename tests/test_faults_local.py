@@ -237,7 +237,7 @@ def test_a_durable_save_makes_the_directories_it_creates_durable_too(tmp_path, m
 
     synced: list[str] = []
     real = local.fsync_dir
-    monkeypatch.setattr(local, "fsync_dir", lambda p: (synced.append(os.path.abspath(p)), real(p)))
+    monkeypatch.setattr(local, "fsync_dir", lambda p: (synced.append(p), real(p)))
     root = tmp_path / "runs"
     root.mkdir()
     target = root / "run7" / "step_100" / "model.fpk"
@@ -252,6 +252,15 @@ def test_a_durable_save_makes_the_directories_it_creates_durable_too(tmp_path, m
     assert synced == []
     ckptio.copytree(str(target.parent), str(root / "copy" / "step_100"))  # the destination root it makes, too
     assert {str(root / "copy"), str(root)} <= set(synced)
+    # through a symlink and "..": the kernel makes step_1 in the link target's parent, and that is what is synced
+    (tmp_path / "deep" / "target").mkdir(parents=True)
+    (tmp_path / "top").mkdir()
+    os.symlink(tmp_path / "deep" / "target", tmp_path / "top" / "lnk")
+    synced.clear()
+    ckptio.dump({"w": torch.ones(3)}, str(tmp_path / "top" / "lnk" / ".." / "step_1" / "m.fpk"), mode=mode)
+    assert (tmp_path / "deep" / "step_1" / "m.fpk").is_file()
+    deep = os.path.realpath(tmp_path / "deep")
+    assert [os.path.realpath(p) for p in synced] == [os.path.join(deep, "step_1"), deep]
     assert torch.equal(ckptio.load(str(target))["w"], torch.ones(3))
 
 

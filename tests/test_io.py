@@ -6,6 +6,7 @@ import io
 import itertools
 import json
 import os
+import pathlib
 from collections import OrderedDict
 
 import numpy as np
@@ -311,6 +312,7 @@ def test_format_is_the_longest_extension_of_the_last_path_segment():
         assert find("/a/m.pth.tar").name == "torch"
         assert find("memory://bkt/m.fpk").name == "fastpickle"
         assert find("s3://bkt/dir.json/").name == "json"  # a trailing slash names the same object
+        assert find(pathlib.Path("/a/m.pth.tar")).name == "torch"  # os.PathLike, as every ckptio function takes
         for bad in ("s3://bkt.pt/model", "/runs/v1.pt/model", "s3://bkt/model", "/a/pt", "/a/m.", "s3://b.json/x"):
             with pytest.raises(UnknownFormatError, match="extension matches none"):
                 find(bad)
@@ -346,6 +348,44 @@ def test_register_backend_conflict_requires_force():
         @ckptio.register_backend("mine", prefixes=["memory"])
         class Mine(ckptio.Backend):
             pass
+
+
+def test_a_plugin_format_is_found_by_every_thread_while_its_entry_point_loads(monkeypatch):
+    """Two threads look up a format a plug-in provides, the plug-in slow to import: the second waits for
+    the first to finish loading entry points instead of missing it (UnknownFormatError)."""
+    import threading
+    import time
+
+    from ckptio import registry
+
+    class FooFormat:
+        extensions = (".foo",)
+
+    class SlowEntryPoint:
+        name, value, dist = "foo", "plugin:FooFormat", None
+
+        def load(self):
+            time.sleep(0.3)  # importing the plug-in
+            return FooFormat
+
+    monkeypatch.setattr(
+        registry.metadata, "entry_points", lambda group: [SlowEntryPoint()] if group == "ckptio.formats" else []
+    )
+    formats = registry.FormatRegistry()  # entry points not read yet
+    found: dict[str, str] = {}
+
+    def look(tag: str) -> None:
+        try:
+            found[tag] = formats.find(f"/ck/{tag}.foo").name
+        except Exception as e:
+            found[tag] = type(e).__name__
+
+    first = threading.Thread(target=look, args=("a",))
+    first.start()
+    time.sleep(0.1)  # the first thread is inside the plug-in's import
+    look("b")
+    first.join()
+    assert found == {"a": "foo", "b": "foo"}
 
 
 def test_backend_is_the_longest_registered_prefix_and_sees_registrations():

@@ -80,12 +80,15 @@ def _open_replaced(path: str) -> int | None:
 
 
 def _missing_dirs(directory: str) -> list[str]:
-    """``directory`` and those of its ancestors that do not exist, deepest first (what makedirs will make)."""
+    """``directory`` and those of its ancestors that do not exist, deepest first (what makedirs will make).
+
+    The path is kept as given, never normalized: ``lnk/../new`` is made (and its parent synced) where the
+    kernel resolves it, in the symlink target's parent, not where ``lnk`` stands."""
     out: list[str] = []
-    d = os.path.abspath(directory)
+    d = directory or "."
     while not os.path.exists(d):
         out.append(d)
-        parent = os.path.dirname(d)
+        parent = os.path.dirname(d) or "."
         if parent == d:
             break
         d = parent
