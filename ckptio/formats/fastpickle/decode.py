@@ -216,6 +216,8 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
             _place(p.items, p.depth, placed)
         if created != len(placed):
             raise FormatError("a tuple, set or dict extension used as a map key")
+        if not placed:  # no tuple, set or non-str-keyed dict: nothing left to build
+            return root[0]
         by_depth: list[list[_Pending]] = [[] for _ in range(MAX_DEPTH + 1)]
         for p in placed:
             by_depth[p.depth].append(p)
