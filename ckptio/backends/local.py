@@ -95,13 +95,18 @@ def _missing_dirs(directory: str) -> list[str]:
     return out
 
 
+def _sync_parents(made: list[str]) -> None:
+    """Make the entry of each directory in ``made`` durable in its parent."""
+    for d in made:
+        fsync_dir(os.path.dirname(d) or ".")
+
+
 def makedirs(path: str, durable: bool = True) -> None:
     """``os.makedirs(path, exist_ok=True)``; ``durable``: the entry of each directory made is fsynced in its parent."""
     made = _missing_dirs(path)
     os.makedirs(path, exist_ok=True)
     if durable:
-        for d in made:
-            fsync_dir(os.path.dirname(d) or ".")
+        _sync_parents(made)
 
 
 class LocalWriter(Writer):
@@ -164,9 +169,8 @@ class LocalWriter(Writer):
                     finally:
                         if old is not None:
                             os.close(old)
-                if self._durable:
-                    for d in self._new_dirs:  # each new directory's entry in its parent: durable as the file is
-                        fsync_dir(os.path.dirname(d) or ".")
+                if self._durable:  # each new directory's entry in its parent: durable as the file is
+                    _sync_parents(self._new_dirs)
         except BaseException:
             f.close()
             self._discard()

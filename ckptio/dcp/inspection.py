@@ -15,13 +15,13 @@ import os
 import zipfile
 from typing import Any
 
-import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import uri as _uri
 from ..backends.base import Backend
 from ..errors import FormatError, IntegrityError
+from ..formats.base import dtype_size
 from .checks import entry_problem
 from .layout import CHECKSUM_BLOCK, INFO_ATTR
 from .reader import StorageReader
@@ -33,10 +33,6 @@ def _read(uri: str | os.PathLike, backend_options: dict[str, Any]) -> tuple[Meta
     """The checkpoint's metadata (checked as the reader checks it), its backend and root."""
     reader = StorageReader(uri, **backend_options)
     return reader.read_metadata(), reader.data_backend, reader.root
-
-
-def _dtype_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch.")), device="cpu").element_size()
 
 
 def inspect(uri: str | os.PathLike, **backend_options: Any) -> dict[str, Any]:
@@ -58,7 +54,7 @@ def inspect(uri: str | os.PathLike, **backend_options: Any) -> dict[str, Any]:
                     "key": fqn,
                     "dtype": dtype,
                     "shape": shape,
-                    "nbytes": math.prod(shape) * _dtype_size(dtype),
+                    "nbytes": math.prod(shape) * dtype_size(dtype),
                     "chunks": len(getattr(md, "chunks", [])),
                 }
             )

@@ -31,7 +31,7 @@ import xxhash
 
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
-from ...osio import anonymous, preadinto, prefault, translate_os_errors
+from ...osio import anonymous, preadinto, preadv_into, prefault, translate_os_errors
 from ...threads import PARALLEL_MIN, shared_pool
 from .layout import (
     ALIGN,
@@ -126,19 +126,7 @@ class FdSource(Source):
         return data if len(data) == n else super().read(offset, n)  # short: resumed, or truncated
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
-        fd = self._fd()
-        total, mvs = 0, [m for m in mvs if len(m)]
-        while mvs:
-            n = os.preadv(fd, mvs, offset + total)
-            if n <= 0:
-                break
-            total += n
-            while mvs and n >= len(mvs[0]):
-                n -= len(mvs[0])
-                mvs.pop(0)
-            if mvs and n:
-                mvs[0] = mvs[0][n:]
-        return total
+        return preadv_into(self._fd(), mvs, offset)
 
     def close(self) -> None:
         if self._owned and self.fd is not None:
