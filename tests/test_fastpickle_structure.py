@@ -285,6 +285,34 @@ def test_tables_that_would_allocate_or_misbehave_are_refused(loader, entry, why)
     assert "'x'" in msg and why in msg
 
 
+@pytest.mark.parametrize(
+    "storage,entry",
+    [
+        ([64, 8, True, "cpu"], None),  # a bool where an integer belongs
+        ([64, 8, -1, "cpu"], None),  # a checksum outside u64
+        ([64, 8.0, 0, "cpu"], None),
+        ([True, 8, 0, "cpu"], None),
+        ([64, -8, 0, "cpu"], None),
+        (None, [0, 0, "float32", [True, 2], [2, 1], 0, 0, "x", None]),
+        (None, [0, 0, "float32", [2, 1.0], [1, 1], 0, 0, "x", None]),
+        (None, [0, 0, "float32", [2], [-1], 0, 0, "x", None]),
+        (None, [0, 0, "float32", [2], ["1"], 0, 0, "x", None]),
+        (None, [0, 0, "float32", [2], [1 << 63], 0, 0, "x", None]),
+        (None, [0, False, "float32", [2], [1], 0, 0, "x", None]),
+        (None, [0, 0, "float32", [2], [1], 0, True, "x", None]),
+    ],
+)
+def test_tables_with_wrong_field_types_are_refused(loader, storage, entry):
+    """Each field is checked for its exact type and range (a bool is not an int, a float is not a size)."""
+    payload = bytes(8)
+    storage = storage or [64, 8, xxhash.xxh3_64_intdigest(payload), "cpu"]
+    entry = entry or [0, 0, "float32", [2], [1], 0, 0, "x", None]
+    data = craft(tensor_ref(0), [storage], [entry], payload + bytes(56))
+    assert loader.check(data, ALL_OPS) == "format"
+    _, msg = loader.run("load", data)
+    assert "malformed metadata" in msg
+
+
 def test_expanded_views_still_load():
     """A tensor saved as a broadcast view (stride 0) keeps its shape without materializing it."""
     t = torch.arange(3.0).view(3, 1).expand(3, 1 << 20)

@@ -187,6 +187,10 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
 
     def hook(code: int, data: bytes) -> Any:
         nonlocal created
+        if code == EXT_TENSOR and len(data) == 4:  # the usual leaf, once per tensor: no call through leaf()
+            idx = int.from_bytes(data, "little")
+            if idx < ntensors:
+                return tensor(idx)
         if code not in _CONTAINER_EXTS:
             return leaf(code, data)
         items = msgpack.unpackb(data, ext_hook=inner, raw=False, strict_map_key=False, use_list=True)
@@ -295,14 +299,26 @@ def tensor_factory(
                 raise FormatError(f"{meta.source}: {describe_payload(meta, sidx)}: {e}") from e
 
     def make(idx: int) -> Any:
-        if idx in made:
-            return made[idx]
+        out: Any = made.get(idx)
+        if out is not None:
+            return out
         info = meta.tensors[idx]
-        if info.kind == "numpy":
+        if info.kind == "torch":  # the usual case first, its storage looked up inline (once per tensor)
+            st = storages.get(info.storage)
+            if st is None:
+                st = storage(info.storage)
+            out = torch.empty(0, dtype=DTYPES[info.dtype], device=st.device).set_(
+                st, info.storage_offset, info.shape, info.stride
+            )
+            if info.parameter:
+                out = torch.nn.Parameter(out, requires_grad=info.requires_grad)
+            elif info.requires_grad:
+                out.requires_grad_(True)
+        elif info.kind == "numpy":
             dt = np_dtype(info.dtype, meta.source)
             u8 = payloads[info.storage]
-            out: Any = u8.numpy().view(dt).reshape(info.shape) if u8.numel() else np.empty(info.shape, dtype=dt)
-        elif info.kind == "quantized":
+            out = u8.numpy().view(dt).reshape(info.shape) if u8.numel() else np.empty(info.shape, dtype=dt)
+        else:  # "quantized" (validate() admits no other kind)
             st = storage(info.storage)
             ints = torch.empty(0, dtype=QUANT_INT[DTYPES[info.dtype]], device=st.device).set_(
                 st, info.storage_offset, info.shape, info.stride
@@ -317,15 +333,6 @@ def tensor_factory(
                     torch.tensor(q[2], dtype=torch.int64, device=st.device),
                     q[3],
                 )
-        else:
-            st = storage(info.storage)
-            out = torch.empty(0, dtype=DTYPES[info.dtype], device=st.device).set_(
-                st, info.storage_offset, info.shape, info.stride
-            )
-            if info.parameter:
-                out = torch.nn.Parameter(out, requires_grad=info.requires_grad)
-            elif info.requires_grad:
-                out.requires_grad_(True)
         made[idx] = out
         return out
 
