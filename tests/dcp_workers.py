@@ -175,20 +175,12 @@ def refused_rank(rank: int, world: int, port: int, uri: str, result_dir: str) ->
 
 
 def _shutdown() -> None:
-    """Leave together: a rank that tears gloo down while a peer is still in a collective can abort.
-
-    With no exception in flight (every caller has written its result file by now) the rank then exits
-    without the interpreter's teardown: a process group the device mesh still references is destroyed
-    there, and gloo aborted in it now and then (SIGABRT, "terminate called without an active
-    exception", about 1 run in 25) after the rank had finished and reported."""
+    """Leave together: a rank that tears gloo down while a peer is still in a collective can abort
+    (the rank then exits without the interpreter's teardown: ``multiproc.run_ranks``)."""
     import torch.distributed as dist
 
     dist.barrier()
     dist.destroy_process_group()
-    if sys.exc_info()[0] is None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def _fail_on_object(prefix: str) -> None:

@@ -167,12 +167,14 @@ class Encoder:
             raise TypeError(f"cannot pickle {what} (at {path_str(path)!r}): {e}") from e
 
     def _add_storage(self, key: tuple | None, data: Any, nbytes: int, location: str) -> int:
-        if key is not None and key in self._storage_ids:
-            return self._storage_ids[key]
-        self.storages.append(Storage(data, nbytes, location))
-        idx = len(self.storages) - 1
-        if key is not None:
-            self._storage_ids[key] = idx
+        """The index of the storage ``key`` names (a storage shared by views or tied weights is stored
+        once), added if new; ``key`` None: always a new one."""
+        idx = self._storage_ids.get(key, -1) if key is not None else -1
+        if idx < 0:
+            idx = len(self.storages)
+            self.storages.append(Storage(data, nbytes, location))
+            if key is not None:
+                self._storage_ids[key] = idx
         return idx
 
     def _tensor(self, x: torch.Tensor, path: list) -> Any:
@@ -180,7 +182,7 @@ class Encoder:
         if idx is not None:
             return _tensor_ref(idx)
         dev = x.device
-        if x.layout is not torch.strided or x.is_nested or dev.type == "meta":
+        if x.layout is not torch.strided or x.is_nested or x.is_meta:
             what = "nested" if x.is_nested else str(x.layout) if x.layout != torch.strided else "meta"
             return self._fallback(x, path, f"{what} tensors")
         flags = (TF_REQUIRES_GRAD if x.requires_grad else 0) | (TF_PARAMETER if type(x) is torch.nn.Parameter else 0)
@@ -211,9 +213,8 @@ class Encoder:
             kind = KIND_TORCH
         st = t.untyped_storage()
         nbytes = st.nbytes()
-        loc = _location(dev)
-        key = (loc, st.data_ptr(), nbytes) if nbytes else None
-        sidx = self._add_storage(key, st, nbytes, loc)
+        loc = _LOCATIONS.get(dev) or _location(dev)
+        sidx = self._add_storage((loc, st.data_ptr(), nbytes) if nbytes else None, st, nbytes, loc)
         entry = [
             kind,
             sidx,
