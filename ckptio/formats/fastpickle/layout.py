@@ -235,6 +235,7 @@ def validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> Meta
             if numel > INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
                 raise bad(f"tensor {_key(path)}: shape {shape} has more elements than any tensor can have")
             # the last element's offset: sum((d - 1) * s) over the dimensions, without a Python-level loop
+            # (map() stops at the shorter list: this relies on the length check just above)
             if numel and (soff + sum(map(operator.mul, shape, stride)) - sum(stride) + 1) * dt.itemsize > nbytes:
                 raise bad(
                     f"tensor {_key(path)}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
