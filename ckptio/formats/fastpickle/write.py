@@ -3,7 +3,8 @@
 Payloads go out straight from tensor memory, small ones gathered into vectored writes, checksums on
 another thread; no staging copy of CPU tensors (device tensors go through one reused, pinned buffer).
 A writer that fills a local file (``Writer.local_fileno``) gets ``os.writev`` on its descriptor and,
-for durable saves, write-behind with ``sync_file_range``; any other writer gets the pieces one by one.
+for durable saves, write-behind with ``sync_file_range``; any other writer gets the pieces one by one,
+lent (``Writer.write_borrowed``): it may keep views of them until it is closed.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class Sink:
     """Where a file's bytes go: ``write`` for large buffers, ``writev`` for a batch of small ones.
 
     A local file is written with ``os.writev`` on its descriptor (thousands of small payloads cost a
-    few dozen system calls instead of one each); any other writer gets the pieces one by one (an
-    object-store writer copies them into its part buffers anyway), and ``mark``
+    few dozen system calls instead of one each); any other writer gets the pieces one by one, lent
+    (``Writer.write_borrowed``: the payloads are tensor memory that stays unchanged until the writer is
+    closed, so a writer may keep views instead of copies), and ``mark``
     (``Writer.mark_boundary``) where each payload and the metadata start. ``write_behind`` (a local
     file that will be fsynced): every WRITE_BEHIND bytes, writeback of what was just written is
     started with ``sync_file_range``, so the disk works while later payloads are copied and the final
@@ -77,21 +79,30 @@ class Sink:
         name: str = "",
         write_behind: bool = False,
         mark: Callable[[], None] | None = None,
+        lend: Callable[[Any], Any] | None = None,
     ) -> None:
         self._write, self.fd, self.name, self.mark = write, fd, name, mark
+        self._lend = lend or write
         self._behind = write_behind and sync_file_range() is not None
         self._pos = self._synced = 0
 
     def write(self, data: Any) -> None:
+        """Write bytes the caller may change as soon as this returns (a reused staging buffer)."""
         self._write(data)
         self._advance(len(data))
 
+    def lend(self, data: Any) -> None:
+        """Write bytes that stay unchanged until the writer is closed (tensor memory for the length of a
+        save, immutable bytes): a writer may keep a view instead of a copy (``Writer.write_borrowed``)."""
+        self._lend(data)
+        self._advance(len(data))
+
     def writev(self, mvs: list[memoryview], total: int) -> None:
-        """Write ``mvs`` (``total`` bytes in all). Called once per GATHER bytes, so errors are translated
+        """Lend ``mvs`` (``total`` bytes in all). Called once per GATHER bytes, so errors are translated
         only when there is one (a context manager per call costs more than the call)."""
         if self.fd is None:
             for m in mvs:
-                self._write(m)
+                self._lend(m)
             return
         try:
             n = os.writev(self.fd, mvs)
@@ -123,7 +134,7 @@ def sink_for(w: Writer, durable: bool) -> Sink:
     fd = w.local_fileno()
     if fd is not None:
         return Sink(w.write, fd, w.uri, write_behind=durable)
-    return Sink(w.write, None, w.uri, mark=w.mark_boundary)
+    return Sink(w.write, None, w.uri, mark=w.mark_boundary, lend=w.write_borrowed)
 
 
 def _hash_into(items: list[tuple[Storage, memoryview]]) -> None:
@@ -183,7 +194,7 @@ def write_stream(enc: Encoder, tree: bytes, out: Sink) -> int:
                 futures.append(hasher.submit(_hash_into, [(s, mv)]))
                 step = WRITE_CHUNK if out.fd is not None else s.nbytes  # a remote writer gets it whole (may send it
                 for i in range(0, s.nbytes, step):  # straight from tensor memory)
-                    out.write(mv[i : i + step])
+                    out.lend(mv[i : i + step])
             else:
                 mv = _cpu_view(s.data)
                 to_hash.append((s, mv))
