@@ -198,3 +198,18 @@ def test_a_memory_save_copies_its_bytes_once(tensor_kib):
     assert peak <= 1.05 * size, (peak, size)  # BytesIO alone: 1.13-1.14x at its last growth, more when copied
     out = ckptio.load(uri)
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_buffered_writer_takes_any_buffer_lent_or_written():
+    import numpy as np
+
+    empty2d = memoryview(np.zeros((0, 3)))  # no bytes, two dimensions: cannot be cast to bytes
+    ckptio.put(empty2d, "memory://bkt/empty2d.bin", progress=True)
+    assert ckptio.get("memory://bkt/empty2d.bin") == b""
+    b, u = ckptio.resolve("memory://bkt/any.bin")
+    big = np.arange(1 << 16, dtype=np.float64)  # lent as a view (512 KiB)
+    with b.open_writer(u) as w:
+        w.write_borrowed(memoryview(np.zeros((0, 3))))
+        w.write_borrowed(big)
+        w.write_borrowed(b"tiny")  # copied
+    assert b.read(u) == big.tobytes() + b"tiny"

@@ -153,8 +153,11 @@ def _write_tensor(w: Writer, t: torch.Tensor, checksums: bool, info: dict[str, A
     hashes: list[int] = []
     h = xxhash.xxh3_64() if checksums else None
     filled = 0
+    # the tensor's own memory stays unchanged until write_data returns: lent; a copy made here (a
+    # non-contiguous or device tensor, in slabs) is written, so the writer need not keep it alive
+    put = w.write_borrowed if t.is_cpu and t.is_contiguous() else w.write
     for mv in _tensor_chunks(t, _STAGING_CHUNK):
-        w.write_borrowed(mv)  # tensors stay unchanged until write_data returns
+        put(mv)
         if h is not None:  # block hashes over a stream of arbitrary-size pieces
             pos = 0
             while pos < len(mv):
