@@ -213,3 +213,41 @@ def test_buffered_writer_takes_any_buffer_lent_or_written():
         w.write_borrowed(big)
         w.write_borrowed(b"tiny")  # copied
     assert b.read(u) == big.tobytes() + b"tiny"
+
+
+def test_abort_returns_once_no_request_reads_the_lent_bytes(s3_uri, monkeypatch):
+    """``write_borrowed``'s promise ends at ``abort``: a part's checksum is computed on a worker thread
+    from the caller's memory, and cancelling the part's future did not wait for that thread (a slowed
+    hash ran on 1.8 s after abort returned)."""
+    import hashlib
+    import threading
+    import time
+
+    import ckptio.objectstore.s3_multipart as s3m
+
+    ended: list[float] = []
+    started = threading.Event()
+
+    class SlowHashes:
+        md5 = staticmethod(hashlib.md5)
+
+        @staticmethod
+        def sha256(data):
+            started.set()
+            time.sleep(0.5)
+            h = hashlib.sha256(data)
+            ended.append(time.monotonic())
+            return h
+
+    monkeypatch.setattr(s3m, "hashlib", SlowHashes)
+    b, u = ckptio.resolve(f"{s3_uri}/lent-abort.bin", part_size=5 * MiB, concurrency=2)
+    body = bytearray(os.urandom(12 * MiB))
+    w = b.open_writer(u)
+    w.write_borrowed(body)  # two whole parts go out from this memory
+    assert started.wait(10)
+    w.abort()
+    returned = time.monotonic()
+    body[:] = bytes(len(body))  # the caller's memory is its own again
+    time.sleep(0.8)
+    assert ended and max(ended) <= returned, (ended, returned)
+    assert not b.exists(u)

@@ -83,6 +83,7 @@ class MultipartWriter(Writer):
         self._started = False
         self._offset = 0  # bytes handed to parts so far
         self._futures: list[concurrent.futures.Future] = []
+        self._tasks: set[asyncio.Task] = set()  # requests running on the loop (touched on the loop only)
         self._state = "open"  # open -> closed | aborted
 
     # ---- client hooks --------------------------------------------------------------------
@@ -146,14 +147,14 @@ class MultipartWriter(Writer):
         if self._state == "open" and not self._fill and not self._started and len(mv) <= self.part_size:
             # one request, straight from the caller's memory: it must not outlive this call (an
             # interrupted wait cancels it and waits for it, so the caller's memory is free again)
-            fut = asyncio.run_coroutine_threadsafe(self.put_single(mv), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(self._tracked(self.put_single(mv)), self._loop)
             try:
                 fut.result()
                 self._state = "closed"
                 return None
             except BaseException as e:
                 fut.cancel()
-                concurrent.futures.wait([fut])
+                run(self._loop, self._settle)
                 self._abort_quietly()
                 raise self._translated(e) from None
         if self._fill or self._started or len(mv) <= self.part_size:
@@ -191,8 +192,9 @@ class MultipartWriter(Writer):
         if self._state != "open":
             return
         self._state = "aborted"
-        for f in self._futures:
+        for f in self._futures:  # parts not started never start; those running are cancelled
             f.cancel()
+        run(self._loop, self._settle)  # ... and have stopped reading their bytes (maybe the caller's) now
         concurrent.futures.wait(self._futures)
         self._release_buffers()
         if self._started:
@@ -202,6 +204,26 @@ class MultipartWriter(Writer):
                 raise self._translated(e) from None
 
     # ---- internals -----------------------------------------------------------------------
+    async def _tracked(self, coro: Any) -> Any:
+        """Run a request's coroutine as a task that :meth:`_settle` can wait for."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        finally:
+            self._tasks.discard(task)
+
+    async def _settle(self) -> None:
+        """Cancel the requests still running and wait until they have ended. Cancelling the future
+        ``run_coroutine_threadsafe`` returned marks it done at once, while its task may still be sending
+        the part or hashing it on a worker thread (lent bytes: the caller's memory)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
     def _translated(self, e: BaseException) -> BaseException:
         try:
             return self.translate(e)
@@ -284,7 +306,7 @@ class MultipartWriter(Writer):
             number, offset = len(self._futures) + 1, self._offset
             self._offset += len(data)
             fut = asyncio.run_coroutine_threadsafe(
-                self.upload_part(self._handle, number, offset, data, total), self._loop
+                self._tracked(self.upload_part(self._handle, number, offset, data, total)), self._loop
             )
         except BaseException:
             with self._cv:

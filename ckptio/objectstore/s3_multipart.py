@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import zlib
 from collections.abc import Awaitable, Callable
@@ -107,7 +108,14 @@ class S3Writer(_multipart.MultipartWriter):
 
         if memoryview(data).nbytes <= _INLINE_HASH_MAX:  # cheaper than the hop to a thread
             return run()
-        return await asyncio.get_running_loop().run_in_executor(None, run)
+        fut = asyncio.get_running_loop().run_in_executor(None, run)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the thread reads the part (lent: the caller's memory): it ends first
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([fut])
+            raise
 
     async def put_single(self, data: Buffer) -> None:
         digest, crc = await self._digests(data)
