@@ -127,9 +127,8 @@ class BufferedWriter(Writer):
 
     ``write`` copies into a growing buffer; ``write_borrowed`` keeps a view of the caller's bytes (a
     tensor's payload; pieces under LEND_MIN are copied), and ``close`` copies every piece once into
-    the object it commits. A growing
-    buffer alone copied large saves several times over when the heap could not grow in place (a 32 MiB
-    save peaked at 2-3x its size), and it cannot know the final size up front.
+    the object it commits. A growing buffer alone copied large saves several times over when the heap
+    could not grow in place (a 32 MiB save peaked at 2-3x its size): it cannot know the final size.
     """
 
     def __init__(self, uri: str, commit: Callable[[bytes], None]) -> None:

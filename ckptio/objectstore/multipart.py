@@ -154,8 +154,7 @@ class MultipartWriter(Writer):
                 return None
             except BaseException as e:
                 fut.cancel()
-                run(self._loop, self._settle)
-                self._abort_quietly()
+                self._abort_quietly()  # abort waits until no request reads the caller's memory (_settle)
                 raise self._translated(e) from None
         if self._fill or self._started or len(mv) <= self.part_size:
             self.write(mv)

@@ -187,10 +187,6 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
 
     def hook(code: int, data: bytes) -> Any:
         nonlocal created
-        if code == EXT_TENSOR and len(data) == 4:  # the usual leaf, once per tensor: no call through leaf()
-            idx = int.from_bytes(data, "little")
-            if idx < ntensors:
-                return tensor(idx)
         if code not in _CONTAINER_EXTS:
             return leaf(code, data)
         items = msgpack.unpackb(data, ext_hook=inner, raw=False, strict_map_key=False, use_list=True)
@@ -303,10 +299,8 @@ def tensor_factory(
         if out is not None:
             return out
         info = meta.tensors[idx]
-        if info.kind == "torch":  # the usual case first, its storage looked up inline (once per tensor)
-            st = storages.get(info.storage)
-            if st is None:
-                st = storage(info.storage)
+        if info.kind == "torch":  # the usual case first
+            st = storage(info.storage)
             out = torch.empty(0, dtype=DTYPES[info.dtype], device=st.device).set_(
                 st, info.storage_offset, info.shape, info.stride
             )

@@ -213,7 +213,7 @@ class Encoder:
             kind = KIND_TORCH
         st = t.untyped_storage()
         nbytes = st.nbytes()
-        loc = _LOCATIONS.get(dev) or _location(dev)
+        loc = _location(dev)
         sidx = self._add_storage((loc, st.data_ptr(), nbytes) if nbytes else None, st, nbytes, loc)
         entry = [
             kind,
