@@ -1,8 +1,8 @@
 """OS-level I/O: the system calls and ctypes tricks that plain ``os`` calls do not cover, in one place.
 
 ``preadinto`` fills a buffer with ``preadv`` (in calls the kernel accepts); ``sync_file_range``
-(Linux, via ctypes) starts writeback of a range without waiting, so a durable save's final fsync
-has little left to do; ``prefault`` populates a fresh buffer with one ``madvise(MADV_POPULATE_WRITE)``
+(Linux, via ctypes) starts writeback of a range without waiting, and ``WriteBehind`` calls it as a
+file is written, so a durable save's final fsync has little left to do; ``prefault`` populates a fresh buffer with one ``madvise(MADV_POPULATE_WRITE)``
 (after checking with ``mincore`` that it is not resident already) before a read fills it
 (``prefault_range`` for a raw address); ``memmove`` copies between raw addresses on the calling
 thread in GIL-free chunks (async staging), ``copy_bytes`` out of a ``bytes`` object the same way (memory://
@@ -112,6 +112,39 @@ def sync_file_range() -> Any:
         except (OSError, AttributeError):  # not Linux
             _sfr = False
     return _sfr or None
+
+
+class WriteBehind:
+    """Start writeback of a file as it is written, for a save that fsyncs it at the end, so the disk works
+    while the caller copies, hashes and encodes what follows and the fsync has less left to wait for.
+
+    Until the first ``eager`` bytes (and the first half of ``size`` when the caller knows it) are on
+    their way, writeback starts after every ``step`` bytes; after that after every ``every`` bytes. Measured on ``.fpk``
+    saves with fsync on 2 cores, against starting writeback every 32 MiB only: early requests saved
+    0.2-0.3 ms of a 2.8 ms 1 MiB save; starting them up to the end of the file saved 6 of 23 ms at
+    32 MiB on an idle machine, but cost 0.6-1.1 ms at 1 MiB and 5-8 ms at 32 MiB while other processes
+    kept every core busy (each request adds a completion the busy cores are slow to handle); two early
+    requests (the default) lost nothing busy. Only whole pages: a page still being filled is not sent
+    to be written twice. A no-op without ``sync_file_range``.
+    """
+
+    __slots__ = ("fd", "_fn", "_pos", "_synced", "_eager", "_step", "_every")
+
+    def __init__(
+        self, fd: int, size: int | None = None, eager: int = 512 << 10, step: int = 256 << 10, every: int = 32 << 20
+    ) -> None:
+        self.fd, self._fn, self._step, self._every = fd, sync_file_range(), step, every
+        self._eager = eager if size is None else min(eager, size // 2)
+        self._pos = self._synced = 0
+
+    def wrote(self, n: int) -> None:
+        """``n`` more bytes were written at the end of the file."""
+        self._pos += n
+        if self._fn is None or self._pos - self._synced < (self._step if self._synced < self._eager else self._every):
+            return
+        end = self._pos - self._pos % 4096
+        self._fn(self.fd, self._synced, end - self._synced, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+        self._synced = end
 
 
 _PAGE = _mmap.PAGESIZE

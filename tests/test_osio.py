@@ -146,3 +146,84 @@ def test_local_readv_scatters_in_one_open_and_names_a_missing_file(tmp_path):
 
     buf, views = _views([10, 20])
     assert Counting().readv(str(tmp_path / "f"), views, 0) == 30 and Counting.calls == 2 and bytes(buf) == data[:30]
+
+
+def _record_writeback(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every range WriteBehind asks the kernel to start writing back (the real call still runs)."""
+    calls: list[tuple[int, int, int]] = []
+    real = osio.sync_file_range()
+    if real is None:
+        pytest.skip("no sync_file_range on this platform")
+
+    def record(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes, flags))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(osio, "sync_file_range", lambda: record)
+    return calls
+
+
+def _check_ranges(calls: list[tuple[int, int, int]], written: int) -> list[int]:
+    """The ranges are contiguous from 0, whole pages, never past what was written, and never waited
+    for (SYNC_FILE_RANGE_WRITE alone); returns where each ends."""
+    assert all(flags == 2 for _, _, flags in calls)
+    pos = 0
+    for offset, nbytes, _ in calls:
+        assert offset == pos and nbytes > 0 and (offset + nbytes) % 4096 == 0
+        pos = offset + nbytes
+    assert pos <= written
+    return [o + n for o, n, _ in calls]
+
+
+def _write(f, wb: osio.WriteBehind, sizes: list[int]) -> int:
+    for n in sizes:
+        f.write(os.urandom(n))
+        wb.wrote(n)
+    return sum(sizes)
+
+
+def test_write_behind_starts_whole_pages_early_then_every_so_often(tmp_path, monkeypatch):
+    calls = _record_writeback(monkeypatch)
+    sizes = [5, 99_990, 7, 150_000, 4096, 200_000, 1, 300_000, 200_000, 600_000, 2_000_000, 1_500_000]
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        written = _write(f, osio.WriteBehind(f.fileno(), eager=1 << 20, step=100_000, every=1 << 20), sizes)
+    ends = _check_ranges(calls, written)
+    starts = [0, *ends[:-1]]
+    early = [e for s, e in zip(starts, ends) if s < 1 << 20]
+    assert len(early) >= 4 and all(b - a >= 100_000 - 4096 for a, b in zip([0, *early], early))
+    late = [e - s for s, e in zip(starts, ends) if s >= 1 << 20]
+    assert late and all(n >= (1 << 20) - 4096 for n in late)  # later: about every MiB
+
+
+def test_write_behind_with_a_known_size_starts_early_in_its_first_half_only(tmp_path, monkeypatch):
+    calls = _record_writeback(monkeypatch)
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        wb = osio.WriteBehind(f.fileno(), size=1_000_000, eager=1 << 30, step=100_000, every=1 << 30)
+        written = _write(f, wb, [120_000] * 8 + [40_000])
+    ends = _check_ranges(calls, written)
+    assert len(ends) >= 3 and ends[-1] <= 500_000 + 120_000  # nothing started once past the first half
+
+
+@pytest.mark.parametrize("ext", [".fpk", ".pt", "dcp"])
+def test_durable_local_saves_start_writeback_as_they_write(tmp_path, monkeypatch, ext):
+    import torch
+
+    from ckptio import dcp
+
+    calls = _record_writeback(monkeypatch)
+    state = {f"w{i}": torch.randn(100_000 + i) for i in range(6)}  # 2.4 MB in tensors of odd sizes
+    uri = str(tmp_path / f"ckpt{ext}") if ext != "dcp" else str(tmp_path / "ckpt")
+    if ext == "dcp":
+        dcp.save(state, uri)
+        back = {k: torch.empty_like(v) for k, v in state.items()}
+        dcp.load(back, uri)
+    else:
+        ckptio.dump(state, uri)
+        back = ckptio.load(uri)
+    assert len(calls) >= 2, calls  # early in the file, long before the fsync
+    _check_ranges(calls, 10 << 20)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    calls.clear()
+    ckptio.dump(state, str(tmp_path / "not-durable.fpk"), durable=False)
+    ckptio.dump(state, str(tmp_path / "not-durable.pt"), durable=False)
+    assert calls == []  # nothing is fsynced, so nothing is pushed to the disk early

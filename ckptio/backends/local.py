@@ -20,8 +20,8 @@ from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError
+from ..osio import WriteBehind, preadv_into, translate_os_errors
 from ..osio import preadinto as _preadinto
-from ..osio import preadv_into, translate_os_errors
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 TMP_MARKER = ".ckptio-tmp-"
@@ -124,6 +124,8 @@ class LocalWriter(Writer):
                 self._new_dirs = _missing_dirs(directory)
                 os.makedirs(directory, exist_ok=True)
                 self._f = open(self._tmp, "xb", buffering=0)
+        # a durable file: writeback starts as it is written (callers writing on local_fileno() do their own)
+        self._behind = WriteBehind(self._f.fileno()) if durable else None
 
     def write(self, data: Buffer) -> int:
         if self._f is None:
@@ -134,6 +136,8 @@ class LocalWriter(Writer):
             while mv:
                 n = self._f.write(mv)
                 mv = mv[n:]
+        if self._behind is not None:
+            self._behind.wrote(total)
         return total
 
     def fileno(self) -> int:

@@ -90,11 +90,12 @@ class StreamFormat(Format):
                 self.dump_file(obj, t, **kwargs)
                 t.flush()
                 t.detach()
-            elif (fd := w.local_fileno()) is None:
+            elif w.local_fileno() is None:
                 self.dump_file(obj, w, **kwargs)  # type: ignore[arg-type]  # a Writer is a binary file-like, not an IO
-            else:  # a local file: the dozens of small writes torch.save & co. make, buffered onto its descriptor
+            else:  # a local file: the dozens of small writes torch.save & co. make, gathered (the writer
+                # starts writeback as they land)
                 with translate_os_errors(w.uri):
-                    f = open(fd, "wb", buffering=LOCAL_BUFFER, closefd=False)  # closed below, not the descriptor
+                    f = io.BufferedWriter(_RawWriter(w), LOCAL_BUFFER)  # closing it leaves w open
                     try:
                         self.dump_file(obj, f, **kwargs)
                         f.flush()

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from ...backends.base import Writer
-from ...osio import sync_file_range, translate_os_errors
+from ...osio import WriteBehind, translate_os_errors
 from ...threads import executor
 from .encode import Encoder, Storage
 from .layout import ALIGN, CHUNK, FLAG_PICKLE, FOOTER, FOOTER_MAGIC, HEADER, MAGIC, MAX_IOV, VERSION, align, pack
@@ -34,7 +34,6 @@ from .layout import ALIGN, CHUNK, FLAG_PICKLE, FOOTER, FOOTER_MAGIC, HEADER, MAG
 GATHER = 256 << 10
 WRITE_CHUNK = 16 << 20
 HASH_BATCH = 8 << 20
-WRITE_BEHIND = 32 << 20  # durable local saves start writeback after every this many bytes
 
 _ZEROS = bytes(ALIGN)
 _EMPTY_HASH = xxhash.xxh3_64_intdigest(b"")
@@ -67,9 +66,9 @@ class Sink:
     (``Writer.write_borrowed``: the payloads are tensor memory that stays unchanged until the writer is
     closed, so a writer may keep views instead of copies), and ``mark``
     (``Writer.mark_boundary``) where each payload and the metadata start. ``write_behind`` (a local
-    file that will be fsynced): every WRITE_BEHIND bytes, writeback of what was just written is
-    started with ``sync_file_range``, so the disk works while later payloads are copied and the final
-    fsync has little left to do.
+    file that will be fsynced): writeback starts as the file is written (:class:`~ckptio.osio.WriteBehind`),
+    so the disk works while later payloads are copied and hashed and the final fsync has little left
+    to do.
     """
 
     def __init__(
@@ -83,19 +82,29 @@ class Sink:
     ) -> None:
         self._write, self.fd, self.name, self.mark = write, fd, name, mark
         self._lend = lend or write
-        self._behind = write_behind and sync_file_range() is not None
-        self._pos = self._synced = 0
+        self._behind = WriteBehind(fd) if write_behind and fd is not None else None
+
+    def expect(self, size: int) -> None:
+        """The file will be about ``size`` bytes: writeback starts early in it only (see WriteBehind)."""
+        if self._behind is not None:
+            self._behind = WriteBehind(self._behind.fd, size)
 
     def write(self, data: Any) -> None:
         """Write bytes the caller may change as soon as this returns (a reused staging buffer)."""
-        self._write(data)
-        self._advance(len(data))
+        if self.fd is not None:
+            mv = memoryview(data).cast("B")
+            self.writev([mv], len(mv))
+        else:
+            self._write(data)
 
     def lend(self, data: Any) -> None:
         """Write bytes that stay unchanged until the writer is closed (tensor memory for the length of a
         save, immutable bytes): a writer may keep a view instead of a copy (``Writer.write_borrowed``)."""
-        self._lend(data)
-        self._advance(len(data))
+        if self.fd is not None:
+            mv = memoryview(data).cast("B")
+            self.writev([mv], len(mv))
+        else:
+            self._lend(data)
 
     def writev(self, mvs: list[memoryview], total: int) -> None:
         """Lend ``mvs`` (``total`` bytes in all). Called once per GATHER bytes, so errors are translated
@@ -119,14 +128,8 @@ class Sink:
         except OSError as e:
             with translate_os_errors(self.name):
                 raise e
-        self._advance(total)
-
-    def _advance(self, n: int) -> None:
-        self._pos += n
-        if self._behind and self._pos - self._synced >= WRITE_BEHIND:
-            # SYNC_FILE_RANGE_WRITE: start writeback, do not wait (fsync at close still makes it durable)
-            sync_file_range()(self.fd, self._synced, self._pos - self._synced, 2)
-            self._synced = self._pos
+        if self._behind is not None:
+            self._behind.wrote(total)
 
 
 def sink_for(w: Writer, durable: bool) -> Sink:
@@ -155,6 +158,7 @@ def write_stream(enc: Encoder, tree: bytes, out: Sink) -> int:
     for s in enc.storages:
         s.offset = align(pos)
         pos = s.offset + s.nbytes
+    out.expect(pos)
     pos = HEADER.size
     zeros = memoryview(_ZEROS)
     gather: list[memoryview] = [memoryview(header)]
