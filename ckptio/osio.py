@@ -114,18 +114,22 @@ def sync_file_range() -> Any:
     return _sfr or None
 
 
+_PAGE = _mmap.PAGESIZE
+
+
 class WriteBehind:
     """Start writeback of a file as it is written, for a save that fsyncs it at the end, so the disk works
     while the caller copies, hashes and encodes what follows and the fsync has less left to wait for.
 
-    Until the first ``eager`` bytes (and the first half of ``size`` when the caller knows it) are on
-    their way, writeback starts after every ``step`` bytes; after that after every ``every`` bytes. Measured on ``.fpk``
-    saves with fsync on 2 cores, against starting writeback every 32 MiB only: early requests saved
-    0.2-0.3 ms of a 2.8 ms 1 MiB save; starting them up to the end of the file saved 6 of 23 ms at
-    32 MiB on an idle machine, but cost 0.6-1.1 ms at 1 MiB and 5-8 ms at 32 MiB while other processes
-    kept every core busy (each request adds a completion the busy cores are slow to handle); two early
-    requests (the default) lost nothing busy. Only whole pages: a page still being filled is not sent
-    to be written twice. A no-op without ``sync_file_range``.
+    In the first ``eager`` bytes (and the first half of ``size`` when the caller knows it) writeback
+    starts after every ``step`` bytes written, never past that early part however large a write is;
+    after it, after every ``every`` bytes. Measured on ``.fpk`` saves with fsync on 2 cores, against
+    starting writeback every 32 MiB only: early requests saved 0.2-0.3 ms of a 2.8 ms 1 MiB save;
+    starting them up to the end of the file saved 6 of 23 ms at 32 MiB on an idle machine, but cost
+    0.6-1.1 ms at 1 MiB and 5-8 ms at 32 MiB while other processes kept every core busy (each request
+    adds a completion the busy cores are slow to handle); the early part only lost nothing busy. Only
+    whole pages: a page still being filled is not sent to be written twice. A no-op without
+    ``sync_file_range``.
     """
 
     __slots__ = ("fd", "_fn", "_pos", "_synced", "_eager", "_step", "_every")
@@ -140,14 +144,18 @@ class WriteBehind:
     def wrote(self, n: int) -> None:
         """``n`` more bytes were written at the end of the file."""
         self._pos += n
-        if self._fn is None or self._pos - self._synced < (self._step if self._synced < self._eager else self._every):
+        early = self._synced < self._eager
+        if self._fn is None or self._pos - self._synced < (self._step if early else self._every):
             return
-        end = self._pos - self._pos % 4096
+        end = self._pos - self._pos % _PAGE
+        if early:  # not past the early part (one large write must not start all of it)
+            end = min(end, -(-self._eager // _PAGE) * _PAGE)
+        if end <= self._synced:  # a length of 0 would mean "to the end of the file"
+            return
         self._fn(self.fd, self._synced, end - self._synced, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
         self._synced = end
 
 
-_PAGE = _mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _libc: Any = None
 _populate_ok = sys.platform == "linux"

@@ -3,6 +3,7 @@ preadv_into (the scatter read local readv uses)."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -148,31 +149,33 @@ def test_local_readv_scatters_in_one_open_and_names_a_missing_file(tmp_path):
     assert Counting().readv(str(tmp_path / "f"), views, 0) == 30 and Counting.calls == 2 and bytes(buf) == data[:30]
 
 
-def _record_writeback(monkeypatch) -> list[tuple[int, int, int]]:
-    """Every range WriteBehind asks the kernel to start writing back (the real call still runs)."""
-    calls: list[tuple[int, int, int]] = []
+def _record_writeback(monkeypatch) -> list[tuple[int, int, int, int]]:
+    """Every range WriteBehind asks the kernel to start writing back, as (fd, offset, nbytes, flags);
+    the real call still runs."""
+    calls: list[tuple[int, int, int, int]] = []
     real = osio.sync_file_range()
     if real is None:
         pytest.skip("no sync_file_range on this platform")
 
     def record(fd: int, offset: int, nbytes: int, flags: int) -> int:
-        calls.append((offset, nbytes, flags))
+        calls.append((fd, offset, nbytes, flags))
         return real(fd, offset, nbytes, flags)
 
     monkeypatch.setattr(osio, "sync_file_range", lambda: record)
     return calls
 
 
-def _check_ranges(calls: list[tuple[int, int, int]], written: int) -> list[int]:
-    """The ranges are contiguous from 0, whole pages, never past what was written, and never waited
-    for (SYNC_FILE_RANGE_WRITE alone); returns where each ends."""
-    assert all(flags == 2 for _, _, flags in calls)
+def _check_ranges(calls: list[tuple[int, int, int, int]], written: int) -> list[int]:
+    """The ranges of one file are contiguous from 0, whole pages, not empty (a length of 0 means "to
+    the end of the file"), never past what was written, and never waited for (SYNC_FILE_RANGE_WRITE
+    alone); returns where each ends."""
+    assert all(flags == 2 for *_, flags in calls)
     pos = 0
-    for offset, nbytes, _ in calls:
-        assert offset == pos and nbytes > 0 and (offset + nbytes) % 4096 == 0
+    for _, offset, nbytes, _ in calls:
+        assert offset == pos and nbytes > 0 and (offset + nbytes) % mmap.PAGESIZE == 0
         pos = offset + nbytes
     assert pos <= written
-    return [o + n for o, n, _ in calls]
+    return [o + n for _, o, n, _ in calls]
 
 
 def _write(f, wb: osio.WriteBehind, sizes: list[int]) -> int:
@@ -190,9 +193,9 @@ def test_write_behind_starts_whole_pages_early_then_every_so_often(tmp_path, mon
     ends = _check_ranges(calls, written)
     starts = [0, *ends[:-1]]
     early = [e for s, e in zip(starts, ends) if s < 1 << 20]
-    assert len(early) >= 4 and all(b - a >= 100_000 - 4096 for a, b in zip([0, *early], early))
+    assert len(early) >= 4 and early[-1] == 1 << 20  # about every 100,000 bytes, up to the early part's end
     late = [e - s for s, e in zip(starts, ends) if s >= 1 << 20]
-    assert late and all(n >= (1 << 20) - 4096 for n in late)  # later: about every MiB
+    assert late and all(n >= (1 << 20) - mmap.PAGESIZE for n in late)  # later: about every MiB
 
 
 def test_write_behind_with_a_known_size_starts_early_in_its_first_half_only(tmp_path, monkeypatch):
@@ -201,17 +204,38 @@ def test_write_behind_with_a_known_size_starts_early_in_its_first_half_only(tmp_
         wb = osio.WriteBehind(f.fileno(), size=1_000_000, eager=1 << 30, step=100_000, every=1 << 30)
         written = _write(f, wb, [120_000] * 8 + [40_000])
     ends = _check_ranges(calls, written)
-    assert len(ends) >= 3 and ends[-1] <= 500_000 + 120_000  # nothing started once past the first half
+    assert len(ends) >= 3 and ends[-1] == -(-500_000 // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("sizes", [[3 << 20], [1, 3 << 20], [200_000, 5 << 20, 100]])
+def test_one_large_write_starts_only_the_early_part(tmp_path, monkeypatch, sizes):
+    calls = _record_writeback(monkeypatch)
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        written = _write(f, osio.WriteBehind(f.fileno(), eager=1 << 20, step=100_000, every=32 << 20), sizes)
+    assert _check_ranges(calls, written)[-1] == 1 << 20  # not all of it, right before the fsync
+
+
+@pytest.mark.parametrize("step, every", [(100, 1 << 20), (1, 1), (4096, 10)])
+def test_steps_under_a_page_never_ask_for_an_empty_range(tmp_path, monkeypatch, step, every):
+    calls = _record_writeback(monkeypatch)
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        wb = osio.WriteBehind(f.fileno(), eager=64 << 10, step=step, every=every)
+        written = _write(f, wb, [100, 10, 4000, 1, 70_000, 10, 3, 5000, 4096, 9])
+    _check_ranges(calls, written)  # nbytes > 0 for every call
 
 
 @pytest.mark.parametrize("ext", [".fpk", ".pt", "dcp"])
-def test_durable_local_saves_start_writeback_as_they_write(tmp_path, monkeypatch, ext):
+@pytest.mark.parametrize("shape", ["many", "one"])
+def test_durable_local_saves_start_writeback_as_they_write(tmp_path, monkeypatch, ext, shape):
     import torch
 
     from ckptio import dcp
 
     calls = _record_writeback(monkeypatch)
-    state = {f"w{i}": torch.randn(100_000 + i) for i in range(6)}  # 2.4 MB in tensors of odd sizes
+    if shape == "many":
+        state = {f"w{i}": torch.randn(100_000 + i) for i in range(6)}  # 2.4 MB in tensors of odd sizes
+    else:
+        state = {"w": torch.randn(1 << 20)}  # one 4 MiB write
     uri = str(tmp_path / f"ckpt{ext}") if ext != "dcp" else str(tmp_path / "ckpt")
     if ext == "dcp":
         dcp.save(state, uri)
@@ -220,9 +244,13 @@ def test_durable_local_saves_start_writeback_as_they_write(tmp_path, monkeypatch
     else:
         ckptio.dump(state, uri)
         back = ckptio.load(uri)
-    assert len(calls) >= 2, calls  # early in the file, long before the fsync
-    _check_ranges(calls, 10 << 20)
     assert all(torch.equal(back[k], v) for k, v in state.items())
+    by_file: dict[int, list] = {}
+    for c in calls:
+        by_file.setdefault(c[0], []).append(c)
+    assert by_file, "no writeback started"
+    for fd_calls in by_file.values():  # early in each file only, long before its fsync
+        assert 1 <= len(fd_calls) <= 2 and _check_ranges(fd_calls, 5 << 20)[-1] <= 512 << 10, fd_calls
     calls.clear()
     ckptio.dump(state, str(tmp_path / "not-durable.fpk"), durable=False)
     ckptio.dump(state, str(tmp_path / "not-durable.pt"), durable=False)
