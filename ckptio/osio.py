@@ -2,12 +2,13 @@
 
 ``preadinto`` fills a buffer with ``preadv`` (in calls the kernel accepts); ``sync_file_range``
 (Linux, via ctypes) starts writeback of a range without waiting, and ``WriteBehind`` calls it as a
-file is written, so a durable save's final fsync has little left to do; ``prefault`` populates a fresh buffer with one ``madvise(MADV_POPULATE_WRITE)``
-(after checking with ``mincore`` that it is not resident already) before a read fills it
-(``prefault_range`` for a raw address); ``memmove`` copies between raw addresses on the calling
-thread in GIL-free chunks (async staging), ``copy_bytes`` out of a ``bytes`` object the same way (memory://
-reads); ``translate_os_errors`` turns an ``OSError`` into the ckptio
-error that names the object. Each is a no-op or declines (returns None) where the platform lacks it.
+file is written, so a durable save's final fsync has little left to do; ``prefault`` populates a
+fresh buffer with one ``madvise(MADV_POPULATE_WRITE)`` (after checking with ``mincore`` that it is
+not resident already) before a read fills it (``prefault_range`` for a raw address); ``memmove``
+copies between raw addresses on the calling thread in GIL-free chunks (async staging),
+``copy_bytes`` out of a ``bytes`` object the same way (memory:// reads); ``translate_os_errors``
+turns an ``OSError`` into the ckptio error that names the object. Each is a no-op or declines
+(returns None) where the platform lacks it.
 """
 
 from __future__ import annotations

@@ -192,9 +192,9 @@ def test_write_behind_starts_whole_pages_early_then_every_so_often(tmp_path, mon
         written = _write(f, osio.WriteBehind(f.fileno(), eager=1 << 20, step=100_000, every=1 << 20), sizes)
     ends = _check_ranges(calls, written)
     starts = [0, *ends[:-1]]
-    early = [e for s, e in zip(starts, ends) if s < 1 << 20]
+    early = [e for s, e in zip(starts, ends, strict=True) if s < 1 << 20]
     assert len(early) >= 4 and early[-1] == 1 << 20  # about every 100,000 bytes, up to the early part's end
-    late = [e - s for s, e in zip(starts, ends) if s >= 1 << 20]
+    late = [e - s for s, e in zip(starts, ends, strict=True) if s >= 1 << 20]
     assert late and all(n >= (1 << 20) - mmap.PAGESIZE for n in late)  # later: about every MiB
 
 
