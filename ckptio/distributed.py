@@ -285,6 +285,7 @@ def load_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .dcp import StorageReader, surface_error
+    from .dcp.quiet import quiet_dcp_log
 
     plan = node_plan(group, node=node, timeout=timeout)
     reader = StorageReader(uri, cache=True if cache is None else cache, **reader_options)
@@ -303,6 +304,7 @@ def load_dcp(
     statuses = _settle(plan, mine, error, group, timeout, f"fetch the checkpoint {os.fspath(uri)}")
     with node_cache.pinned(statuses[plan.leader].value):  # type: ignore[union-attr]
         try:
-            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
+            with quiet_dcp_log():
+                dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group)
         except CheckpointException as e:  # the failed rank's own error, as ckptio.dcp.load raises
             raise surface_error(e, "load", uri, reader._metadata_error) from e

@@ -29,7 +29,9 @@ Groups:
   (``_StorageReaderTransforms``: torch >= 2.7), narrowing a stored tensor to a requested box
   (``torch.distributed._shard._utils.narrow_tensor_by_index``), flattening/setting nested state
   dicts as DCP does (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``: torch >= 2.2)
-  and torch's fsspec writer/reader (``_fsspec_filesystem``: torch >= 2.2, benchmarks only).
+  and torch's fsspec writer/reader (``_fsspec_filesystem``: torch >= 2.2, benchmarks only); the
+  logger torch's DCP API sends its debug records to (``logger._dcp_logger``), whose
+  records :mod:`ckptio.dcp.quiet` skips while nothing receives them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "set_element": ("torch.distributed.checkpoint._traverse", "set_element"),
     "FsspecWriter": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
     "FsspecReader": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
+    "dcp_logger": ("torch.distributed.checkpoint.logger", "_dcp_logger"),
 }
 
 _checked = False

@@ -18,7 +18,8 @@ The package, by responsibility:
   and the commit protocol (commit, uncommit, :func:`discard`, :func:`is_complete`);
 * :mod:`~ckptio.dcp.checks`: what the reader checks before reading (nothing runs, nothing huge
   is allocated);
-* :mod:`~ckptio.dcp.inspection`: :func:`inspect` and :func:`verify` (``ckptio info``/``verify``).
+* :mod:`~ckptio.dcp.inspection`: :func:`inspect` and :func:`verify` (``ckptio info``/``verify``);
+* :mod:`~ckptio.dcp.quiet`: torch's DCP log records skipped while nothing receives them.
 
 The functions below wrap torch's ``dcp.save``/``load``/``async_save`` and raise the failed rank's
 error instead of torch's ``CheckpointException`` (:func:`surface_error`).
@@ -40,6 +41,7 @@ from ..errors import CkptioError
 from .inspection import inspect, verify
 from .layout import CHECKSUM_BLOCK, DATA_SUFFIX, DCP_VERSION, FORMAT_VERSION, METADATA_NAME, note
 from .metadata import discard, is_complete, loads_metadata
+from .quiet import quiet_dcp_log
 from .reader import StorageReader
 from .writer import StorageWriter
 
@@ -132,7 +134,8 @@ def save(
 
     writer = StorageWriter(uri, **options)
     try:
-        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        with quiet_dcp_log():
+            return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
     except CheckpointException as e:
         raise surface_error(e, "save", uri) from e
 
@@ -150,9 +153,10 @@ def async_save(
     import torch.distributed.checkpoint as dcp
 
     try:
-        res = dcp.async_save(
-            state_dict, storage_writer=StorageWriter(uri, **options), planner=planner, process_group=process_group
-        )
+        with quiet_dcp_log():  # the staging part; the upload runs on in torch's thread
+            res = dcp.async_save(
+                state_dict, storage_writer=StorageWriter(uri, **options), planner=planner, process_group=process_group
+            )
     except CheckpointException as e:
         raise surface_error(e, "save", uri) from e
     if isinstance(res, cf.Future):
@@ -176,6 +180,7 @@ def load(
 
     reader = StorageReader(uri, **options)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+        with quiet_dcp_log():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as e:
         raise surface_error(e, "load", uri, reader.metadata_error) from e
