@@ -6,8 +6,9 @@ DEBUG, has only a ``NullHandler`` and does not propagate, so every record is bui
 :func:`quiet_dcp_log` disables it for the length of a call (``Logger.disabled``: checked before a
 record is built, and unlike ``setLevel`` it does not clear the level cache of every logger), and
 leaves it alone when its records go somewhere (a handler that is not a ``NullHandler``, or
-propagation to the root logger), so a user who collects them still gets every one. Nested and
-concurrent calls share one switch: it is turned back when the last of them returns.
+propagation to the root logger), so a user who collects them still gets every one (a handler added
+while a call runs receives records from the next call on). Nested and concurrent calls share one
+switch: it is turned back when the last of them returns.
 """
 
 from __future__ import annotations
