@@ -82,6 +82,8 @@ class Sink:
     ) -> None:
         self._write, self.fd, self.name, self.mark = write, fd, name, mark
         self._lend = lend or write
+        if fd is not None:  # every byte goes out on the descriptor, so one WriteBehind counts them all
+            self._write = self._lend = self._to_fd
         self._behind = WriteBehind(fd) if write_behind and fd is not None else None
 
     def expect(self, size: int) -> None:
@@ -91,20 +93,16 @@ class Sink:
 
     def write(self, data: Any) -> None:
         """Write bytes the caller may change as soon as this returns (a reused staging buffer)."""
-        if self.fd is not None:
-            mv = memoryview(data).cast("B")
-            self.writev([mv], len(mv))
-        else:
-            self._write(data)
+        self._write(data)
 
     def lend(self, data: Any) -> None:
         """Write bytes that stay unchanged until the writer is closed (tensor memory for the length of a
         save, immutable bytes): a writer may keep a view instead of a copy (``Writer.write_borrowed``)."""
-        if self.fd is not None:
-            mv = memoryview(data).cast("B")
-            self.writev([mv], len(mv))
-        else:
-            self._lend(data)
+        self._lend(data)
+
+    def _to_fd(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        self.writev([mv], len(mv))
 
     def writev(self, mvs: list[memoryview], total: int) -> None:
         """Lend ``mvs`` (``total`` bytes in all). Called once per GATHER bytes, so errors are translated
