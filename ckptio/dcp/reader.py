@@ -31,6 +31,7 @@ from ..backends.base import Backend, BytesReader
 from ..errors import FormatError, IncompleteCheckpointError, IntegrityError
 from ..threads import Inline, executor
 from .checks import box_problem, entry_problem, pickle_problem, tensor_problem, zip_problem
+from .heads import DataObjects, check_spans
 from .layout import (
     CHECKSUM_BLOCK,
     INFO_ATTR,
@@ -88,33 +89,6 @@ def contiguous_span(shape: Sequence[int], offsets: Sequence[int], lengths: Seque
     return start, start + count
 
 
-def check_spans(
-    backend: Backend,
-    sizes: dict[str, int],
-    by_object: dict[str, list[tuple[int, int, MetadataIndex]]],
-    malformed: Callable[..., FormatError],
-) -> None:
-    """Each span ``(start, stop, index)`` of each data object lies inside it and overlaps no other.
-
-    ``sizes`` caches each object's size (one ``stat`` each); ``malformed(index, why, obj)`` builds the error.
-    """
-    for obj, spans in by_object.items():
-        if obj not in sizes:
-            sizes[obj] = backend.stat(obj).size
-        size, end, last = sizes[obj], 0, None
-        for start, stop, index in sorted(spans, key=lambda s: s[:2]):
-            if stop > size:
-                raise IntegrityError(
-                    f"{obj} is truncated, or the checkpoint's {METADATA_NAME} is corrupt or "
-                    f"crafted: item {index.fqn!r} has bytes [{start}, {stop}), past its end "
-                    f"({size} bytes); nothing was loaded"
-                )
-            if start < end and last is not None:
-                raise malformed(index, f"has bytes [{start}, {stop}), which overlap those of item {last.fqn!r}", obj)
-            if stop > end:
-                end, last = stop, index
-
-
 def _block_check(hashes: list[int] | None, block: int, obj: str, what: str) -> Callable[[memoryview, int], None]:
     """A check of bytes ``mv`` of an item's data, from byte ``start`` (a block boundary), against its ``hashes``."""
 
@@ -140,8 +114,8 @@ class _Ranges:
     storage a group is up to ``part_size`` bytes (one request where there were one per tensor); where
     reads are local, ranges from ``COALESCE_MAX`` up are read alone, in parallel, and groups stay small."""
 
-    def __init__(self, backend: Backend, pool: cf.Executor) -> None:
-        self.backend, self.pool, self.piece = backend, pool, backend.part_size
+    def __init__(self, backend: Backend, pool: cf.Executor, objects: DataObjects) -> None:
+        self.backend, self.pool, self.piece, self.objects = backend, pool, backend.part_size, objects
         self.alone = COALESCE_MAX if backend.reads_local else backend.part_size  # read by itself from this size
         self.group = 4 * COALESCE_MAX if backend.reads_local else backend.part_size  # the largest coalesced read
         self.small: dict[str, list[tuple[int, int, memoryview, _Unit]]] = {}
@@ -173,6 +147,8 @@ class _Ranges:
         self.small.clear()
 
     def _read_exact(self, obj: str, start: int, target: memoryview) -> None:
+        if self.objects.copy_out(obj, start, [(start, start + len(target), target)]):
+            return
         n = self.backend.readinto(obj, target, start)
         if n != len(target):
             raise IntegrityError(
@@ -180,6 +156,8 @@ class _Ranges:
             )
 
     def _read_scatter(self, obj: str, start: int, stop: int, parts: list[tuple[int, int, memoryview]]) -> None:
+        if self.objects.copy_out(obj, start, parts):
+            return None
         if len(parts) == 1:
             return self._read_exact(obj, start, parts[0][2])
         views: list[memoryview] = []
@@ -275,7 +253,7 @@ class StorageReader(AtURI, _storage.StorageReader):
         self._metadata_error: BaseException | None = None  # torch's load reports it only as "metadata is None"
         self._meta_uri = self._path(METADATA_NAME)
         self._objects: dict[str, str] = {}  # data object name in the metadata -> URI, checked to be inside
-        self._sizes: dict[str, int] = {}  # data object URI -> its size (one stat each)
+        self._data = DataObjects(self.data_backend)  # data objects' sizes, small ones' bytes fetched with them
         self._metadata: Metadata | None = None
         self._checked: tuple[Metadata | None, dict[str, str]] = (None, {})  # metadata read, its data objects
 
@@ -288,12 +266,12 @@ class StorageReader(AtURI, _storage.StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         self._objects = {}
-        self._sizes = {}
         self._metadata = None
         self._metadata_error = None
         self._checked = (None, {})
         if checkpoint_id:
             self._set_uri(checkpoint_id)
+        self._data = DataObjects(self.data_backend)
         self._meta_uri = self._path(METADATA_NAME)
         self.load_id = uuid.uuid4().hex
 
@@ -335,7 +313,7 @@ class StorageReader(AtURI, _storage.StorageReader):
             objects = data_objects(metadata, self.backend, self.root, self._meta_uri)
         self._objects = objects
         self.storage_data = metadata.storage_data
-        self._metadata, self._sizes = metadata, {}
+        self._metadata, self._data = metadata, DataObjects(self.data_backend)
         self.rank = kwargs.get("rank")
 
     # ---- checks before anything is allocated (see ckptio.dcp.checks) -------------------------
@@ -349,9 +327,10 @@ class StorageReader(AtURI, _storage.StorageReader):
     def _check_entries(self, entries: dict[MetadataIndex, bool]) -> None:
         """Check the storage entries ``entries`` (index -> holds a tensor) before any of them is read.
 
-        Each must be sound (:func:`entry_problem`), lie inside its data object (one ``stat`` per
-        object) and overlap no other entry of the batch: a crafted ``.metadata`` can then make a
-        load allocate no more than the data objects hold.
+        Each must be sound (:func:`entry_problem`), lie inside its data object (one size lookup per
+        object, or one GET of a small object's bytes that tells its size: :mod:`.heads`) and overlap
+        no other entry of the batch: a crafted ``.metadata`` can then make a load allocate no more
+        than the data objects hold.
         """
         by_object: dict[str, list[tuple[int, int, MetadataIndex]]] = {}
         for index, tensor in entries.items():
@@ -364,7 +343,7 @@ class StorageReader(AtURI, _storage.StorageReader):
             by_object.setdefault(self._objects[sinfo.relative_path], []).append(
                 (sinfo.offset, sinfo.offset + sinfo.length, index)
             )
-        check_spans(self.data_backend, self._sizes, by_object, self._malformed)
+        check_spans(self._data, by_object, self._malformed)
 
     def _check_plan(self, plan: LoadPlan) -> None:
         self._check_entries({req.storage_index: req.type != LoadItemType.BYTE_IO for req in plan.items})
@@ -410,7 +389,7 @@ class StorageReader(AtURI, _storage.StorageReader):
         small = sum(self.storage_data[r.storage_index].length for r in plan.items) <= INLINE_MAX
         pool = Inline() if small else executor(self.thread_count, "ckptio-dcp-read")
         with pool:
-            ranges = _Ranges(self.data_backend, pool)
+            ranges = _Ranges(self.data_backend, pool, self._data)
 
             def drain(limit: int) -> None:
                 nonlocal temp_in_flight
@@ -436,6 +415,8 @@ class StorageReader(AtURI, _storage.StorageReader):
                     for f in u.futures:
                         f.cancel()
                 raise
+            finally:
+                self._data.release()  # the heads fetched with the sizes: read
         fut: Future = Future()
         fut.set_result(None)
         return fut
