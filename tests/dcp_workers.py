@@ -135,6 +135,7 @@ def _describe(e: BaseException) -> dict:
 def refused_rank(rank: int, world: int, port: int, uri: str, result_dir: str) -> None:
     """Save, then a second save without ``overwrite`` (refused on the coordinator) and a load with rank 1's data
     objects deleted (fails on rank 1), each through torch's function and ckptio's; what each rank saw, as JSON."""
+    import json
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -168,39 +169,9 @@ def refused_rank(rank: int, world: int, port: int, uri: str, result_dir: str) ->
     except BaseException:
         outcomes["crash"] = traceback.format_exc()
     finally:
-        _report(result_dir, rank, outcomes)
-
-
-def saved_twice_rank(rank: int, world: int, port: int, uri: str, backends: dict | None, result_dir: str) -> None:
-    """Save, then save again without ``overwrite``; what each rank saw of the second save, as JSON. On an
-    object store the small second save's check for the committed checkpoint runs while every rank
-    writes its data, and the coordinator refuses it at the commit."""
-    import ckptio.dcp as cd
-
-    _configure(backends)
-    mesh = _init(rank, world, port)
-    outcome: dict = {}
-    try:
-        sd = _sharded(mesh, full_state(1))
-        cd.save(sd, uri, thread_count=2)
-        try:
-            cd.save({k: v + 1 for k, v in sd.items()}, uri, thread_count=2)
-            outcome = {"second": "ok"}
-        except BaseException as e:  # CheckpointException is a BaseException
-            outcome = {"second": _describe(e)}
-    except BaseException:
-        outcome["crash"] = traceback.format_exc()
-    finally:
-        _report(result_dir, rank, outcome)
-
-
-def _report(result_dir: str, rank: int, outcomes: dict) -> None:
-    """Write what this rank saw as JSON (``multiproc.results`` reads it), then leave the group."""
-    import json
-
-    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-        json.dump(outcomes, f)
-    _shutdown()
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            json.dump(outcomes, f)
+        _shutdown()
 
 
 def _shutdown() -> None:

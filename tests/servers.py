@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -206,7 +205,6 @@ class CountingProxy(LoopbackProxy):
 
     upstream: str
     requests: list[Request] = field(default_factory=list)
-    delays: dict[str, float] = field(default_factory=dict)  # method -> seconds to hold it before forwarding
     thread_name = "counting-proxy"
 
     def __post_init__(self) -> None:
@@ -217,7 +215,6 @@ class CountingProxy(LoopbackProxy):
 
             def _relay(self) -> None:
                 body = self._body()
-                time.sleep(proxy.delays.get(self.command, 0.0))
                 status, reason, headers, data = self._forward(body)
                 with proxy._lock:  # recorded before the client can see the response
                     proxy.requests.append(

@@ -3,9 +3,7 @@ FsspecWriter/FsspecReader on S3, and multi-rank DTensor saves on S3 and GCS."""
 
 from __future__ import annotations
 
-import errno
 import io
-import json
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ import torch.distributed.checkpoint as dcp
 import ckptio.dcp as cd
 import dcp_workers as W
 from ckptio.errors import AlreadyExistsError, IncompleteCheckpointError
-from multiproc import results, run_ranks
 from test_dcp import assert_same, blank, sample
 from test_dcp_dist import save_2_load_1_and_3
 
@@ -117,26 +114,3 @@ def test_upload_buffers_are_bounded(s3_uri, tmp_path):
     assert w._bound_memory(256 << 20, 4) == 4 and w._write_backend.max_buffer_bytes == 5 << 20
     w = cd.StorageWriter(str(tmp_path / "x"))  # local files are written from tensor memory: no cap
     assert w._bound_memory(256 << 20, 4) == 4
-
-
-def test_second_small_save_on_s3_is_refused_on_every_rank_and_leaves_the_first(s3_uri, s3_endpoint, tmp_path):
-    """Every rank writes its data while the coordinator's check runs (ckptio.dcp.metadata, step 1);
-    the coordinator then refuses the save, deletes every rank's new data objects, and each rank sees
-    the AlreadyExistsError."""
-    import ckptio
-
-    options = {"endpoint_url": s3_endpoint, "access_key_id": "testing", "secret_access_key": "testing"}
-    uri = f"{s3_uri}/twice"
-    run_ranks(W.saved_twice_rank, 2, uri, {"s3": options}, str(tmp_path))
-    for text in results(str(tmp_path), 2):
-        seen = json.loads(text)
-        assert "crash" not in seen, seen.get("crash")
-        second = seen["second"]
-        assert second["type"] == "AlreadyExistsError" and second["errno"] == errno.EEXIST, second
-        assert "overwrite=True" in second["str"] and "failed on rank 0" in second["notes"][0]
-    backend, root = ckptio.resolve(uri)
-    names = sorted(i.uri.rsplit("/", 1)[-1] for i in backend.list(root))
-    assert len(names) == 3 and names[0] == ".metadata", names  # the first save's .metadata and two data objects
-    full = {k: torch.zeros_like(v) for k, v in W.full_state(1).items()}
-    cd.load(full, uri)
-    assert all(torch.equal(full[k], v) for k, v in W.full_state(1).items())

@@ -184,3 +184,20 @@ def test_read_head_tells_the_size_once_and_old_get_range_hooks_still_work(proxy)
     old.__class__ = OldHook
     buf, told = bytearray(len(data)), []
     assert old.read_head(uri, buf, told.append) == len(data) and told == [len(data)] and bytes(buf) == data
+
+
+def test_small_dcp_save_over_a_committed_checkpoint_is_refused_before_any_data(proxy):
+    """The check for a committed ``.metadata`` comes first: a refused save uploads nothing and leaves the
+    checkpoint as it was."""
+    state, uri = _state(), proxy.uri + "/ckpt"
+    cd.save(state, uri)
+    backend, root = ckptio.resolve(uri)
+    before = sorted(i.uri for i in backend.list(root))
+    proxy.clear()
+    with pytest.raises(ckptio.AlreadyExistsError, match="overwrite=True"):
+        cd.save({k: v + 1 for k, v in state.items()}, uri)
+    assert len(_data_requests(proxy)) == 1 and proxy.bytes_in == 0, proxy.requests
+    assert sorted(i.uri for i in backend.list(root)) == before
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    cd.load(out, uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -8,9 +8,12 @@ object :class:`DataObjects` takes the size from the reply to one ranged GET of i
 the end of the last item the load needs (``Backend.read_head``), and the reads of those items copy
 out of these bytes: a small checkpoint loads with one request per data object, not two.
 
-A head is fetched only where it costs no more than the reads it replaces: an object whose items
-end within HEAD_MAX bytes and lie mostly in that range (at most half of it, or HEAD_SLACK, read for
-nothing), HEADS_MAX bytes held in all until the load ends. The head's length comes from
+A head is fetched only where it costs no more than the reads it replaces: for the items a read is
+about to fetch (not for a check made earlier, such as the Checkpointer's ``check_tensors``, whose
+reader does not read), of an object whose items end within HEAD_MAX bytes and lie mostly in that
+range (at most half of it, or HEAD_SLACK, read for nothing), HEADS_MAX bytes in all, held until the
+load ends. Heads are fetched one after another, as sizes were looked up, so a few small ones at
+most: past HEADS_MAX, sizes are looked up and the items read in parallel. The head's length comes from
 ``.metadata`` and is capped by HEAD_MAX, so crafted metadata cannot make it allocate more; every
 span is checked against the size the reply gave before any item is read. Where reads are local
 (local disks, memory) a size lookup is cheap, and sizes are looked up (``stat``).
@@ -30,7 +33,7 @@ __all__ = ["DataObjects", "check_spans"]
 
 HEAD_MAX = 4 << 20  # an object's items end within this many bytes: fetched with its size
 HEAD_SLACK = 256 << 10  # bytes a head may fetch outside the items (or half the head, if more)
-HEADS_MAX = 16 << 20  # bytes of heads held by one reader until its load ends
+HEADS_MAX = 4 << 20  # bytes of heads held by one reader until its load ends (fetched one after another)
 
 Span = tuple[int, int, MetadataIndex]  # [start, stop) of an item in its data object
 
@@ -44,10 +47,11 @@ class DataObjects:
         self._heads: dict[str, memoryview] = {}
         self._held = 0
 
-    def size(self, obj: str, spans: list[Span]) -> int:
-        """``obj``'s size; fetched with its first bytes when ``spans`` (the items to read) make that worth it."""
+    def size(self, obj: str, spans: list[Span], reading: bool) -> int:
+        """``obj``'s size; fetched with its first bytes when the items at ``spans`` are about to be read
+        (``reading``) and that is worth it."""
         if obj not in self.sizes:
-            n = self._head_length(spans)
+            n = self._head_length(spans) if reading else 0
             self.sizes[obj] = self._fetch_head(obj, n) if n else self.backend.stat(obj).size
         return self.sizes[obj]
 
@@ -90,13 +94,15 @@ def check_spans(
     objects: DataObjects,
     by_object: dict[str, list[Span]],
     malformed: Callable[..., FormatError],
+    reading: bool,
 ) -> None:
     """Each span ``(start, stop, index)`` of each data object lies inside it and overlaps no other.
 
-    ``objects`` gives each object's size; ``malformed(index, why, obj)`` builds the error.
+    ``objects`` gives each object's size (``reading``: the spans are read next, see
+    :meth:`DataObjects.size`); ``malformed(index, why, obj)`` builds the error.
     """
     for obj, spans in by_object.items():
-        size, end, last = objects.size(obj, spans), 0, None
+        size, end, last = objects.size(obj, spans, reading), 0, None
         for start, stop, index in sorted(spans, key=lambda s: s[:2]):
             if stop > size:
                 raise IntegrityError(

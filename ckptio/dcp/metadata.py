@@ -14,11 +14,7 @@ Commit protocol (:class:`ckptio.dcp.StorageWriter` runs it; :func:`prepare_overw
 1. the coordinator, in ``prepare_global_plan`` (before any rank receives its plan, so before any
    data object is touched), picks the attempt id and refuses an existing ``.metadata`` unless
    ``overwrite=True``, in which case it reads it (to know the data objects it refers to) and
-   deletes it. A small save to an object store (under ``EARLY_CHECK_MIN`` bytes of payload in all,
-   without ``overwrite``) runs that check while its data is written, and the coordinator waits for
-   it before step 3: on a committed checkpoint the save deletes its own data objects (names only it
-   uses: the existing checkpoint is never touched) and raises the same error. Its request then
-   costs a small save no time, and a mistaken save uploads at most that many bytes for nothing;
+   deletes it;
 2. every rank streams its data objects under this attempt's names; each is committed (and
    fsynced where local) before ``write_data`` returns; a rank that fails deletes the ones it wrote;
 3. the coordinator writes ``.metadata`` with ``mode="create"``. If another save committed first,

@@ -324,13 +324,13 @@ class StorageReader(AtURI, _storage.StorageReader):
             f"checkpoint's {METADATA_NAME} is corrupt or crafted; nothing was loaded"
         )
 
-    def _check_entries(self, entries: dict[MetadataIndex, bool]) -> None:
+    def _check_entries(self, entries: dict[MetadataIndex, bool], reading: bool = False) -> None:
         """Check the storage entries ``entries`` (index -> holds a tensor) before any of them is read.
 
         Each must be sound (:func:`entry_problem`), lie inside its data object (one size lookup per
         object, or one GET of a small object's bytes that tells its size: :mod:`.heads`) and overlap
         no other entry of the batch: a crafted ``.metadata`` can then make a load allocate no more
-        than the data objects hold.
+        than the data objects hold. ``reading``: the entries are read next (by this reader).
         """
         by_object: dict[str, list[tuple[int, int, MetadataIndex]]] = {}
         for index, tensor in entries.items():
@@ -343,10 +343,10 @@ class StorageReader(AtURI, _storage.StorageReader):
             by_object.setdefault(self._objects[sinfo.relative_path], []).append(
                 (sinfo.offset, sinfo.offset + sinfo.length, index)
             )
-        check_spans(self._data, by_object, self._malformed)
+        check_spans(self._data, by_object, self._malformed, reading)
 
     def _check_plan(self, plan: LoadPlan) -> None:
-        self._check_entries({req.storage_index: req.type != LoadItemType.BYTE_IO for req in plan.items})
+        self._check_entries({req.storage_index: req.type != LoadItemType.BYTE_IO for req in plan.items}, reading=True)
         for req in plan.items:
             sinfo = self.storage_data[req.storage_index]
             info = getattr(sinfo, INFO_ATTR, None)

@@ -29,7 +29,6 @@ from torch.futures import Future
 
 from .. import torch_internals as _ti
 from ..backends.base import Backend, Writer
-from ..threads import shared_pool
 from .layout import (
     CHECKSUM_BLOCK,
     DCP_VERSION,
@@ -49,7 +48,6 @@ __all__ = ["StorageWriter", "bound_memory"]
 
 _STAGING_CHUNK = 8 << 20  # largest staging copy for a non-contiguous or non-CPU tensor
 MIN_OBJECT_BYTES = 16 << 20  # a rank's payload is split into data objects of at least this many bytes
-EARLY_CHECK_MIN = 64 << 20  # from this payload (all ranks) on, an object store save checks before writing data
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -226,14 +224,13 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         self.is_coordinator = False
         self.use_collectives = True
         self._replaced: list[str] = []  # data objects of the checkpoint this save replaces (coordinator)
-        self._check: cf.Future | None = None  # the check for a committed checkpoint, still running (coordinator)
 
     # ---- the StorageWriter protocol --------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self._set_uri(checkpoint_id)
         self.save_id = uuid.uuid4().hex
-        self._replaced, self._check = [], None
+        self._replaced = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -251,12 +248,8 @@ class StorageWriter(AtURI, _storage.StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank gets its plan, hence before any data is written.
         meta = self._path(metadata_name(self.rank, self.use_collectives))
-        self._replaced, self._check = [], None
-        payload = sum(_item_nbytes(i) for p in plans for i in p.items)
-        if self.overwrite or self.backend.reads_local or payload >= EARLY_CHECK_MIN:
-            self._replaced = prepare_overwrite(self.backend, self.root, meta, self.overwrite, self.uri)
-        else:  # a small save to an object store: the check's request runs while the data is written
-            self._check = shared_pool().submit(prepare_overwrite, self.backend, self.root, meta, False, self.uri)
+        self._replaced = []
+        self._replaced = prepare_overwrite(self.backend, self.root, meta, self.overwrite, self.uri)
         attempt = uuid.uuid4().hex[:16]  # this save's data object names: no other save writes or deletes them
         return [
             dataclasses.replace(
@@ -337,14 +330,5 @@ class StorageWriter(AtURI, _storage.StorageWriter):
         metadata.storage_meta = self.storage_meta()
         meta = self._path(metadata_name(self.rank, self.use_collectives))
         own = {self._path(sinfo.relative_path) for sinfo in metadata.storage_data.values()}
-        check, self._check = self._check, None
-        if check is not None:  # a committed checkpoint found while the data was written: this save is discarded
-            try:
-                check.result()
-            except BaseException as e:
-                failed = delete_objects(self.backend, sorted(own))
-                if failed:
-                    note(e, f"ckptio.dcp: could not delete data objects nothing refers to: {'; '.join(failed)}")
-                raise
         replaced, self._replaced = self._replaced, []  # the data objects of the .metadata this save removed
         commit(self.backend, meta, metadata, own, replaced, self.uri)
