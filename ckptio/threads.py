@@ -1,21 +1,72 @@
-"""Thread pools sized to the work.
+"""Thread pools sized to the work, and that keep working while the interpreter exits.
 
 Starting a pool's threads and handing work to them costs 0.1-0.2 ms per call (more with the CPU
 caches cold, as they are between a training step's saves), which is as long as hashing or copying
 a few MiB. Below :data:`PARALLEL_MIN` bytes the work runs in the calling thread: :func:`executor`
 hands out an :class:`Inline` executor that behaves as a pool does (errors through the future).
 Tasks that mostly wait on storage go to :func:`shared_pool`, whose threads are started once.
+
+Every pool in ckptio is a :class:`Pool`. Once the interpreter starts to exit (before ``atexit``
+handlers run), ``concurrent.futures`` refuses new work on every pool ("cannot schedule new futures
+after interpreter shutdown"): a save made by an ``atexit`` handler, often a job's last checkpoint,
+failed as soon as it used a thread. A :class:`Pool` then runs each task on a thread of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 PARALLEL_MIN = 8 << 20  # bytes of hashing or copying below which another thread does not pay for itself
+
+
+class Pool(cf.ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` that still runs tasks while the interpreter exits (see the module
+    docstring): each on a new thread then, joined by ``shutdown(wait=True)``, so tasks that wait on
+    one another still run side by side. A pool shut down by its owner refuses work as before."""
+
+    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "", **kw: Any) -> None:
+        super().__init__(max_workers, thread_name_prefix, **kw)
+        self._name = thread_name_prefix or "ckptio"
+        self._closed = False
+        self._exiting: list[threading.Thread] = []
+        self._exiting_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future:
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError:
+            if self._closed:  # shut down by its owner (or broken): as any pool
+                raise
+        f: cf.Future = cf.Future()  # the interpreter is exiting: a thread of its own
+        t = threading.Thread(target=_run_into, args=(f, fn, args, kwargs), name=f"{self._name}-exiting")
+        with self._exiting_lock:
+            self._exiting.append(t)
+        t.start()
+        return f
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        super().shutdown(wait, cancel_futures=cancel_futures)
+        if wait:
+            with self._exiting_lock:
+                started, self._exiting = self._exiting, []
+            for t in started:
+                t.join()
+
+
+def _run_into(f: cf.Future, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    if not f.set_running_or_notify_cancel():
+        return
+    try:
+        f.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - handed on through the future, as a pool would
+        f.set_exception(e)
 
 
 class Inline(cf.Executor):
@@ -35,10 +86,22 @@ def executor(workers: int, name: str, nbytes: int | None = None) -> cf.Executor:
     given) is below :data:`PARALLEL_MIN`."""
     if nbytes is not None and nbytes < PARALLEL_MIN:
         return Inline()
-    return cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix=name)
+    return Pool(max(1, workers), thread_name_prefix=name)
 
 
-_shared: cf.ThreadPoolExecutor | None = None
+_safe_loops: weakref.WeakSet = weakref.WeakSet()
+
+
+def exit_safe(loop: asyncio.AbstractEventLoop) -> None:
+    """Give ``loop`` a :class:`Pool` as its default executor, once: what it runs in threads
+    (``run_in_executor(None)``, the DNS lookup of each new connection) then still runs while the
+    interpreter exits. For the IO loop of the object store backends (fsspec's)."""
+    if loop not in _safe_loops:
+        loop.set_default_executor(Pool(thread_name_prefix="ckptio-loop"))
+        _safe_loops.add(loop)
+
+
+_shared: Pool | None = None
 _shared_lock = threading.Lock()
 SHARED_WORKERS = 16
 
@@ -53,7 +116,7 @@ def shared_pool() -> cf.Executor:
     if pool is None:
         with _shared_lock:
             if _shared is None:
-                _shared = cf.ThreadPoolExecutor(SHARED_WORKERS, thread_name_prefix="ckptio-io")
+                _shared = Pool(SHARED_WORKERS, thread_name_prefix="ckptio-io")
             pool = _shared
     return pool
 

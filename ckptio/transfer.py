@@ -30,6 +30,7 @@ from .backends.local import ensure_inside
 from .context import resolve
 from .errors import NotFoundError, SettingsError
 from .progress import CountingWriter, Tracker
+from .threads import Pool
 
 
 @dataclasses.dataclass
@@ -144,7 +145,7 @@ def copy_objects(
         for info, target in pairs:
             one(info, target)
     else:
-        with cf.ThreadPoolExecutor(min(jobs, len(pairs)), thread_name_prefix="ckptio-cp") as pool:
+        with Pool(min(jobs, len(pairs)), thread_name_prefix="ckptio-cp") as pool:
             futs = [pool.submit(one, i, t) for i, t in pairs]
             try:
                 for f in cf.as_completed(futs):

@@ -1,9 +1,13 @@
-"""``ckptio.threads``: work too small for a thread runs inline; the shared pool survives a fork."""
+"""``ckptio.threads``: work too small for a thread runs inline; the shared pool survives a fork; pools still run
+work while the interpreter exits."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -55,3 +59,39 @@ def test_more_concurrent_remote_loads_than_shared_threads(s3_uri):
     with cf.ThreadPoolExecutor(n) as ex:
         outs = [f.result(timeout=120) for f in [ex.submit(ckptio.load, uri) for _ in range(n)]]
     assert all(torch.equal(o["w"], state["w"]) and torch.equal(o["b"], state["b"]) for o in outs)
+
+
+def test_pool_shut_down_by_its_owner_refuses_work_as_any_pool():
+    from ckptio.threads import Pool
+
+    pool = Pool(2, thread_name_prefix="t")
+    assert pool.submit(lambda: 3).result() == 3
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: 4)
+
+
+def test_pool_runs_tasks_on_threads_of_their_own_once_the_interpreter_exits(tmp_path):
+    """In an atexit handler: two tasks that wait on each other still run side by side (no deadlock),
+    errors come through the future, and shutdown(wait=True) joins them."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, threading
+            from ckptio.threads import Pool
+
+            def at_exit():
+                both = threading.Barrier(2, timeout=20)
+                with Pool(1, thread_name_prefix="t") as pool:
+                    a, b = pool.submit(both.wait), pool.submit(both.wait)
+                    bad = pool.submit(lambda: 1 / 0)
+                print(sorted([a.result(), b.result()]), type(bad.exception()).__name__)
+
+            atexit.register(at_exit)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1] ZeroDivisionError", out.stdout + out.stderr

@@ -53,13 +53,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..backends.base import Backend, ObjectInfo
 from ..errors import AccessDeniedError, CkptioError, IntegrityError
+from ..threads import Pool
 from .entries import BlockHasher, Damaged, Entry, block_size
 from .entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
 from .eviction import shrink
@@ -407,7 +407,7 @@ class CacheStore:
     def fill_many(self, inner: Backend, uris: Iterable[str], *, threads: int | None = None) -> dict[str, ObjectInfo]:
         """:meth:`fill` for many objects in parallel (``threads`` defaults to the inner concurrency)."""
         uris = list(uris)
-        with ThreadPoolExecutor(max(1, min(threads or inner.concurrency, len(uris) or 1))) as pool:
+        with Pool(max(1, min(threads or inner.concurrency, len(uris) or 1))) as pool:
             return dict(zip(uris, pool.map(lambda u: self.fill(inner, u), uris), strict=True))
 
 
@@ -429,7 +429,7 @@ def download(inner: Backend, info: ObjectInfo, f: BinaryIO, fsync: bool) -> Bloc
             )
         return mv, n
 
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptio-cache") as pool:
+    with Pool(1, thread_name_prefix="ckptio-cache") as pool:
         pos, i = 0, 0
         nxt = pool.submit(fetch, i, pos) if info.size else None
         while nxt is not None:

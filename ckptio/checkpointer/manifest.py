@@ -27,13 +27,13 @@ import logging
 import os
 import warnings
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .. import uri as _uri
 from ..context import resolve
 from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from ..threads import Pool
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -146,7 +146,7 @@ class Layout:
         steps = sorted(steps)
         if len(steps) <= 1 or self.backend.reads_local:
             return [s for s in steps if self.committed(s)]
-        with ThreadPoolExecutor(min(len(steps), self.backend.concurrency), thread_name_prefix="ckptio-ls") as ex:
+        with Pool(min(len(steps), self.backend.concurrency), thread_name_prefix="ckptio-ls") as ex:
             return [s for s, ok in zip(steps, ex.map(self.committed, steps), strict=True) if ok]
 
     def step_dirs(self) -> dict[int, str]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import osio
+from ..threads import Pool
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -166,14 +167,14 @@ class Background:
     """The one background persist thread (started on first use) and the save it runs, if any."""
 
     def __init__(self) -> None:
-        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool: Pool | None = None
         self._future: cf.Future | None = None
         self._lock = threading.Lock()
 
     def submit(self, uri: str, nice: int | None, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` (the save of ``uri``) in the thread, started at nice increment ``nice``."""
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(
+            self._pool = Pool(
                 1,
                 thread_name_prefix="ckptio-checkpointer",
                 initializer=_lower_priority,

@@ -10,7 +10,6 @@ keeps the upload buffers within ``max_buffer_bytes``. The commit is :mod:`ckptio
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import io
 import os
@@ -29,6 +28,7 @@ from torch.futures import Future
 
 from .. import torch_internals as _ti
 from ..backends.base import Backend, Writer
+from ..threads import Pool
 from .layout import (
     CHECKSUM_BLOCK,
     DCP_VERSION,
@@ -270,7 +270,7 @@ class StorageWriter(AtURI, _storage.StorageWriter):
                 for name, g in jobs:
                     results += self._write_object(name, g, planner, cancel)
             else:
-                with cf.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-dcp-write") as pool:
+                with Pool(workers, thread_name_prefix="ckptio-dcp-write") as pool:
                     futs = [pool.submit(self._write_object, name, g, planner, cancel) for name, g in jobs]
                     try:
                         for f in futs:

@@ -32,6 +32,7 @@ from .. import torch_internals as _ti
 from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, copy_to_file
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
+from ..threads import Pool
 from .base import StreamFormat, dtype_size, flatten, jsonable
 
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
@@ -140,7 +141,7 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     part = len(head)
     sizes: list[int] = []
     rest: list[tuple[memoryview, concurrent.futures.Future[int]]] = []
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pt-rest")
+    pool = Pool(1, thread_name_prefix="pt-rest")
 
     def on_size(size: int) -> None:  # on the IO thread, while the first body is still coming
         sizes.append(size)

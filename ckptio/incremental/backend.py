@@ -38,11 +38,12 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..threads import Pool
 from ..wrappers.forwarding import ForwardingBackend
 from .recipe import MAGIC, MAX_RECIPE_BYTES, Recipe, pack_recipe, parse_recipe
 from .store import BlockStore, block_hash
@@ -65,7 +66,7 @@ class IncrementalBackend(ForwardingBackend):
         self._lock = threading.Lock()
         self._recipes: dict[str, Recipe | None] = {}
         self._blocks: collections.OrderedDict[str, Future[bytearray]] = collections.OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Pool | None = None
 
     def __repr__(self) -> str:
         return f"<IncrementalBackend over {self.inner!r}>"
@@ -75,10 +76,10 @@ class IncrementalBackend(ForwardingBackend):
             self.logical_bytes += logical
             self.bytes_written += written
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> Pool:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckptio-blocks")
+                self._pool = Pool(self.concurrency, thread_name_prefix="ckptio-blocks")
             return self._pool
 
     # ---- recipes ------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class _BlockWriter(Writer):
         self._blocks: list[tuple[str, int]] = []
         self._size = self._written = 0
         self._uploads: collections.deque[Future[int]] = collections.deque()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Pool | None = None
         self._done = False
 
     def write(self, data: Buffer) -> int:
@@ -261,7 +262,7 @@ class _BlockWriter(Writer):
         if not self._store.claim(h):
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._b.concurrency, thread_name_prefix="ckptio-put")
+            self._pool = Pool(self._b.concurrency, thread_name_prefix="ckptio-put")
         while len(self._uploads) >= self._b.concurrency:  # bounded: at most `concurrency` blocks in memory
             self._written += self._uploads.popleft().result()
         data = mv if owned else bytes(mv)

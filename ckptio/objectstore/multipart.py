@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from ..backends.base import Buffer, Writer
+from ..threads import exit_safe
 from .ranged import run
 
 DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
@@ -67,6 +68,7 @@ class MultipartWriter(Writer):
     ) -> None:
         self.uri = uri
         self._loop = loop
+        exit_safe(loop)  # its thread work (DNS lookups) still runs in an atexit handler
         self.part_size = part_size
         self.max_buffer_bytes = int(max_buffer_bytes or DEFAULT_MAX_BUFFER_BYTES)
         self._slots = 1 if self.ordered else concurrency

@@ -17,6 +17,7 @@ from typing import Any
 from fsspec.asyn import sync
 
 from ..errors import replaced
+from ..threads import exit_safe
 
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
@@ -63,6 +64,7 @@ def _plain(version: str | None) -> str | None:
 
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """Run ``coro_fn(*args)`` on ``loop`` (fsspec's IO thread) and wait for the result."""
+    exit_safe(loop)  # its thread work (DNS lookups) still runs in an atexit handler
     return sync(loop, coro_fn, *args)
 
 

@@ -32,7 +32,7 @@ import xxhash
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
 from ...osio import anonymous, preadinto, preadv_into, prefault, translate_os_errors
-from ...threads import PARALLEL_MIN, shared_pool
+from ...threads import PARALLEL_MIN, Pool, shared_pool
 from .layout import (
     ALIGN,
     CHUNK,
@@ -347,7 +347,7 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     if ahead is not None:
         tail = src.read(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch and not src.local:  # no request latency to hide locally
-        with cf.ThreadPoolExecutor(2, thread_name_prefix="fpk-meta") as ex:
+        with Pool(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
             tail = src.read(size - tail_len, tail_len)
             header = head_f.result()
@@ -516,7 +516,7 @@ def _run_jobs(jobs: list[Callable[[], None]], concurrency: int) -> None:
         for j in jobs:
             j()
         return
-    with cf.ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
+    with Pool(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
         for f in [ex.submit(j) for j in jobs]:
             f.result()
 
