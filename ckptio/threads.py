@@ -15,6 +15,7 @@ failed as soon as it used a thread. A :class:`Pool` then runs each task on a thr
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import os
 import threading
@@ -27,35 +28,70 @@ PARALLEL_MIN = 8 << 20  # bytes of hashing or copying below which another thread
 
 class Pool(cf.ThreadPoolExecutor):
     """A ``ThreadPoolExecutor`` that still runs tasks while the interpreter exits (see the module
-    docstring): each on a new thread then, joined by ``shutdown(wait=True)``, so tasks that wait on
-    one another still run side by side. A pool shut down by its owner refuses work as before."""
+    docstring). Then its tasks queue for at most ``max_workers`` threads of its own, started as
+    needed and joined by ``shutdown(wait=True)``: the same concurrency as before the exit, so a
+    large load does not start a thread per request. ``inline_at_exit``: run each task in the caller
+    instead, for work nothing may wait for (an async save whose caller returns: threads started
+    during the exit are not waited for by the interpreter). A pool shut down by its owner, or
+    broken, refuses work as any pool does."""
 
-    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "", **kw: Any) -> None:
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        thread_name_prefix: str = "",
+        *,
+        inline_at_exit: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__(max_workers, thread_name_prefix, **kw)
         self._name = thread_name_prefix or "ckptio"
+        self._inline_at_exit = inline_at_exit
         self._closed = False
-        self._exiting: list[threading.Thread] = []
-        self._exiting_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[cf.Future, Callable[..., Any], tuple, dict]] = collections.deque()
+        self._workers = 0  # threads of its own taking from _queue
+        self._started: list[threading.Thread] = []
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future:
         try:
             return super().submit(fn, *args, **kwargs)
+        except cf.BrokenExecutor:
+            raise
         except RuntimeError:
-            if self._closed:  # shut down by its owner (or broken): as any pool
+            if self._closed:  # shut down by its owner: as any pool
                 raise
-        f: cf.Future = cf.Future()  # the interpreter is exiting: a thread of its own
-        t = threading.Thread(target=_run_into, args=(f, fn, args, kwargs), name=f"{self._name}-exiting")
-        with self._exiting_lock:
-            self._exiting.append(t)
-        t.start()
+        f: cf.Future = cf.Future()  # refused because the interpreter is exiting
+        if self._inline_at_exit:
+            _run_into(f, fn, args, kwargs)
+            return f
+        with self._lock:
+            self._queue.append((f, fn, args, kwargs))
+            if self._workers < self._max_workers:
+                self._workers += 1
+                t = threading.Thread(target=self._work, name=f"{self._name}-exiting")
+                self._started.append(t)
+                t.start()
         return f
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._workers -= 1
+                    return
+                task = self._queue.popleft()
+            _run_into(*task)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True
         super().shutdown(wait, cancel_futures=cancel_futures)
+        with self._lock:
+            if cancel_futures:
+                for f, *_ in self._queue:
+                    f.cancel()
+                self._queue.clear()
+            started, self._started = self._started, []
         if wait:
-            with self._exiting_lock:
-                started, self._exiting = self._exiting, []
             for t in started:
                 t.join()
 
@@ -92,13 +128,19 @@ def executor(workers: int, name: str, nbytes: int | None = None) -> cf.Executor:
 _safe_loops: weakref.WeakSet = weakref.WeakSet()
 
 
+_safe_lock = threading.Lock()
+
+
 def exit_safe(loop: asyncio.AbstractEventLoop) -> None:
     """Give ``loop`` a :class:`Pool` as its default executor, once: what it runs in threads
     (``run_in_executor(None)``, the DNS lookup of each new connection) then still runs while the
-    interpreter exits. For the IO loop of the object store backends (fsspec's)."""
-    if loop not in _safe_loops:
-        loop.set_default_executor(Pool(thread_name_prefix="ckptio-loop"))
-        _safe_loops.add(loop)
+    interpreter exits. For the IO loop of the object store and fsspec backends (fsspec's)."""
+    if loop in _safe_loops:
+        return
+    with _safe_lock:
+        if loop not in _safe_loops:
+            loop.set_default_executor(Pool(thread_name_prefix="ckptio-loop"))
+            _safe_loops.add(loop)
 
 
 _shared: Pool | None = None

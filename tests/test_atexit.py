@@ -62,9 +62,13 @@ CHILD = textwrap.dedent(
         ckptio.copyfile(f"{base}/a.fpk", f"{base}/b.fpk")
         return same(ckptio.load(f"{base}/b.fpk"))
 
+    def checkpointer_async_no_wait():  # checked by the parent once this process is gone
+        Checkpointer(f"{base}/nowait", async_save=True).save(1, {"m": state})
+        return True
+
     def at_exit():
         seen = {}
-        for f in (fpk, pt, dcp_round_trip, checkpointer_async, copy):
+        for f in (fpk, pt, dcp_round_trip, checkpointer_async, copy, checkpointer_async_no_wait):
             try:
                 seen[f.__name__] = "ok" if f() else "wrong bytes"
             except Exception as e:
@@ -92,18 +96,36 @@ def _run(tmp_path, base: str, backends: dict) -> dict:
     return json.loads(out.read_text())
 
 
-EXPECTED = dict.fromkeys(["fpk", "pt", "dcp_round_trip", "checkpointer_async", "copy"], "ok")
+EXPECTED = dict.fromkeys(
+    ["fpk", "pt", "dcp_round_trip", "checkpointer_async", "copy", "checkpointer_async_no_wait"], "ok"
+)
+
+
+def _complete(base: str) -> bool:
+    """The async save made at exit, whose caller did not wait: committed, with the state's bytes."""
+    import torch
+
+    from ckptio.checkpointer import Checkpointer
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(12)}
+    out = {"m": {k: torch.empty_like(v) for k, v in state.items()}}
+    Checkpointer(f"{base}/nowait").load(out)
+    return all(torch.equal(out["m"][k], v) for k, v in state.items())
 
 
 def test_saves_and_loads_in_an_atexit_handler_local(tmp_path):
     assert _run(tmp_path, str(tmp_path / "data"), {}) == EXPECTED
+    assert _complete(str(tmp_path / "data"))
 
 
 def test_saves_and_loads_in_an_atexit_handler_s3(tmp_path, s3_uri, s3_endpoint):
     backends = {"s3": {"endpoint_url": s3_endpoint, "part_size": 5 << 20, **S3_TEST_OPTIONS}}
     assert _run(tmp_path, f"{s3_uri}/exit", backends) == EXPECTED
+    assert _complete(f"{s3_uri}/exit")
 
 
 def test_saves_and_loads_in_an_atexit_handler_gcs(tmp_path, gcs_uri, gcs_endpoint):
     backends = {"gcs": {"endpoint_url": gcs_endpoint, "anon": True, "project": "test", "part_size": 8 << 20}}
     assert _run(tmp_path, f"{gcs_uri}/exit", backends) == EXPECTED
+    assert _complete(f"{gcs_uri}/exit")

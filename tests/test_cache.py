@@ -366,8 +366,11 @@ def test_concurrent_readers_of_a_damaged_entry_all_get_the_right_bytes(remote, c
     CachedBackend(LocalBackend(), cache_dir).fill(uri)
     [entry] = _entries(cache_dir)
     flip_byte(entry, 1000)
-    results = _fill_together(uri, cache_dir, 0.0, tmp_path)
-    assert sum(r["discarded"] for r in results) == 1  # replaced once; the others waited or read through
+    results = _fill_together(uri, cache_dir, 0.0, tmp_path)  # each checked it got the right bytes
+    # replaced at most once; the others waited or read through. All of them read through when each
+    # found the others holding the damaged entry (a busy machine): the next reader replaces it then
+    assert sum(r["discarded"] for r in results) <= 1
+    assert CachedBackend(LocalBackend(), cache_dir).read(uri) == payload
     with open(_entries(cache_dir)[0], "rb") as f:
         assert f.read() == payload
 

@@ -71,22 +71,47 @@ def test_pool_shut_down_by_its_owner_refuses_work_as_any_pool():
         pool.submit(lambda: 4)
 
 
-def test_pool_runs_tasks_on_threads_of_their_own_once_the_interpreter_exits(tmp_path):
-    """In an atexit handler: two tasks that wait on each other still run side by side (no deadlock),
-    errors come through the future, and shutdown(wait=True) joins them."""
+def test_pools_still_run_tasks_while_the_interpreter_exits(tmp_path):
+    """In an atexit handler (where a plain ThreadPoolExecutor refuses work): tasks run on at most
+    max_workers threads of the pool's own, two tasks that wait on each other in a pool of two both
+    run, errors come through the future, shutdown(wait=True) joins the threads, cancel_futures
+    cancels what is queued; an inline_at_exit pool runs each task in the caller."""
     script = tmp_path / "child.py"
     script.write_text(
         textwrap.dedent(
             """
-            import atexit, threading
+            import atexit, threading, time
             from ckptio.threads import Pool
 
             def at_exit():
                 both = threading.Barrier(2, timeout=20)
-                with Pool(1, thread_name_prefix="t") as pool:
+                with Pool(2, thread_name_prefix="t") as pool:
                     a, b = pool.submit(both.wait), pool.submit(both.wait)
                     bad = pool.submit(lambda: 1 / 0)
                 print(sorted([a.result(), b.result()]), type(bad.exception()).__name__)
+
+                peak, lock, running = [0], threading.Lock(), [0]
+                def task():
+                    with lock:
+                        running[0] += 1
+                        peak[0] = max(peak[0], running[0])
+                    time.sleep(0.01)
+                    with lock:
+                        running[0] -= 1
+                with Pool(3, thread_name_prefix="t") as pool:
+                    futures = [pool.submit(task) for _ in range(40)]
+                    names = {t.name for t in threading.enumerate() if t.name.startswith("t-exiting")}
+                print(all(f.done() for f in futures), peak[0] <= 3, len(names) <= 3)
+
+                pool = Pool(1, thread_name_prefix="t")
+                slow = pool.submit(time.sleep, 0.5)
+                queued = [pool.submit(time.sleep, 0) for _ in range(5)]
+                pool.shutdown(wait=True, cancel_futures=True)
+                print(slow.done(), all(q.cancelled() for q in queued))
+
+                inline = Pool(1, thread_name_prefix="t", inline_at_exit=True)
+                f = inline.submit(threading.current_thread)
+                print(f.done() and f.result() is threading.current_thread())
 
             atexit.register(at_exit)
             """
@@ -94,4 +119,6 @@ def test_pool_runs_tasks_on_threads_of_their_own_once_the_interpreter_exits(tmp_
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[0, 1] ZeroDivisionError", out.stdout + out.stderr
+    assert out.stdout.split("\n")[:4] == ["[0, 1] ZeroDivisionError", "True True True", "True True", "True"], (
+        out.stdout + out.stderr
+    )

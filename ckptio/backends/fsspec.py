@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
+from ..threads import exit_safe
 from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
 _MTIME_KEYS = ("mtime", "LastModified", "last_modified", "updated", "modified", "created", "ctime")
@@ -50,6 +51,8 @@ class FsspecBackend(Backend):
         super().__init__(part_size=part_size, concurrency=concurrency)
         self.protocol = protocol
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **storage_options)
+        if getattr(self.fs, "async_impl", False):  # its IO loop's thread work still runs in an atexit handler
+            exit_safe(self.fs.loop)
 
     def __repr__(self) -> str:
         return f"<FsspecBackend protocol={self.protocol!r}>"

@@ -179,6 +179,7 @@ class Background:
                 thread_name_prefix="ckptio-checkpointer",
                 initializer=_lower_priority,
                 initargs=(nice,),
+                inline_at_exit=True,  # a save started while the interpreter exits completes before save() returns
             )
         self._future = self._pool.submit(fn, *args)
         self._future.add_done_callback(functools.partial(_report_background_failure, uri))
