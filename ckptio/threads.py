@@ -9,7 +9,8 @@ Tasks that mostly wait on storage go to :func:`shared_pool`, whose threads are s
 Every pool in ckptio is a :class:`Pool`. Once the interpreter starts to exit (before ``atexit``
 handlers run), ``concurrent.futures`` refuses new work on every pool ("cannot schedule new futures
 after interpreter shutdown"): a save made by an ``atexit`` handler, often a job's last checkpoint,
-failed as soon as it used a thread. A :class:`Pool` then runs each task on a thread of its own.
+failed as soon as it used a thread. A :class:`Pool`'s tasks then queue for at most ``max_workers``
+threads of its own, and :func:`exit_safe` gives an event loop one as its default executor.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Pool(cf.ThreadPoolExecutor):
         **kw: Any,
     ) -> None:
         super().__init__(max_workers, thread_name_prefix, **kw)
+        self._limit = max_workers if max_workers is not None else min(32, (os.cpu_count() or 1) + 4)  # as the base's
         self._name = thread_name_prefix or "ckptio"
         self._inline_at_exit = inline_at_exit
         self._closed = False
@@ -66,7 +68,7 @@ class Pool(cf.ThreadPoolExecutor):
             return f
         with self._lock:
             self._queue.append((f, fn, args, kwargs))
-            if self._workers < self._max_workers:
+            if self._workers < self._limit:
                 self._workers += 1
                 t = threading.Thread(target=self._work, name=f"{self._name}-exiting")
                 self._started.append(t)
@@ -126,8 +128,6 @@ def executor(workers: int, name: str, nbytes: int | None = None) -> cf.Executor:
 
 
 _safe_loops: weakref.WeakSet = weakref.WeakSet()
-
-
 _safe_lock = threading.Lock()
 
 

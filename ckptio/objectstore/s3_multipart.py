@@ -23,7 +23,6 @@ from botocore.exceptions import ClientError
 
 from ..backends.base import Buffer, WriteMode
 from ..errors import AlreadyExistsError
-from ..threads import shared_pool
 from . import body as _body
 from . import multipart as _multipart
 from .s3_support import EXISTS, NOT_FOUND, PREHASHED_SIGNER, error_code
@@ -109,7 +108,7 @@ class S3Writer(_multipart.MultipartWriter):
 
         if memoryview(data).nbytes <= _INLINE_HASH_MAX:  # cheaper than the hop to a thread
             return run()
-        fut = asyncio.get_running_loop().run_in_executor(shared_pool(), run)  # works while the interpreter exits
+        fut = asyncio.get_running_loop().run_in_executor(None, run)  # the loop's default: a Pool (threads.exit_safe)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:  # the thread reads the part (lent: the caller's memory): it ends first
