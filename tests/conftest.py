@@ -213,6 +213,12 @@ def gcs_proxy(gcs_endpoint: str) -> Iterator[CountingProxy]:
         yield proxy
 
 
+@pytest.fixture(params=["s3", "gcs"])
+def proxy(request) -> CountingProxy:
+    """``s3_proxy``, then ``gcs_proxy``: a test that counts requests on both object stores."""
+    return request.getfixturevalue(f"{request.param}_proxy")
+
+
 @pytest.fixture
 def memory_uri() -> str:
     return f"memory://{_unique()}"

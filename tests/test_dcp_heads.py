@@ -14,16 +14,7 @@ from ckptio import dcp as cd
 from ckptio.dcp import heads
 from ckptio.dcp.layout import METADATA_NAME
 from ckptio.errors import IntegrityError
-
-
-@pytest.fixture(params=["s3", "gcs"])
-def proxy(request):
-    return request.getfixturevalue(f"{request.param}_proxy")
-
-
-def _state(n: int = 6, side: int = 64) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(side, side, generator=g) for i in range(n)}
+from test_small_requests import _state
 
 
 def _data_object(uri: str) -> str:

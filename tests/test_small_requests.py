@@ -20,11 +20,6 @@ def _state() -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)}  # ~96 KiB
 
 
-@pytest.fixture(params=["s3", "gcs"])
-def proxy(request):
-    return request.getfixturevalue(f"{request.param}_proxy")
-
-
 def _data_requests(proxy) -> list[str]:
     """The methods of the recorded requests, without GCS's precondition checks of create-only writes."""
     return [r.method for r in proxy.requests if "fields=generation" not in r.path]
