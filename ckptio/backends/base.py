@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import concurrent.futures as cf
 import contextlib
 import io
 import itertools
@@ -26,6 +27,7 @@ from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 from .. import uri as _uri
 from ..errors import NotFoundError
 from ..osio import anonymous
+from ..threads import shared_pool
 
 WriteMode = Literal["overwrite", "create"]
 Buffer = bytes | bytearray | memoryview
@@ -324,6 +326,13 @@ class Backend(abc.ABC):
         where a size lookup and a read were two); this default looks it up first."""
         on_size(self.stat(uri).size)
         return self.readinto(uri, buf, 0)
+
+    def start_read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> cf.Future[int]:
+        """:meth:`read_head` started in the background: a future of its count, done once ``buf`` is filled
+        (``on_size`` is called before that, maybe on another thread). Once started it is not cancelled:
+        a reader that closes waits for it. This default runs ``read_head`` on the shared I/O pool; object
+        stores start the request on their IO loop."""
+        return shared_pool().submit(self.read_head, uri, buf, on_size)
 
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
         """Fill the consecutive buffers ``views`` from the bytes at ``offset`` (a scatter read); returns

@@ -4,14 +4,14 @@ Both clients are asyncio-based and run on fsspec's IO loop thread. :func:`parall
 read of one or several consecutive buffers into ``part_size`` ranges and fetches up to
 ``concurrency`` of them at once, each request's body streamed straight through the buffers it spans
 (a scatter read: one request may fill many tensors, none staged); :func:`run` waits on the loop from
-a caller's thread; :func:`gather_or_cancel` stops the other requests when one fails.
+a caller's thread (:func:`start` does not); :func:`gather_or_cancel` stops the other requests when one fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fsspec.asyn import sync
@@ -66,6 +66,24 @@ def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]],
     """Run ``coro_fn(*args)`` on ``loop`` (fsspec's IO thread) and wait for the result."""
     exit_safe(loop)  # its thread work (DNS lookups) still runs in an atexit handler
     return sync(loop, coro_fn, *args)
+
+
+def start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
+    """Start ``coro`` on ``loop`` from a caller's thread and return at once: the coroutine delivers its
+    own result (a future it completes). Refused, as :func:`run` is, on a closed loop or from the loop's
+    own thread (whoever waits there would wait forever)."""
+    if loop is None or loop.is_closed():
+        coro.close()
+        raise RuntimeError("Loop is not running")
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        coro.close()
+        raise NotImplementedError("Calling start() from within the IO loop")
+    exit_safe(loop)
+    asyncio.run_coroutine_threadsafe(coro, loop)
 
 
 async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:

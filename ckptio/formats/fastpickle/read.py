@@ -175,7 +175,7 @@ class BackendSource(Source):
             told.append(n)
             ready.set()
 
-        head_f = self._pool.submit(self.backend.read_head, self.name, first, on_size)
+        head_f = self.backend.start_read_head(self.name, first, on_size)  # no pool thread in between
         head_f.add_done_callback(lambda _: ready.set())
         self._ahead.append((0, first[:0], head_f))  # close() waits for it whatever happens next
         ready.wait()
