@@ -69,6 +69,42 @@ def anonymous(n: int) -> memoryview:
     return memoryview(_mmap.mmap(-1, max(1, n), flags=_mmap.MAP_PRIVATE))
 
 
+def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``n`` bytes, not yet filled, and a writable view of its buffer, for a read
+    that fills it before anyone else sees it: the bytes a whole-object read returns, without a copy
+    out of a staging buffer (``PyBytes_FromStringAndSize(NULL, n)``, as a C extension reading into a
+    new bytes object does). The view does not keep the bytes alive; the caller holds both until it is
+    filled. Where the C API is not reachable (not CPython) the bytes are a copy of a filled bytearray:
+    use :func:`bytes_of` on the view when done."""
+    if n > 0 and _bytes_api is not None:
+        new, address = _bytes_api
+        out = new(None, n)
+        return out, memoryview((ctypes.c_char * n).from_address(address(out))).cast("B")
+    buf = bytearray(n)
+    return b"", memoryview(buf)
+
+
+def bytes_of(out: bytes, view: memoryview, n: int) -> bytes:
+    """What :func:`fresh_bytes` made, once ``n`` bytes of ``view`` are filled: ``out`` itself when it was
+    filled whole, else a copy of what was filled."""
+    if out and n == len(out):
+        return out
+    return bytes(view[:n])
+
+
+def _bytes_c_api() -> Any:
+    try:
+        new = ctypes.pythonapi.PyBytes_FromStringAndSize
+        address = ctypes.pythonapi.PyBytes_AsString
+    except AttributeError:  # not CPython
+        return None
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+    address.restype, address.argtypes = ctypes.c_void_p, [ctypes.py_object]
+    return new, address
+
+
+_bytes_api = _bytes_c_api()
+
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 
 

@@ -255,3 +255,18 @@ def test_durable_local_saves_start_writeback_as_they_write(tmp_path, monkeypatch
     ckptio.dump(state, str(tmp_path / "not-durable.fpk"), durable=False)
     ckptio.dump(state, str(tmp_path / "not-durable.pt"), durable=False)
     assert calls == []  # nothing is fsynced, so nothing is pushed to the disk early
+
+
+def test_fresh_bytes_are_ordinary_bytes_once_filled():
+    from ckptio.osio import bytes_of, fresh_bytes
+
+    data = bytes(range(256)) * 4096
+    out, view = fresh_bytes(len(data))
+    view[:] = data
+    got = bytes_of(out, view, len(data))
+    assert got is out and type(got) is bytes and got == data and hash(got) == hash(data)
+    out, view = fresh_bytes(10)  # filled in part (a short read): a copy of what was filled
+    view[:4] = b"abcd"
+    assert bytes_of(out, view, 4) == b"abcd"
+    out, view = fresh_bytes(0)
+    assert bytes_of(out, view, 0) == b""

@@ -144,17 +144,8 @@ def test_a_size_and_bytes_of_different_versions_are_an_error(s3_uri, s3_endpoint
             pass
     monkeypatch.undo()
     backend.write(uri, b"a" * (12 * MiB))
-    real_stat = ObjectStoreBackend.stat
-    swapped: list[str] = []
-
-    def stat(self, u):  # replaced by a small object between the first range and the size lookup
-        if u == uri and not swapped:
-            bucket, key = uri[len("s3://") :].split("/", 1)
-            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"small")
-            swapped.append(u)
-        return real_stat(self, u)
-
-    monkeypatch.setattr(ObjectStoreBackend, "stat", stat)
+    # read takes the size from its first GET; replaced by a small object before the rest is fetched
+    swapped = _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"small")
     with pytest.raises(IntegrityError, match="replaced while it was being read"):
         backend.read(uri)  # not the first 4 MiB of a as if they were the whole object
     assert swapped

@@ -26,7 +26,6 @@ from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
 from ..errors import NotFoundError
-from ..osio import anonymous
 from ..threads import shared_pool
 
 WriteMode = Literal["overwrite", "create"]
@@ -34,7 +33,7 @@ Buffer = bytes | bytearray | memoryview
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
-SMALL_OBJECT = 4 * 1024 * 1024  # read_first's default: an object up to this size is read by one request
+SMALL_OBJECT = 4 * 1024 * 1024  # an object store's read(): an object up to this size is read by one request
 
 
 @dataclass(frozen=True)
@@ -503,13 +502,3 @@ def copy_between(
     """Stream one object from any backend to any backend with bounded memory."""
     with dst_backend.open_writer(dst, mode=mode) as w:
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
-
-
-def read_first(backend: Backend, uri: str, limit: int = SMALL_OBJECT) -> tuple[memoryview, bool]:
-    """The object's first bytes, up to ``limit`` (and ``part_size``), in one ``readinto`` with no size
-    lookup first, and whether they are the whole object (fewer came back). A missing object raises
-    NotFoundError. On an object store a small object is then one GET, header and footer included.
-    The buffer is anonymous memory, faulted in only as far as it is filled (not zeroed first)."""
-    buf = anonymous(min(limit, backend.part_size))
-    n = backend.readinto(uri, buf, 0)  # 0 bytes: empty, or missing (readinto raises then)
-    return buf[:n], n < len(buf)

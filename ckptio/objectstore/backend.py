@@ -21,8 +21,9 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer, read_first
+from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
+from ..osio import anonymous, bytes_of, fresh_bytes
 from ..threads import shared_pool
 from ..wrappers.forwarding import ForwardingBackend
 from . import retry as _retry
@@ -297,21 +298,37 @@ class ObjectStoreBackend(Backend):
         return _range_of(self, uri, start, end)
 
     def read(self, uri: str) -> bytes:
-        """The whole object; one ranged GET for a small one (:func:`read_first`, no HEAD first); a
-        larger one's other reads come from the same version."""
+        """The whole object. Its first GET (up to ``SMALL_OBJECT`` bytes; a small object whole) tells
+        the size with its headers, no HEAD first; a larger object's other ranges are fetched while that
+        first body is still coming, from the same version, straight into the bytes returned (no copy of
+        the whole out of a staging buffer)."""
         self._split(uri)
         reads = self.pin_version(uri)
-        head, whole = read_first(reads, uri)
-        if whole:
-            return bytes(head)
-        n = len(head)
-        size = reads.stat(uri).size  # of the version the head came from, or IntegrityError
-        if size <= n:
-            return bytes(head)
-        buf = bytearray(size)
-        buf[:n] = head
-        got = n + reads.readinto(uri, memoryview(buf)[n:], n)
-        return bytes(buf) if got == size else bytes(buf[:got])
+        head = anonymous(min(SMALL_OBJECT, self.part_size))
+        sized, sizes = threading.Event(), []
+
+        def on_size(n: int) -> None:
+            sizes.append(n)
+            sized.set()
+
+        first = reads.start_read_head(uri, head, on_size)
+        first.add_done_callback(lambda _: sized.set())
+        sized.wait()
+        if not sizes:
+            first.result()  # the first read failed: its error
+        k = len(head)
+        size = sizes[0] if sizes else reads.stat(uri).size
+        if size <= k:
+            return bytes(head[: first.result()])
+        out, view = fresh_bytes(size)
+        try:
+            got = reads.readinto(uri, view[k:], k)
+        except BaseException:
+            cf.wait([first])  # it fills ``head`` until it ends
+            raise
+        n = first.result()
+        view[:n] = head[:n]
+        return bytes_of(out, view, n if n < k else k + got)
 
     def isfile(self, uri: str) -> bool:
         """One HEAD (``stat`` would list the prefix too, to tell a directory from nothing)."""
