@@ -73,15 +73,23 @@ def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` object of ``n`` bytes, not yet filled, and a writable view of its buffer, for a read
     that fills it before anyone else sees it: the bytes a whole-object read returns, without a copy
     out of a staging buffer (``PyBytes_FromStringAndSize(NULL, n)``, as a C extension reading into a
-    new bytes object does). The view does not keep the bytes alive; the caller holds both until it is
-    filled. Where the C API is not reachable (not CPython) the bytes are a copy of a filled bytearray:
-    use :func:`bytes_of` on the view when done."""
+    new bytes object does). The view keeps the bytes alive (requests still writing into it after an
+    interrupted wait write into live memory). Where the C API is not reachable (not CPython) the view is
+    of a bytearray, copied by :func:`bytes_of` when done."""
     if n > 0 and _bytes_api is not None:
         new, address = _bytes_api
         out = new(None, n)
-        return out, memoryview((ctypes.c_char * n).from_address(address(out))).cast("B")
+        arr = (ctypes.c_char * n).from_address(address(out))
+        arr._owner = out  # type: ignore[attr-defined]  # the view holds the array, the array the bytes
+        return out, memoryview(arr).cast("B")
     buf = bytearray(n)
     return b"", memoryview(buf)
+
+
+def zero(view: memoryview) -> None:
+    """Fill the writable, contiguous ``view`` with zeros."""
+    if len(view):
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
 
 
 def bytes_of(out: bytes, view: memoryview, n: int) -> bytes:

@@ -219,7 +219,8 @@ def test_a_small_fpk_load_needs_no_thread_of_the_shared_pool(proxy):
 
 def test_start_read_head_futures(proxy):
     """Started at once and not cancellable (a closing reader waits for the buffer it fills); the size is
-    told before the future is done, an empty object's by a lookup; errors come out as ckptio errors."""
+    told before the future is done when the reply tells it (an empty object's reply does not: the caller
+    asks ``stat``, as ``read_head`` does for it); errors come out as ckptio errors."""
     backend, uri = ckptio.resolve(proxy.uri + "/obj.bin")
     data = bytes(range(256)) * 100
     backend.write(uri, data)
@@ -228,7 +229,10 @@ def test_start_read_head_futures(proxy):
         buf, told = bytearray(len(data)), []
         fut = backend.pin_version(target).start_read_head(target, buf, told.append)
         assert not fut.cancel()
-        assert fut.result(30) == len(want) and told == [len(want)] and bytes(buf[: len(want)]) == want
+        assert fut.result(30) == len(want) and bytes(buf[: len(want)]) == want
+        assert told == [len(want)] if want else told in ([], [0])  # S3 answers an empty object's range with 416
+        told = []
+        assert backend.read_head(target, buf, told.append) == len(want) and told == [len(want)]
     fut = backend.start_read_head(uri + "-missing", bytearray(10), lambda n: None)
     with pytest.raises(ckptio.NotFoundError, match="obj.bin-missing"):
         fut.result(30)

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from .. import uri as _uri
 from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
-from ..osio import anonymous, bytes_of, fresh_bytes
+from ..osio import anonymous, bytes_of, fresh_bytes, zero
 from ..threads import shared_pool
 from ..wrappers.forwarding import ForwardingBackend
 from . import retry as _retry
@@ -236,55 +236,61 @@ class ObjectStoreBackend(Backend):
         and told as soon as they arrive, while the body is still coming."""
         if not _hook_takes(type(self)._get_range, "on_size"):  # a subclass's hook from before on_size existed
             return super().read_head(uri, buf, on_size)
-        return self.start_read_head(uri, buf, on_size, pin=pin).result()
+        told: list[int] = []
+
+        def tell(size: int) -> None:
+            told.append(size)
+            on_size(size)
+
+        n = self._get_head(uri, buf, tell, pin).result()
+        if not told:  # an empty object (416), a buffer of 0 bytes, or a reply without the headers
+            tell(self.stat(uri).size)
+        return n
 
     def start_read_head(
         self, uri: str, buf: Buffer, on_size: Callable[[int], None], *, pin: VersionPin | None = None
     ) -> cf.Future[int]:
         """:meth:`read_head`'s GET started on the IO loop from the caller's thread, with no pool thread
         waiting on it in between (on a 2-core machine each hand-off between threads costs a few tenths of
-        a millisecond, on the scale of a small object's whole GET). ``on_size`` runs on the IO loop."""
+        a millisecond, on the scale of a small object's whole GET). ``on_size`` runs on the IO loop, and
+        only when the reply tells the size (not for an empty object: the caller then asks ``stat``)."""
         cls = type(self)
-        if not _hook_takes(cls._get_range, "on_size") or cls.read_head is not ObjectStoreBackend.read_head:
-            return super().start_read_head(uri, buf, on_size)  # a subclass's hooks from before this existed
+        if _hook_takes(cls._get_range, "on_size") and cls.read_head is ObjectStoreBackend.read_head:
+            return self._get_head(uri, buf, on_size, pin)
+        # a subclass's hooks from before this existed: its read_head on the shared pool, with the pin it takes
+        kw = {"pin": pin} if pin is not None and _hook_takes(cls.read_head, "pin") else {}
+        return shared_pool().submit(self.read_head, uri, buf, on_size, **kw)
+
+    def _get_head(
+        self, uri: str, buf: Buffer, on_size: Callable[[int], None], pin: VersionPin | None
+    ) -> cf.Future[int]:
+        """The GET of ``buf``'s length from byte 0, started on the IO loop: a future, done from the loop,
+        that cannot be cancelled (a reader that closes waits for the buffer it fills). ``on_size`` is
+        called once if the reply's headers tell the size. Nothing here waits on a pool."""
         bucket, key = self._split(uri)
         mv = memoryview(buf).cast("B")
         told: list[int] = []
-        extra = {"pin": pin} if pin is not None and _hook_takes(cls._get_range, "pin") else {}
+        extra = {"pin": pin} if pin is not None and _hook_takes(type(self)._get_range, "pin") else {}
         fut: cf.Future[int] = cf.Future()
-        fut.set_running_or_notify_cancel()  # started: it cannot be cancelled, a closing reader waits for it
+        fut.set_running_or_notify_cancel()
 
         def tell(size: int) -> None:
             if not told:  # once, whatever the retries
                 told.append(size)
                 on_size(size)
 
-        def fail(e: BaseException) -> None:
-            out = self.translate(e, uri) if isinstance(e, Exception) else e
-            if out is not e:
-                out.__suppress_context__ = True
-            fut.set_exception(out)
-
-        def told_by_stat(n: int) -> None:  # off the loop: stat waits on it
-            try:
-                tell(self.stat(uri).size)
-            except BaseException as e:
-                fail(e)
-            else:
-                fut.set_result(n)
-
         async def go() -> None:
             try:
                 n = await self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell, **extra) if mv else 0
             except BaseException as e:
-                fail(e)
+                out = self.translate(e, uri) if isinstance(e, Exception) else e
+                if out is not e:
+                    out.__suppress_context__ = True
+                fut.set_exception(out)
                 if not isinstance(e, Exception):
                     raise
                 return
-            if told:
-                fut.set_result(n)
-            else:  # an empty object (416), a buffer of 0 bytes, or a reply without the headers
-                shared_pool().submit(told_by_stat, n)
+            fut.set_result(n)
 
         start(self._loop, go())
         return fut
@@ -320,15 +326,17 @@ class ObjectStoreBackend(Backend):
         size = sizes[0] if sizes else reads.stat(uri).size
         if size <= k:
             return bytes(head[: first.result()])
-        out, view = fresh_bytes(size)
-        try:
+        out, view = fresh_bytes(size)  # the view keeps ``out`` alive: requests still in flight after an
+        try:  # interrupt (Ctrl-C in the wait) write into live memory
             got = reads.readinto(uri, view[k:], k)
+            n = first.result()
+            view[:n] = head[:n]
+            return bytes_of(out, view, n if n < k else k + got)
         except BaseException:
             cf.wait([first])  # it fills ``head`` until it ends
+            zero(view)  # no stale heap bytes in a traceback's locals
+            del out, view
             raise
-        n = first.result()
-        view[:n] = head[:n]
-        return bytes_of(out, view, n if n < k else k + got)
 
     def isfile(self, uri: str) -> bool:
         """One HEAD (``stat`` would list the prefix too, to tell a directory from nothing)."""

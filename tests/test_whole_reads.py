@@ -1,0 +1,190 @@
+"""Attacks on an object store's whole-object read (``ckptio.get``: ``read``, the rest fetched into the
+bytes returned) and on ``start_read_head`` (the first GET of a load, started on the IO loop): an
+interrupt while requests are in flight, subclasses with their own ``read_head``, the shared pool held
+by many loads, stale memory in a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import ckptio
+from ckptio.backends.s3 import S3Backend
+from ckptio.errors import IntegrityError
+from ckptio.objectstore.backend import ObjectStoreBackend
+from conftest import S3_TEST_OPTIONS
+from servers import s3_client
+
+MiB = 1 << 20
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, gc, json, os, signal, sys, threading, time
+    import ckptio
+
+    uri, opts = sys.argv[1], json.loads(sys.argv[2])
+    ckptio.configure(backends={"s3": opts})
+    backend, uri = ckptio.resolve(uri)
+    size = 12 << 20
+    backend.write(uri, b"\\xab" * size)
+    cls = type(backend)
+    real = cls._get_range
+
+    async def slow(self, uri, bucket, key, start, end, into, on_size=None, pin=None):
+        if start > 0:
+            await asyncio.sleep(1.0)  # a slow network for the rest: Ctrl-C comes while it is in flight
+        return await real(self, uri, bucket, key, start, end, into, on_size=on_size, pin=pin)
+
+    cls._get_range = slow
+    threading.Timer(0.4, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        backend.read(uri)
+        print("no interrupt")
+    except KeyboardInterrupt:
+        pass
+    gc.collect()
+    victims = [bytearray(size - (4 << 20)) for _ in range(4)] + [bytes(size) for _ in range(4)]
+    time.sleep(1.5)  # the requests still in flight end meanwhile
+    dirty = sum(len(v) - v.count(0) for v in victims)
+    print("dirty" if dirty else "clean", flush=True)
+    """
+)
+
+
+def test_ctrl_c_during_a_whole_read_writes_only_live_memory(tmp_path, s3_uri, s3_endpoint):
+    """The requests of an interrupted read go on for a while: what they fill must still be the read's
+    own buffer (a freed bytes object would be reused by the next allocation and corrupted)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    opts = {"endpoint_url": s3_endpoint, "part_size": 5 << 20, **S3_TEST_OPTIONS}
+    proc = subprocess.run(
+        [sys.executable, str(script), f"{s3_uri}/big.bin", json.dumps(opts)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["clean"], (proc.stdout, proc.stderr[-3000:])
+
+
+def _within(fn, timeout: float = 30):
+    out: list = []
+
+    def body() -> None:
+        try:
+            out.append(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out.append(("err", e))
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for {timeout}s"
+    kind, value = out[0]
+    if kind == "err":
+        raise value
+    return value
+
+
+def test_a_subclass_read_head_that_calls_super_does_not_loop(s3_uri, s3_endpoint):
+    calls: list[bool] = []
+
+    class Logging(S3Backend):
+        def read_head(self, uri, buf, on_size, *, pin=None):
+            calls.append(pin is not None)
+            return super().read_head(uri, buf, on_size, pin=pin)
+
+    b = Logging(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
+    uri = f"{s3_uri}/sub.bin"
+    data = bytes(range(256)) * (24 << 10)  # 6 MiB: a first range and the rest
+    b.write(uri, data)
+    assert _within(lambda: b.read(uri)) == data
+    buf = bytearray(len(data))
+    assert _within(lambda: b.read_head(uri, buf, lambda n: None)) == len(data) and buf == data
+    assert calls == [True, False]  # the read's (pinned), then the direct call; once each
+
+
+def test_a_subclass_read_head_that_takes_the_pin_gets_it(s3_uri, s3_endpoint, monkeypatch):
+    pins: list = []
+
+    class PinAware(S3Backend):
+        def read_head(self, uri, buf, on_size, *, pin=None):
+            pins.append(pin)
+            on_size(self.stat(uri).size)
+            return self.readinto(uri, buf, 0, pin=pin)
+
+    b = PinAware(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
+    uri = f"{s3_uri}/p.bin"
+    b.write(uri, b"a" * (12 * MiB))
+    bucket, key = uri[len("s3://") :].split("/", 1)
+    real, done = ObjectStoreBackend.readv, []
+
+    def readv(self, u, views, offset=0, **kw):  # replaced between the first range and the rest
+        if offset > 0 and not done:
+            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"b" * (12 * MiB))
+            done.append(offset)
+        return real(self, u, views, offset, **kw)
+
+    monkeypatch.setattr(ObjectStoreBackend, "readv", readv)
+    with pytest.raises(IntegrityError, match="replaced while it was being read"):
+        b.read(uri)  # never a mix of a and b
+    assert done and len(pins) == 1 and pins[0] is not None
+
+
+def test_many_loads_of_empty_objects_through_a_wrapper_do_not_hold_the_shared_pool(s3_uri):
+    """A wrapper (progress counting) runs read_head on the shared pool; an empty object's size lookup must
+    not queue behind those very tasks on the same pool."""
+    from ckptio.threads import SHARED_WORKERS
+
+    uri = f"{s3_uri}/empty.fpk"
+    backend, resolved = ckptio.resolve(uri)
+    backend.write(resolved, b"")
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            ckptio.load(uri, progress=lambda *a: None)
+        except Exception as e:  # noqa: BLE001 - an empty file is not a checkpoint: the error is expected
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(SHARED_WORKERS + 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "loads hung on the shared pool"
+    assert len(errors) == len(threads) and all(isinstance(e, IntegrityError) for e in errors), errors[:2]
+
+
+def test_a_failed_whole_read_leaves_no_stale_memory_in_its_traceback(s3_uri, s3_endpoint, monkeypatch):
+    """The bytes object a read fills is not zeroed first; when the read fails, no frame of the traceback
+    may still hold it (or a view of it) with whatever the heap held before."""
+    backend, uri = ckptio.resolve(f"{s3_uri}/t.bin", part_size=5 * MiB)
+    backend.write(uri, b"a" * (12 * MiB))
+    bucket, key = uri[len("s3://") :].split("/", 1)
+    real, done = ObjectStoreBackend.readv, []
+
+    def readv(self, u, views, offset=0, **kw):
+        if offset > 0 and not done:
+            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"b" * (12 * MiB))
+            done.append(offset)
+        return real(self, u, views, offset, **kw)
+
+    monkeypatch.setattr(ObjectStoreBackend, "readv", readv)
+    big = bytes(32 * MiB)  # freed: malloc now serves blocks of up to 32 MiB from its heap, not fresh mappings
+    del big
+    secret = b"SECRET-KEY;" * (MiB + 1)  # 11 MiB freed just before the read: heap memory it may be given
+    del secret
+    with pytest.raises(IntegrityError) as info:
+        backend.read(uri)
+    tb = info.value.__traceback__
+    while tb is not None:
+        for name, v in tb.tb_frame.f_locals.items():
+            if isinstance(v, (bytes, bytearray, memoryview)):
+                assert b"SECRET-KEY;" not in bytes(v), (tb.tb_frame.f_code.co_name, name)
+        tb = tb.tb_next
