@@ -24,7 +24,7 @@ from .. import uri as _uri
 from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from ..osio import anonymous, bytes_of, fresh_bytes, zero
-from ..threads import shared_pool
+from ..threads import Pool, shared_pool
 from ..wrappers.forwarding import ForwardingBackend
 from . import retry as _retry
 from .multipart import size_option
@@ -236,24 +236,14 @@ class ObjectStoreBackend(Backend):
         and told as soon as they arrive, while the body is still coming."""
         if not _hook_takes(type(self)._get_range, "on_size"):  # a subclass's hook from before on_size existed
             return super().read_head(uri, buf, on_size)
-        told: list[int] = []
-
-        def tell(size: int) -> None:
-            told.append(size)
-            on_size(size)
-
-        n = self._get_head(uri, buf, tell, pin).result()
-        if not told:  # an empty object (416), a buffer of 0 bytes, or a reply without the headers
-            tell(self.stat(uri).size)
-        return n
+        return self._get_head(uri, buf, on_size, pin).result()
 
     def start_read_head(
         self, uri: str, buf: Buffer, on_size: Callable[[int], None], *, pin: VersionPin | None = None
     ) -> cf.Future[int]:
         """:meth:`read_head`'s GET started on the IO loop from the caller's thread, with no pool thread
         waiting on it in between (on a 2-core machine each hand-off between threads costs a few tenths of
-        a millisecond, on the scale of a small object's whole GET). ``on_size`` runs on the IO loop, and
-        only when the reply tells the size (not for an empty object: the caller then asks ``stat``)."""
+        a millisecond, on the scale of a small object's whole GET). ``on_size`` runs on the IO loop."""
         cls = type(self)
         if _hook_takes(cls._get_range, "on_size") and cls.read_head is ObjectStoreBackend.read_head:
             return self._get_head(uri, buf, on_size, pin)
@@ -264,9 +254,11 @@ class ObjectStoreBackend(Backend):
     def _get_head(
         self, uri: str, buf: Buffer, on_size: Callable[[int], None], pin: VersionPin | None
     ) -> cf.Future[int]:
-        """The GET of ``buf``'s length from byte 0, started on the IO loop: a future, done from the loop,
-        that cannot be cancelled (a reader that closes waits for the buffer it fills). ``on_size`` is
-        called once if the reply's headers tell the size. Nothing here waits on a pool."""
+        """The GET of ``buf``'s length from byte 0, started on the IO loop: a future that cannot be
+        cancelled (a reader that closes waits for the buffer it fills). ``on_size`` is called once, before
+        it is done: from the reply's headers, or where they do not tell (an empty object, which S3 answers
+        with 416; a buffer of 0 bytes) from a ``stat`` on a thread of its own, never on the shared pool,
+        whose tasks may be waiting on this very future. A missing object is a NotFoundError."""
         bucket, key = self._split(uri)
         mv = memoryview(buf).cast("B")
         told: list[int] = []
@@ -279,18 +271,34 @@ class ObjectStoreBackend(Backend):
                 told.append(size)
                 on_size(size)
 
+        def fail(e: BaseException) -> None:
+            out = self.translate(e, uri) if isinstance(e, Exception) else e
+            if out is not e:
+                out.__suppress_context__ = True
+            fut.set_exception(out)
+
+        def told_by_stat(n: int) -> None:  # off the loop: stat waits on it
+            try:
+                tell(self.stat(uri).size)
+            except BaseException as e:
+                fail(e)
+            else:
+                fut.set_result(n)
+
         async def go() -> None:
             try:
                 n = await self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell, **extra) if mv else 0
             except BaseException as e:
-                out = self.translate(e, uri) if isinstance(e, Exception) else e
-                if out is not e:
-                    out.__suppress_context__ = True
-                fut.set_exception(out)
+                fail(e)
                 if not isinstance(e, Exception):
                     raise
                 return
-            fut.set_result(n)
+            if told:
+                fut.set_result(n)
+            else:
+                lookup = Pool(1, thread_name_prefix="ckptio-size")
+                lookup.submit(told_by_stat, n)
+                lookup.shutdown(wait=False)
 
         start(self._loop, go())
         return fut
@@ -333,9 +341,9 @@ class ObjectStoreBackend(Backend):
             view[:n] = head[:n]
             return bytes_of(out, view, n if n < k else k + got)
         except BaseException:
-            cf.wait([first])  # it fills ``head`` until it ends
-            zero(view)  # no stale heap bytes in a traceback's locals
+            zero(view)  # no stale heap bytes in a traceback's locals (first, whatever interrupts the wait)
             del out, view
+            cf.wait([first])  # it fills ``head`` until it ends
             raise
 
     def isfile(self, uri: str) -> bool:
