@@ -16,9 +16,8 @@ import pytest
 import ckptio
 from ckptio.backends.s3 import S3Backend
 from ckptio.errors import IntegrityError
-from ckptio.objectstore.backend import ObjectStoreBackend
 from conftest import S3_TEST_OPTIONS
-from servers import s3_client
+from test_pinned_reads import _replace_before_the_second_read
 
 MiB = 1 << 20
 
@@ -121,16 +120,7 @@ def test_a_subclass_read_head_that_takes_the_pin_gets_it(s3_uri, s3_endpoint, mo
     b = PinAware(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
     uri = f"{s3_uri}/p.bin"
     b.write(uri, b"a" * (12 * MiB))
-    bucket, key = uri[len("s3://") :].split("/", 1)
-    real, done = ObjectStoreBackend.readv, []
-
-    def readv(self, u, views, offset=0, **kw):  # replaced between the first range and the rest
-        if offset > 0 and not done:
-            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"b" * (12 * MiB))
-            done.append(offset)
-        return real(self, u, views, offset, **kw)
-
-    monkeypatch.setattr(ObjectStoreBackend, "readv", readv)
+    done = _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"b" * (12 * MiB))
     with pytest.raises(IntegrityError, match="replaced while it was being read"):
         b.read(uri)  # never a mix of a and b
     assert done and len(pins) == 1 and pins[0] is not None
@@ -166,16 +156,7 @@ def test_a_failed_whole_read_leaves_no_stale_memory_in_its_traceback(s3_uri, s3_
     may still hold it (or a view of it) with whatever the heap held before."""
     backend, uri = ckptio.resolve(f"{s3_uri}/t.bin", part_size=5 * MiB)
     backend.write(uri, b"a" * (12 * MiB))
-    bucket, key = uri[len("s3://") :].split("/", 1)
-    real, done = ObjectStoreBackend.readv, []
-
-    def readv(self, u, views, offset=0, **kw):
-        if offset > 0 and not done:
-            s3_client(s3_endpoint).put_object(Bucket=bucket, Key=key, Body=b"b" * (12 * MiB))
-            done.append(offset)
-        return real(self, u, views, offset, **kw)
-
-    monkeypatch.setattr(ObjectStoreBackend, "readv", readv)
+    _replace_before_the_second_read(monkeypatch, s3_endpoint, uri, b"b" * (12 * MiB))
     big = bytes(32 * MiB)  # freed: malloc now serves blocks of up to 32 MiB from its heap, not fresh mappings
     del big
     secret = b"SECRET-KEY;" * (MiB + 1)  # 11 MiB freed just before the read: heap memory it may be given

@@ -20,6 +20,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
@@ -502,3 +503,27 @@ def copy_between(
     """Stream one object from any backend to any backend with bounded memory."""
     with dst_backend.open_writer(dst, mode=mode) as w:
         copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
+
+
+def start_sized(
+    backend: Backend, uri: str, buf: Buffer, started: Callable[[cf.Future[int]], None] | None = None
+) -> tuple[cf.Future[int], int]:
+    """``backend.start_read_head`` into ``buf``, waiting only for the object's size (a GET's headers,
+    not its body): the read's future and the size. Raises the read's error if it fails first; a
+    ``read_head`` that never tells the size (a user backend's) gets a ``stat``. ``started(future)`` is
+    called before the wait (a reader that must wait for the read when it closes, whatever happens)."""
+    told: list[int] = []
+    ready = threading.Event()
+
+    def on_size(n: int) -> None:
+        told.append(n)
+        ready.set()
+
+    fut = backend.start_read_head(uri, buf, on_size)
+    fut.add_done_callback(lambda _: ready.set())
+    if started is not None:
+        started(fut)
+    ready.wait()
+    if not told:
+        fut.result()  # the read failed: its error
+    return fut, told[0] if told else backend.stat(uri).size

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer, start_sized
 from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
 from ..osio import anonymous, bytes_of, fresh_bytes, zero
 from ..threads import Pool, shared_pool
@@ -319,19 +319,8 @@ class ObjectStoreBackend(Backend):
         self._split(uri)
         reads = self.pin_version(uri)
         head = anonymous(min(SMALL_OBJECT, self.part_size))
-        sized, sizes = threading.Event(), []
-
-        def on_size(n: int) -> None:
-            sizes.append(n)
-            sized.set()
-
-        first = reads.start_read_head(uri, head, on_size)
-        first.add_done_callback(lambda _: sized.set())
-        sized.wait()
-        if not sizes:
-            first.result()  # the first read failed: its error
+        first, size = start_sized(reads, uri, head)
         k = len(head)
-        size = sizes[0] if sizes else reads.stat(uri).size
         if size <= k:
             return bytes(head[: first.result()])
         out, view = fresh_bytes(size)  # the view keeps ``out`` alive: requests still in flight after an

@@ -29,7 +29,7 @@ import msgpack
 import torch
 import xxhash
 
-from ...backends.base import Backend
+from ...backends.base import Backend, start_sized
 from ...errors import FormatError, IntegrityError
 from ...osio import anonymous, preadinto, preadv_into, prefault, translate_os_errors
 from ...threads import PARALLEL_MIN, Pool, shared_pool
@@ -168,21 +168,10 @@ class BackendSource(Source):
         self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
         first = anonymous(self.part_size)
-        told: list[int] = []
-        ready = threading.Event()
-
-        def on_size(n: int) -> None:
-            told.append(n)
-            ready.set()
-
-        head_f = self.backend.start_read_head(self.name, first, on_size)  # no pool thread in between
-        head_f.add_done_callback(lambda _: ready.set())
-        self._ahead.append((0, first[:0], head_f))  # close() waits for it whatever happens next
-        ready.wait()
-        if not told:
-            head_f.result()  # the read failed: its error
+        # close() waits for the first read whatever happens next
+        head_f, size = start_sized(self.backend, self.name, first, lambda f: self._ahead.append((0, first[:0], f)))
         if self._size is None:
-            self._size = told[0] if told else self.backend.stat(self.name).size
+            self._size = size
         head = min(self.size, len(first))
         tail = min(self.size - head, max(self.part_size, self.prefetch))
         if tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
