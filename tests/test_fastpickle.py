@@ -549,6 +549,38 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
             ckptio.load(f"{s3_uri}/bad-{where}.fpk", **opts)
 
 
+def test_remote_full_load_reads_footer_and_metadata_from_its_read_ahead_without_a_copy(s3_uri, monkeypatch):
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    copied, seen = [], []
+    real_copy, real_view = fpk_read.Source.read, fpk_read.BackendSource.view
+
+    def copy(self, offset, n):
+        copied.append((offset, n))
+        return real_copy(self, offset, n)
+
+    def view(self, offset, n):
+        out = real_view(self, offset, n)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(fpk_read.Source, "read", copy)
+    monkeypatch.setattr(fpk_read.BackendSource, "view", view)
+    state = {"w": torch.randn(300_000), "n": 3}  # 1.2 MB: one request, the tail read is a part of it
+    uri = f"{s3_uri}/meta-view.fpk"
+    fp.save(state, uri)
+    out = ckptio.load(uri)
+    assert torch.equal(out["w"], state["w"]) and out["n"] == 3
+    assert copied == [] and seen  # header, footer and metadata: views of what was read ahead
+    assert all(isinstance(v, memoryview) and v.readonly for v in seen)  # nobody can write into the payloads
+    # the last 256 KiB straddle two ranges read ahead (5 MiB parts, 5.1 MiB): copied out of both
+    seen.clear()
+    state["w"] = torch.randn(1_340_000)
+    fp.save(state, uri)
+    out = ckptio.load(uri, backend_args={"part_size": 5 << 20})
+    assert torch.equal(out["w"], state["w"]) and copied and all(type(v) in (bytes, memoryview) for v in seen)
+
+
 @pytest.mark.parametrize(
     "pos, error, message",
     [

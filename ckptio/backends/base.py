@@ -508,16 +508,22 @@ def copy_between(
 def start_sized(
     backend: Backend, uri: str, buf: Buffer, started: Callable[[cf.Future[int]], None] | None = None
 ) -> tuple[cf.Future[int], int]:
-    """``backend.start_read_head`` into ``buf``, waiting only for the object's size (a GET's headers,
-    not its body): the read's future and the size. Raises the read's error if it fails first; a
-    ``read_head`` that never tells the size (a user backend's) gets a ``stat``. ``started(future)`` is
-    called before the wait (a reader that must wait for the read when it closes, whatever happens)."""
+    """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
+    larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
+    start the rest while the body comes; for one that fits, for the read itself. Raises the read's error
+    if it fails first; a ``read_head`` that never tells the size (a user backend's) gets a ``stat``.
+    ``started(future)`` is called before the wait (a reader that must wait for the read when it closes,
+    whatever happens)."""
     told: list[int] = []
     ready = threading.Event()
+    room = memoryview(buf).nbytes
 
     def on_size(n: int) -> None:
         told.append(n)
-        ready.set()
+        if n > room:  # more to fetch than ``buf`` holds: the caller starts it while this body comes
+            ready.set()
+        # else the read is about to end; waking the caller now would only have it wait again for the
+        # body (on 2 cores a thread's wake-up costs a few tenths of a millisecond): the read's end wakes it
 
     fut = backend.start_read_head(uri, buf, on_size)
     fut.add_done_callback(lambda _: ready.set())

@@ -89,6 +89,10 @@ class Source:
             raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}), got {got}")
         return bytes(buf)
 
+    def view(self, offset: int, n: int) -> bytes | memoryview:
+        """:meth:`read`, or a read-only view where the source holds those bytes already (no copy)."""
+        return self.read(offset, n)
+
     def close(self) -> None:
         pass
 
@@ -240,6 +244,15 @@ class BackendSource(Source):
                 f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
             )
 
+    def view(self, offset: int, n: int) -> bytes | memoryview:
+        """A read-only view of a range read ahead that holds bytes ``[offset, offset + n)`` (the footer and
+        metadata of a full load: no copy of the 256 KiB tail, twice), else a copy."""
+        for off, data, fut in self._ahead:
+            if off <= offset and offset + n <= off + len(data):
+                self._arrived(off, data, fut)
+                return data[offset - off : offset - off + n].toreadonly()
+        return self.read(offset, n)
+
     def ahead_view(self, offset: int, nbytes: int) -> memoryview | None:
         """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
         (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
@@ -331,23 +344,23 @@ def read_meta(src: Source, full: bool = False) -> Meta:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
-    header = b""
+    header: bytes | memoryview = b""
     deferred = ahead is not None
     if ahead is not None:
-        tail = src.read(size - tail_len, tail_len)
+        tail = src.view(size - tail_len, tail_len)
     elif src.concurrency > 1 and src.prefetch and not src.local:  # no request latency to hide locally
         with Pool(2, thread_name_prefix="fpk-meta") as ex:
             head_f = ex.submit(src.read, 0, HEADER.size)
-            tail = src.read(size - tail_len, tail_len)
+            tail = src.view(size - tail_len, tail_len)
             header = head_f.result()
     else:
-        header, tail = src.read(0, HEADER.size), src.read(size - tail_len, tail_len)
+        header, tail = src.view(0, HEADER.size), src.view(size - tail_len, tail_len)
     footer = tail[-FOOTER.size :]
     meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
     if not deferred and header[:8] != MAGIC:
         raise FormatError(f"{name}: not a fastpickle file (bad magic)")
     if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
-        if deferred and src.read(0, HEADER.size)[:8] != MAGIC:
+        if deferred and src.view(0, HEADER.size)[:8] != MAGIC:
             raise FormatError(f"{name}: not a fastpickle file (bad magic)")
         raise IntegrityError(
             f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or has trailing bytes"
@@ -361,9 +374,9 @@ def read_meta(src: Source, full: bool = False) -> Meta:
     if meta_off >= size - tail_len:
         meta_bytes = tail[meta_off - (size - tail_len) : -FOOTER.size]
     else:
-        meta_bytes = src.read(meta_off, meta_len)
+        meta_bytes = src.view(meta_off, meta_len)
 
-    def check_header(header: bytes) -> None:
+    def check_header(header: bytes | memoryview) -> None:
         hmagic, hversion, hflags, align = HEADER.unpack(header)
         if hmagic != MAGIC:
             raise FormatError(f"{name}: not a fastpickle file (bad magic)")
@@ -389,10 +402,10 @@ def read_meta(src: Source, full: bool = False) -> Meta:
             raise FormatError(f"{name}: malformed metadata: {reason(e)}") from e
     except FormatError:
         if deferred:  # a checksum mismatch (corruption) explains malformed metadata better
-            check_header(src.read(0, HEADER.size))
+            check_header(src.view(0, HEADER.size))
         raise
     if deferred:  # verified before anything is decoded or returned; the footer's own checksum held
-        out.check = lambda: check_header(src.read(0, HEADER.size))
+        out.check = lambda: check_header(src.view(0, HEADER.size))
     return out
 
 
