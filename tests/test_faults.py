@@ -86,6 +86,19 @@ def test_transient_fault_on_ranged_read_retries_only_that_range(faults, fault):
     assert faults.count("GET") == 3 + 1  # three ranges, one of them twice
 
 
+@pytest.mark.parametrize("fault", ["503", "reset", "reset-before", "stall", "truncate"])
+def test_transient_fault_on_a_whole_reads_first_get(faults, fault):
+    """ckptio.get's first GET streams into the bytes it returns, made when that reply's headers came: a
+    retry of it refills them from the start (a small object whole; a larger one's first range)."""
+    b, u = ckptio.resolve(faults.uri + "/whole.bin")
+    for data in (os.urandom(MiB + 3), _big(faults)):
+        b.write(u, data)
+        faults.clear()
+        faults.add(Fault(method="GET", nth=1, **TRANSIENT[fault]))
+        assert b.read(u) == data
+        assert faults.fired() == 1
+
+
 @pytest.mark.parametrize("fault", ["503", "reset"])
 def test_transient_fault_on_metadata_calls(faults, fault):
     b, u = ckptio.resolve(faults.uri + "/dir/obj")

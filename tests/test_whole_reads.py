@@ -34,11 +34,15 @@ CHILD = textwrap.dedent(
     cls = type(backend)
     real = cls._get_range
 
+    mode = sys.argv[3]
+
     async def slow(self, uri, bucket, key, start, end, into, on_size=None, pin=None):
-        if start > 0:
-            await asyncio.sleep(1.0)  # a slow network for the rest: Ctrl-C comes while it is in flight
+        if start > 0 or mode == "first":
+            await asyncio.sleep(1.0)  # a slow network: Ctrl-C comes while it is in flight
         return await real(self, uri, bucket, key, start, end, into, on_size=on_size, pin=pin)
 
+    if mode != "staged":  # the first body straight into the bytes returned, as S3Backend's own hook does
+        slow.sizes_first = True
     cls._get_range = slow
     threading.Timer(0.4, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
@@ -55,14 +59,17 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_ctrl_c_during_a_whole_read_writes_only_live_memory(tmp_path, s3_uri, s3_endpoint):
+@pytest.mark.parametrize("mode", ["staged", "straight", "first"])
+def test_ctrl_c_during_a_whole_read_writes_only_live_memory(tmp_path, s3_uri, s3_endpoint, mode):
     """The requests of an interrupted read go on for a while: what they fill must still be the read's
-    own buffer (a freed bytes object would be reused by the next allocation and corrupted)."""
+    own buffer (a freed bytes object would be reused by the next allocation and corrupted). ``staged``:
+    the first body into a staging buffer; ``straight``: into the bytes returned, Ctrl-C while the rest
+    is in flight; ``first``: Ctrl-C before the first reply's headers (the bytes are made after it)."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     opts = {"endpoint_url": s3_endpoint, "part_size": 5 << 20, **S3_TEST_OPTIONS}
     proc = subprocess.run(
-        [sys.executable, str(script), f"{s3_uri}/big.bin", json.dumps(opts)],
+        [sys.executable, str(script), f"{s3_uri}/big.bin", json.dumps(opts), mode],
         capture_output=True,
         text=True,
         timeout=120,
@@ -191,3 +198,52 @@ def test_start_sized_returns_early_only_when_there_is_more_to_fetch(store, s3_ur
     ckptio.put(b"", f"{root}/empty")
     fut, size = start_sized(backend, f"{root}/empty", anonymous(4096))
     assert size == 0 and fut.result() == 0
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.parametrize("size", [0, 1, 3 * MiB, 5 * MiB + 7, 12 * MiB])
+def test_a_whole_read_returns_the_bytes_its_first_body_streamed_into(store, size, s3_uri, gcs_uri, monkeypatch):
+    """No staging copy: the bytes returned are the ones made when the first reply told the size, and
+    its body and the rest were fetched into them (an empty object has nothing to stream)."""
+    from ckptio.objectstore import backend as ob
+
+    made: list[bytes] = []
+    real = ob.fresh_bytes
+
+    def spy(n):
+        out, view = real(n)
+        made.append(out)
+        return out, view
+
+    monkeypatch.setattr(ob, "fresh_bytes", spy)
+    root = s3_uri if store == "s3" else gcs_uri
+    backend, uri = ckptio.resolve(f"{root}/whole-{size}.bin", part_size=5 * MiB)
+    data = bytes(range(251)) * (size // 251) + b"z" * (size % 251)
+    backend.write(uri, data)
+    got = backend.read(uri)
+    assert got == data and type(got) is bytes
+    if size:
+        assert len(made) == 1 and got is made[0]
+    with pytest.raises(ckptio.NotFoundError, match="whole-missing"):
+        backend.read(f"{root}/whole-missing.bin")
+
+
+def test_a_subclass_get_range_keeps_the_staged_whole_read(s3_uri, s3_endpoint, monkeypatch):
+    """A subclass's own ``_get_range`` may read its buffers before it tells the size: it is not handed a
+    buffer swapped under it, and the read is still whole and exact."""
+    swapped: list[bool] = []
+
+    class Own(S3Backend):
+        async def _get_range(self, uri, bucket, key, start, end, into, on_size=None, pin=None):
+            first = into[0]
+            n = await super()._get_range(uri, bucket, key, start, end, into, on_size=on_size, pin=pin)
+            swapped.append(into[0] is not first)
+            return n
+
+    b = Own(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
+    for size in (1000, 6 * MiB + 1):
+        uri = f"{s3_uri}/own-{size}.bin"
+        data = bytes(range(256)) * (size // 256) + b"q" * (size % 256)
+        b.write(uri, data)
+        assert _within(lambda u=uri: b.read(u)) == data
+    assert swapped and not any(swapped)

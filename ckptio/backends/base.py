@@ -506,14 +506,18 @@ def copy_between(
 
 
 def start_sized(
-    backend: Backend, uri: str, buf: Buffer, started: Callable[[cf.Future[int]], None] | None = None
+    backend: Backend,
+    uri: str,
+    buf: Buffer,
+    started: Callable[[cf.Future[int]], None] | None = None,
+    start: Callable[[Callable[[int], None]], cf.Future[int]] | None = None,
 ) -> tuple[cf.Future[int], int]:
     """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
     larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
     start the rest while the body comes; for one that fits, for the read itself. Raises the read's error
     if it fails first; a ``read_head`` that never tells the size (a user backend's) gets a ``stat``.
     ``started(future)`` is called before the wait (a reader that must wait for the read when it closes,
-    whatever happens)."""
+    whatever happens). ``start(on_size)``: starts the read instead of ``backend.start_read_head``."""
     told: list[int] = []
     ready = threading.Event()
     room = memoryview(buf).nbytes
@@ -525,7 +529,7 @@ def start_sized(
         # else the read is about to end; waking the caller now would only have it wait again for the
         # body (on 2 cores a thread's wake-up costs a few tenths of a millisecond): the read's end wakes it
 
-    fut = backend.start_read_head(uri, buf, on_size)
+    fut = start(on_size) if start is not None else backend.start_read_head(uri, buf, on_size)
     fut.add_done_callback(lambda _: ready.set())
     if started is not None:
         started(fut)

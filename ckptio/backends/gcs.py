@@ -313,6 +313,8 @@ class GCSBackend(ObjectStoreBackend):
                 raise replaced(uri, pinned) from None
             raise
 
+    _get_range.sizes_first = True  # type: ignore[attr-defined]  # ``into`` is read after ``on_size``: see _get_head
+
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         check_mode(mode)

@@ -280,6 +280,8 @@ class S3Backend(ObjectStoreBackend):
 
         return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 
+    _get_range.sizes_first = True  # type: ignore[attr-defined]  # ``into`` is read after ``on_size``: see _get_head
+
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(
         self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True, size_hint: int | None = None

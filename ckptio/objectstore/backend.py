@@ -156,7 +156,10 @@ class ObjectStoreBackend(Backend):
         streamed through them in order) under the retry policy; the count (0 past the end).
         ``on_size(size)``: called with the whole object's size when the reply's headers tell it.
         ``pin``: the reply's version (ETag, generation) goes through ``pin.check`` before the body is
-        read; a pinned version is sent as a precondition where the store has one."""
+        read; a pinned version is sent as a precondition where the store has one. A hook that calls
+        ``on_size`` before it writes any byte and reads the list ``into`` only after (its items may be
+        replaced then) says so with the attribute ``sizes_first = True``: :meth:`read` then streams the
+        first body straight into the bytes it returns."""
         raise NotImplementedError
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
@@ -252,15 +255,26 @@ class ObjectStoreBackend(Backend):
         return shared_pool().submit(self.read_head, uri, buf, on_size, **kw)
 
     def _get_head(
-        self, uri: str, buf: Buffer, on_size: Callable[[int], None], pin: VersionPin | None
+        self,
+        uri: str,
+        buf: Buffer,
+        on_size: Callable[[int], None],
+        pin: VersionPin | None,
+        dest: Callable[[int], memoryview] | None = None,
     ) -> cf.Future[int]:
         """The GET of ``buf``'s length from byte 0, started on the IO loop: a future that cannot be
         cancelled (a reader that closes waits for the buffer it fills). ``on_size`` is called once, before
         it is done: from the reply's headers, or where they do not tell (an empty object, which S3 answers
         with 416; a buffer of 0 bytes) from a ``stat`` on a thread of its own, never on the shared pool,
-        whose tasks may be waiting on this very future. A missing object is a NotFoundError."""
+        whose tasks may be waiting on this very future. A missing object is a NotFoundError.
+
+        ``dest(size)``: where the body goes instead of ``buf`` (at most as long), chosen on the IO loop when
+        the reply's headers tell the size, before any byte of the body is written (this class's
+        ``_get_range`` hooks read their buffer list only after ``on_size``; :meth:`read` checks that the
+        hook is one of them). A reply that does not tell the size fills ``buf``."""
         bucket, key = self._split(uri)
         mv = memoryview(buf).cast("B")
+        into = [mv]
         told: list[int] = []
         extra = {"pin": pin} if pin is not None and _hook_takes(type(self)._get_range, "pin") else {}
         fut: cf.Future[int] = cf.Future()
@@ -270,6 +284,11 @@ class ObjectStoreBackend(Backend):
             if not told:  # once, whatever the retries
                 told.append(size)
                 on_size(size)
+
+        def told_by_reply(size: int) -> None:
+            if dest is not None and not told:
+                into[0] = dest(size)  # the same list: a retry streams into it too
+            tell(size)
 
         def fail(e: BaseException) -> None:
             out = self.translate(e, uri) if isinstance(e, Exception) else e
@@ -287,7 +306,9 @@ class ObjectStoreBackend(Backend):
 
         async def go() -> None:
             try:
-                n = await self._get_range(uri, bucket, key, 0, len(mv), [mv], on_size=tell, **extra) if mv else 0
+                n = 0
+                if mv:
+                    n = await self._get_range(uri, bucket, key, 0, len(mv), into, on_size=told_by_reply, **extra)
             except BaseException as e:
                 fail(e)
                 if not isinstance(e, Exception):
@@ -312,28 +333,73 @@ class ObjectStoreBackend(Backend):
         return _range_of(self, uri, start, end)
 
     def read(self, uri: str) -> bytes:
-        """The whole object. Its first GET (up to ``SMALL_OBJECT`` bytes; a small object whole) tells
-        the size with its headers, no HEAD first; a larger object's other ranges are fetched while that
-        first body is still coming, from the same version, straight into the bytes returned (no copy of
-        the whole out of a staging buffer)."""
+        """The whole object, straight into the bytes returned: its first GET (up to ``SMALL_OBJECT``
+        bytes; a small object whole) tells the size with its headers, no HEAD first, and its body streams
+        into a new ``bytes`` of that size (``osio.fresh_bytes``); a larger object's other ranges are
+        fetched into the rest while that first body is still coming, from the same version. No copy out
+        of a staging buffer, at any size. (A reply that does not tell the size, or a subclass's own read
+        hooks: the first body is staged and copied.)"""
         self._split(uri)
         reads = self.pin_version(uri)
-        head = anonymous(min(SMALL_OBJECT, self.part_size))
-        first, size = start_sized(reads, uri, head)
+        head = anonymous(min(SMALL_OBJECT, self.part_size))  # the first body, where it cannot go straight
         k = len(head)
-        if size <= k:
-            return bytes(head[: first.result()])
-        out, view = fresh_bytes(size)  # the view keeps ``out`` alive: requests still in flight after an
-        try:  # interrupt (Ctrl-C in the wait) write into live memory
-            got = reads.readinto(uri, view[k:], k)
+        sized: list[tuple[bytes, memoryview]] = []  # made on the IO loop when the headers tell the size
+        lock, gave_up = threading.Lock(), [False]
+
+        def dest(size: int) -> memoryview:
+            with lock:
+                if gave_up[0]:  # the caller is gone: nothing allocated that nobody fills and zeroes
+                    return head[: min(size, k)]
+                out, view = fresh_bytes(size)  # the view keeps ``out`` alive: requests still in flight
+                sized.append((out, view))  # after an interrupt (Ctrl-C in a wait) write into live memory
+                return view[:k]
+
+        def give_up() -> None:  # no stale heap bytes in a traceback's locals, whatever interrupts a wait
+            with lock:
+                gave_up[0] = True
+                for _, view in sized:
+                    zero(view)
+                sized.clear()
+
+        straight = self._reads_straight(reads)
+        try:
+            if straight:
+                pin = reads._pin  # type: ignore[attr-defined]  # _reads_straight: a _PinnedReads
+                first, size = start_sized(reads, uri, head, start=lambda on: self._get_head(uri, head, on, pin, dest))
+            else:
+                first, size = start_sized(reads, uri, head)
+        except BaseException:
+            give_up()
+            raise
+        staged = not sized  # dest runs before the first byte of the body: it went into ``head``
+        if staged:
+            if size <= k:
+                return bytes(head[: first.result()])
+            sized.append(fresh_bytes(size))
+        out, view = sized[0]
+        try:
+            got = reads.readinto(uri, view[k:], k) if size > k else 0
             n = first.result()
-            view[:n] = head[:n]
+            if staged:
+                view[:n] = head[:n]
             return bytes_of(out, view, n if n < k else k + got)
         except BaseException:
-            zero(view)  # no stale heap bytes in a traceback's locals (first, whatever interrupts the wait)
             del out, view
-            cf.wait([first])  # it fills ``head`` until it ends
+            give_up()
+            cf.wait([first])  # it fills ``head`` (or the bytes, alive while it does) until it ends
             raise
+
+    def _reads_straight(self, reads: Backend) -> bool:
+        """Whether :meth:`read` may have the first body streamed straight into the bytes it returns: this
+        package's own read hooks (their buffer list is read after the size is told; a subclass's own
+        ``_get_range``, ``read_head`` or ``pin_version`` gets the staged read)."""
+        cls = type(self)
+        return (
+            isinstance(reads, _PinnedReads)
+            and getattr(cls._get_range, "sizes_first", False)
+            and cls.read_head is ObjectStoreBackend.read_head
+            and cls.start_read_head is ObjectStoreBackend.start_read_head
+        )
 
     def isfile(self, uri: str) -> bool:
         """One HEAD (``stat`` would list the prefix too, to tell a directory from nothing)."""
