@@ -99,6 +99,32 @@ def test_transient_fault_on_a_whole_reads_first_get(faults, fault):
         assert faults.fired() == 1
 
 
+@pytest.mark.parametrize("size", [MiB + 3, 7 * MiB])
+def test_a_retried_first_get_that_tells_another_size_is_an_integrity_error(faults, size, monkeypatch):
+    """The first reply told the size (and the bytes were made for it), then its connection broke; the
+    retry's reply tells another size: the object changed under the read (on a store whose version pin
+    cannot tell, as the GCS emulator's). Never a truncated or padded result."""
+    from ckptio.errors import IntegrityError
+    from ckptio.objectstore import retry as _retry
+
+    b, u = ckptio.resolve(faults.uri + "/resized.bin")
+    b.write(u, os.urandom(size))
+    told = []
+    real = _retry.object_size
+
+    def second_tells_more(status, content_range, content_length):
+        n = real(status, content_range, content_length)
+        told.append(n)
+        return n + 1000 if n is not None and len(told) == 2 else n
+
+    monkeypatch.setattr(_retry, "object_size", second_tells_more)
+    faults.clear()
+    faults.add(Fault(method="GET", nth=1, **TRANSIENT["reset"]))
+    with pytest.raises(IntegrityError, match="resized.bin was replaced while it was being read"):
+        b.read(u)
+    assert faults.fired() == 1 and len(told) >= 2
+
+
 @pytest.mark.parametrize("fault", ["503", "reset"])
 def test_transient_fault_on_metadata_calls(faults, fault):
     b, u = ckptio.resolve(faults.uri + "/dir/obj")

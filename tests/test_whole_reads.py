@@ -5,6 +5,8 @@ by many loads, stale memory in a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -228,9 +230,19 @@ def test_a_whole_read_returns_the_bytes_its_first_body_streamed_into(store, size
         backend.read(f"{root}/whole-missing.bin")
 
 
-def test_a_subclass_get_range_keeps_the_staged_whole_read(s3_uri, s3_endpoint, monkeypatch):
-    """A subclass's own ``_get_range`` may read its buffers before it tells the size: it is not handed a
-    buffer swapped under it, and the read is still whole and exact."""
+def _copies_its_buffer_list(fn):
+    @functools.wraps(fn)  # a decorator written the usual way: it copies the function's attributes too
+    async def wrapper(self, uri, bucket, key, start, end, into, **kw):
+        return await fn(self, uri, bucket, key, start, end, [memoryview(v).cast("B") for v in into], **kw)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("how", ["override", "wraps"])
+def test_a_subclass_get_range_keeps_the_staged_whole_read(how, s3_uri, s3_endpoint):
+    """A subclass's own ``_get_range`` (an override, or the parent's wrapped by a decorator that copies
+    its buffer list) may read its buffers before it tells the size: it is not handed a buffer swapped
+    under it, and the read is whole and exact (never bytes nobody filled)."""
     swapped: list[bool] = []
 
     class Own(S3Backend):
@@ -240,10 +252,100 @@ def test_a_subclass_get_range_keeps_the_staged_whole_read(s3_uri, s3_endpoint, m
             swapped.append(into[0] is not first)
             return n
 
-    b = Own(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
-    for size in (1000, 6 * MiB + 1):
+    class Wrapped(S3Backend):
+        _get_range = _copies_its_buffer_list(S3Backend._get_range)
+
+    b = (Own if how == "override" else Wrapped)(endpoint_url=s3_endpoint, part_size=5 * MiB, **S3_TEST_OPTIONS)
+    for size in (1000, 200_000, 6 * MiB + 1):
         uri = f"{s3_uri}/own-{size}.bin"
         data = bytes(range(256)) * (size // 256) + b"q" * (size % 256)
         b.write(uri, data)
-        assert _within(lambda u=uri: b.read(u)) == data
-    assert swapped and not any(swapped)
+        for _ in range(2):
+            assert _within(lambda u=uri: b.read(u)) == data
+    assert how == "wraps" or (swapped and not any(swapped))
+
+
+def _buffers_reachable_from(exc: BaseException) -> list:
+    """Every bytes-like object the traceback's frames (and their closures, lists, views) still hold."""
+    import ctypes
+    import types
+
+    stack: list = []
+    for e in (exc, exc.__context__):
+        tb = e.__traceback__ if e is not None else None
+        while tb is not None:
+            stack.append(tb.tb_frame.f_locals)
+            tb = tb.tb_next
+    seen, out = set(), []
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (types.ModuleType, type)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, (bytes, bytearray)):
+            out.append(o)
+        elif isinstance(o, memoryview):
+            out.append(o)
+            stack.append(o.obj)
+        elif isinstance(o, ctypes.Array):
+            stack.append(getattr(o, "_owner", None))
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack.extend(o)
+        elif isinstance(o, types.FunctionType):
+            for c in o.__closure__ or ():
+                with contextlib.suppress(ValueError):
+                    stack.append(c.cell_contents)
+    return out
+
+
+@pytest.mark.parametrize("size", [MiB, 6 * MiB])
+def test_an_interrupt_at_any_line_of_a_whole_read_leaves_no_stale_heap_in_its_traceback(size, s3_uri):
+    """KeyboardInterrupt raised at each line of ``read`` in turn (a Ctrl-C can land between any two
+    bytecodes): whatever the traceback still holds is the object's bytes or zeros, never what the heap
+    held before (planted by reading another object of the same size first)."""
+    import inspect
+    import time
+
+    from ckptio.objectstore.backend import ObjectStoreBackend
+
+    backend, uri = ckptio.resolve(f"{s3_uri}/lines-{size}.bin", part_size=5 * MiB)
+    junk = f"{s3_uri}/junk-{size}.bin"
+    backend.write(uri, b"\x01" * size)
+    backend.write(junk, b"\xee" * size)
+    code = ObjectStoreBackend.read.__code__
+    src, first = inspect.getsourcelines(ObjectStoreBackend.read)
+    lines = [first + i for i, line in enumerate(src) if line.strip() and not line.strip().startswith(("#", '"'))]
+    interrupted = 0
+    for line in lines:
+        for _ in range(2):
+            backend.read(junk)  # freed: its 0xEE bytes are what fresh memory may hold next
+        fired: list[bool] = []
+
+        def trace(frame, event, arg, line=line, fired=fired):
+            if frame.f_code is not code:
+                return None
+
+            def local(f, ev, a):
+                if ev == "line" and f.f_lineno == line and not fired:
+                    fired.append(True)
+                    raise KeyboardInterrupt(f"at line {line}")
+                return local
+
+            return local
+
+        sys.settrace(trace)
+        try:
+            got = backend.read(uri)
+        except KeyboardInterrupt as e:
+            sys.settrace(None)
+            interrupted += 1
+            time.sleep(0.15)  # requests still in flight end: they may only have written the object's bytes
+            for b in _buffers_reachable_from(e):
+                data = bytes(b)
+                assert data.count(0) + data.count(1) == len(data), f"stale heap bytes after an interrupt at {line}"
+        else:
+            sys.settrace(None)
+            assert got == b"\x01" * size
+    assert interrupted > 10

@@ -313,7 +313,7 @@ class GCSBackend(ObjectStoreBackend):
                 raise replaced(uri, pinned) from None
             raise
 
-    _get_range.sizes_first = True  # type: ignore[attr-defined]  # ``into`` is read after ``on_size``: see _get_head
+    _sized_get_range = _get_range  # ``into`` is read after ``on_size``: see ObjectStoreBackend._get_range
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:

@@ -256,11 +256,11 @@ class S3Backend(ObjectStoreBackend):
                 except Exception:
                     body.close()
                     raise
-            if on_size is not None:
-                size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
-                if size is not None:
-                    on_size(size)
             try:
+                if on_size is not None:  # in the try: the body is closed whatever on_size raises
+                    size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
+                    if size is not None:
+                        on_size(size)
                 _retry.check_ranged_status(status, start, uri)
                 async with _retry.StallWatch(stall) as watch:
                     for view in into:  # the body streams through the buffers in order
@@ -280,7 +280,7 @@ class S3Backend(ObjectStoreBackend):
 
         return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
 
-    _get_range.sizes_first = True  # type: ignore[attr-defined]  # ``into`` is read after ``on_size``: see _get_head
+    _sized_get_range = _get_range  # ``into`` is read after ``on_size``: see ObjectStoreBackend._get_range
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(

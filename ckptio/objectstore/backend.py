@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from .. import uri as _uri
 from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer, start_sized
-from ..errors import InvalidURIError, MissingDependencyError, NotFoundError
+from ..errors import InvalidURIError, MissingDependencyError, NotFoundError, replaced
 from ..osio import anonymous, bytes_of, fresh_bytes, zero
 from ..threads import Pool, shared_pool
 from ..wrappers.forwarding import ForwardingBackend
@@ -156,10 +156,11 @@ class ObjectStoreBackend(Backend):
         streamed through them in order) under the retry policy; the count (0 past the end).
         ``on_size(size)``: called with the whole object's size when the reply's headers tell it.
         ``pin``: the reply's version (ETag, generation) goes through ``pin.check`` before the body is
-        read; a pinned version is sent as a precondition where the store has one. A hook that calls
-        ``on_size`` before it writes any byte and reads the list ``into`` only after (its items may be
-        replaced then) says so with the attribute ``sizes_first = True``: :meth:`read` then streams the
-        first body straight into the bytes it returns."""
+        read; a pinned version is sent as a precondition where the store has one. A class whose hook
+        calls ``on_size`` before it writes any byte and reads the list ``into`` only after (its items
+        may be replaced then) names that very function ``_sized_get_range``: :meth:`read` then streams
+        the first body straight into the bytes it returns (a subclass's own ``_get_range``, even one
+        wrapping it, is another function: its reads are staged)."""
         raise NotImplementedError
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
@@ -269,9 +270,10 @@ class ObjectStoreBackend(Backend):
         whose tasks may be waiting on this very future. A missing object is a NotFoundError.
 
         ``dest(size)``: where the body goes instead of ``buf`` (at most as long), chosen on the IO loop when
-        the reply's headers tell the size, before any byte of the body is written (this class's
-        ``_get_range`` hooks read their buffer list only after ``on_size``; :meth:`read` checks that the
-        hook is one of them). A reply that does not tell the size fills ``buf``."""
+        the reply's headers tell the size, before any byte of the body is written (only with a hook that
+        reads its buffer list after ``on_size``: :meth:`_reads_straight`). A reply that does not tell the
+        size fills ``buf``. A retried GET whose reply tells another size than the first is an
+        IntegrityError (the object changed; the size told, and any buffer made for it, would be wrong)."""
         bucket, key = self._split(uri)
         mv = memoryview(buf).cast("B")
         into = [mv]
@@ -286,6 +288,8 @@ class ObjectStoreBackend(Backend):
                 on_size(size)
 
         def told_by_reply(size: int) -> None:
+            if told and size != told[0]:  # a retry's reply: the object changed (a pin may not tell)
+                raise replaced(uri, f"of {told[0]} bytes", f"of {size} bytes")
             if dest is not None and not told:
                 into[0] = dest(size)  # the same list: a retry streams into it too
             tell(size)
@@ -362,31 +366,29 @@ class ObjectStoreBackend(Backend):
                 sized.clear()
 
         straight = self._reads_straight(reads)
+        first: cf.Future[int] | None = None
         try:
             if straight:
                 pin = reads._pin  # type: ignore[attr-defined]  # _reads_straight: a _PinnedReads
                 first, size = start_sized(reads, uri, head, start=lambda on: self._get_head(uri, head, on, pin, dest))
             else:
                 first, size = start_sized(reads, uri, head)
-        except BaseException:
-            give_up()
-            raise
-        staged = not sized  # dest runs before the first byte of the body: it went into ``head``
-        if staged:
-            if size <= k:
-                return bytes(head[: first.result()])
-            sized.append(fresh_bytes(size))
-        out, view = sized[0]
-        try:
+            staged = not sized  # dest runs before the first byte of the body, or never: the body is in ``head``
+            if staged:
+                if size <= k:
+                    return bytes(head[: first.result()])
+                with lock:
+                    sized.append(fresh_bytes(size))
+            out, view = sized[0]
             got = reads.readinto(uri, view[k:], k) if size > k else 0
             n = first.result()
             if staged:
                 view[:n] = head[:n]
             return bytes_of(out, view, n if n < k else k + got)
         except BaseException:
-            del out, view
-            give_up()
-            cf.wait([first])  # it fills ``head`` (or the bytes, alive while it does) until it ends
+            give_up()  # ``out`` and ``view``, if this frame holds them, are zeroed with the rest
+            if first is not None:  # it fills ``head`` (or the bytes, alive while it does) until it ends
+                cf.wait([first])
             raise
 
     def _reads_straight(self, reads: Backend) -> bool:
@@ -396,7 +398,7 @@ class ObjectStoreBackend(Backend):
         cls = type(self)
         return (
             isinstance(reads, _PinnedReads)
-            and getattr(cls._get_range, "sizes_first", False)
+            and cls._get_range is getattr(cls, "_sized_get_range", None)
             and cls.read_head is ObjectStoreBackend.read_head
             and cls.start_read_head is ObjectStoreBackend.start_read_head
         )
