@@ -247,18 +247,18 @@ class BackendSource(Source):
     def view(self, offset: int, n: int) -> bytes | memoryview:
         """A read-only view of a range read ahead that holds bytes ``[offset, offset + n)`` (the footer and
         metadata of a full load: no copy of the 256 KiB tail, twice), else a copy."""
-        for off, data, fut in self._ahead:
-            if off <= offset and offset + n <= off + len(data):
-                self._arrived(off, data, fut)
-                return data[offset - off : offset - off + n].toreadonly()
-        return self.read(offset, n)
+        ahead = self._within_ahead(offset, n, 1)
+        return ahead.toreadonly() if ahead is not None else self.read(offset, n)
 
     def ahead_view(self, offset: int, nbytes: int) -> memoryview | None:
         """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
         (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
+        # a view must be as aligned as the payload is in the file (element size; some kernels fault)
+        return self._within_ahead(offset, nbytes, ALIGN)
+
+    def _within_ahead(self, offset: int, nbytes: int, align: int) -> memoryview | None:
         for off, data, fut in self._ahead:
-            # a view must be as aligned as the payload is in the file (element size; some kernels fault)
-            if off <= offset and offset + nbytes <= off + len(data) and (offset - off) % ALIGN == 0:
+            if off <= offset and offset + nbytes <= off + len(data) and (offset - off) % align == 0:
                 self._arrived(off, data, fut)
                 return data[offset - off : offset - off + nbytes]
         return None
