@@ -19,7 +19,8 @@ import errno
 import mmap as _mmap
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
@@ -202,6 +203,7 @@ class WriteBehind:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_DONTNEED = 4
 _libc: Any = None
 _populate_ok = sys.platform == "linux"
 
@@ -225,16 +227,7 @@ def prefault(mv: memoryview) -> None:
 
 def prefault_range(ptr: int, nbytes: int) -> None:
     """:func:`prefault` for ``nbytes`` of writable memory at address ``ptr`` (a tensor's ``data_ptr()``)."""
-    global _libc, _populate_ok
-    if not _populate_ok or nbytes < PREFAULT_MIN:
-        return
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    except (OSError, AttributeError):  # no libc symbol
-        _populate_ok = False
+    if nbytes < PREFAULT_MIN or not _load_madvise():
         return
     start = (ptr + _PAGE - 1) // _PAGE * _PAGE
     end = (ptr + nbytes) // _PAGE * _PAGE
@@ -249,8 +242,67 @@ def prefault_range(ptr: int, nbytes: int) -> None:
         and vec.raw[0] & 1
     ):
         return  # resident already
-    if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+    _populate(start, end - start)
+
+
+def _load_madvise() -> bool:
+    global _libc, _populate_ok
+    if _populate_ok and _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        except (OSError, AttributeError):  # no libc symbol
+            _populate_ok = False
+    return _populate_ok
+
+
+def _populate(start: int, n: int) -> None:
+    """Fault in the (page-aligned) range now; ctypes releases the GIL for the call."""
+    global _populate_ok
+    if _libc.madvise(start, n, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
         _populate_ok = False  # an older kernel
+
+
+FAULT_AHEAD_STEP = 256 << 10  # bytes populated between two looks at whether to go on
+
+
+def fault_in_ahead(
+    buf: memoryview, size: Callable[[], int | None], sized: threading.Event, stop: Callable[[], bool], guess: int
+) -> int:
+    """Fault in the pages of ``buf`` (fresh private anonymous memory, page-aligned: :func:`anonymous`)
+    that a read in flight is about to write, on a thread that would otherwise only wait for it. The
+    read's thread then writes into resident pages instead of taking a page fault per 4 KiB in its copy
+    (while it holds the GIL, on an IO loop that also parses replies).
+
+    Until ``size()`` tells how much the read brings (None until its reply's headers; ``sized`` is set
+    then, or when the read ends), ``guess`` bytes are populated; after, up to that size. ``stop()`` is
+    asked between steps of ``FAULT_AHEAD_STEP``. Whole pages populated past the size are given back
+    (``MADV_DONTNEED``: they read as zeros after), so a small object keeps no more resident memory
+    than its own pages. Returns the bytes populated and kept. Populating a page the read has already
+    written leaves it as it is."""
+    if not len(buf) or not _load_madvise():
+        return 0
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    done = 0
+    while _populate_ok and not stop():
+        told = size()
+        end = min(len(buf), -(-(guess if told is None else told) // _PAGE) * _PAGE)
+        if done >= end:
+            if told is not None:
+                break
+            sized.wait()  # the guess is populated: the rest once the size is known
+            continue
+        n = min(FAULT_AHEAD_STEP, end - done)
+        _populate(base + done, n)
+        done += n
+    told = size()
+    if told is not None:
+        keep = -(-told // _PAGE) * _PAGE
+        if done > keep:
+            _libc.madvise(base + keep, done - keep, _MADV_DONTNEED)
+            done = keep
+    return done
 
 
 MEMMOVE_CHUNK = 64 << 20

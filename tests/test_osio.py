@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+import time
 
 import pytest
 
@@ -270,3 +272,96 @@ def test_fresh_bytes_are_ordinary_bytes_once_filled():
     assert bytes_of(out, view, 4) == b"abcd"
     out, view = fresh_bytes(0)
     assert bytes_of(out, view, 0) == b""
+
+
+def _resident(view: memoryview) -> list[bool]:
+    """Which pages of ``view`` (page-aligned) are resident, by ``mincore``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-len(view) // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view), vec) == 0
+    return [bool(b & 1) for b in vec.raw]
+
+
+needs_populate = pytest.mark.skipif(
+    not osio._load_madvise() or osio.sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux-only"
+)
+PAGE = mmap.PAGESIZE
+
+
+@needs_populate
+@pytest.mark.parametrize("size", [0, 1, PAGE, 300_001, (1 << 20) + 5, 3 << 20])
+def test_fault_in_ahead_populates_to_the_size_and_gives_back_what_lies_past_it(size):
+    """Told the size at once, the pages up to it (the last one, partly filled, too) are faulted in and
+    none past it stay resident, whatever the guess."""
+    buf = osio.anonymous(8 << 20)
+    told = threading.Event()
+    told.set()
+    kept = osio.fault_in_ahead(buf, lambda: size, told, lambda: False, 2 << 20)
+    pages = -(-size // PAGE)
+    assert kept == pages * PAGE
+    res = _resident(buf)
+    assert all(res[:pages]) and not any(res[pages:])
+
+
+@needs_populate
+@pytest.mark.parametrize("size", [10_000, (1 << 20) + 5, 3 << 20])
+def test_fault_in_ahead_populates_the_guess_then_waits_for_the_size(size):
+    """Before the reply's headers only the guess is faulted in; once the size is known the rest up to it,
+    and what the guess faulted in past a smaller object is given back."""
+    buf = osio.anonymous(8 << 20)
+    known: list[int] = []
+    sized = threading.Event()
+    t = threading.Thread(
+        target=lambda: known.append(
+            osio.fault_in_ahead(buf, lambda: known[0] if known else None, sized, lambda: False, 1 << 20)
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    while sum(_resident(buf)) < (1 << 20) // PAGE:
+        assert time.monotonic() < deadline, "the guess was not faulted in"
+    assert sum(_resident(buf)) == (1 << 20) // PAGE  # no further than the guess while the size is unknown
+    known.append(size)
+    sized.set()
+    t.join(10)
+    pages = -(-size // PAGE)
+    assert known[1] == pages * PAGE
+    res = _resident(buf)
+    assert all(res[:pages]) and not any(res[pages:])
+
+
+@needs_populate
+def test_fault_in_ahead_stops_when_asked_and_keeps_bytes_written_meanwhile():
+    """A reader waiting for more than the buffer holds stops faulting in at once; bytes another thread
+    wrote while pages were faulted in (and given back past the size) are intact."""
+    buf = osio.anonymous(8 << 20)
+    sized = threading.Event()
+    assert osio.fault_in_ahead(buf, lambda: None, sized, lambda: True, 4 << 20) == 0
+    assert not any(_resident(buf))
+
+    size = (5 << 20) + 123
+    data = os.urandom(size)
+    go = threading.Event()
+
+    def write() -> None:
+        go.wait()
+        for pos in range(0, size, 65536):  # as a reply's body streams in
+            buf[pos : min(size, pos + 65536)] = data[pos : pos + 65536]
+
+    w = threading.Thread(target=write)
+    w.start()
+    go.set()
+    kept = osio.fault_in_ahead(buf, lambda: size, sized, lambda: False, 1 << 20)
+    w.join(10)
+    assert kept == -(-size // PAGE) * PAGE
+    assert bytes(buf[:size]) == data
+
+
+def test_fault_in_ahead_is_a_no_op_without_madvise(monkeypatch):
+    monkeypatch.setattr(osio, "_populate_ok", False)
+    buf = osio.anonymous(1 << 20)
+    assert osio.fault_in_ahead(buf, lambda: 1 << 20, threading.Event(), lambda: False, 1 << 20) == 0

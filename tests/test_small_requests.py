@@ -255,3 +255,30 @@ def test_small_dcp_save_over_a_committed_checkpoint_is_refused_before_any_data(p
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     cd.load(out, uri)
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("n", [6, 100])  # ~96 KiB (under the buffer faulted in first), ~1.6 MiB (over it)
+def test_a_remote_fpk_load_keeps_no_memory_past_its_object(proxy, n):
+    """The caller faults in the first GET's buffer while it waits for the reply (``osio.fault_in_ahead``):
+    the tensors returned are views of that buffer, so the pages it faulted in past the object's end would
+    stay resident as long as they live. They are given back: none past the object's last page is."""
+    import ctypes
+    import mmap
+
+    g = torch.Generator().manual_seed(2)
+    state = {f"layer{i}.weight": torch.randn(64, 64, generator=g) for i in range(n)}
+    uri = proxy.uri + "/resident.fpk"
+    ckptio.dump(state, uri)
+    size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    page = mmap.PAGESIZE
+    base = min(t.untyped_storage().data_ptr() for t in out.values()) // page * page  # the buffer's first page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-size // page)
+    past = (4 << 20) // page  # well past the guess, inside the buffer (a part: 64 MiB)
+    vec = ctypes.create_string_buffer(past)
+    assert libc.mincore(base, past * page, vec) == 0, ctypes.get_errno()
+    resident = [b & 1 for b in vec.raw]
+    assert all(resident[:pages]) and not any(resident[pages:]), (pages, sum(resident))

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
 from ..errors import NotFoundError
+from ..osio import fault_in_ahead
 from ..threads import shared_pool
 
 WriteMode = Literal["overwrite", "create"]
@@ -511,28 +512,40 @@ def start_sized(
     buf: Buffer,
     started: Callable[[cf.Future[int]], None] | None = None,
     start: Callable[[Callable[[int], None]], cf.Future[int]] | None = None,
+    fault_in: int = 0,
 ) -> tuple[cf.Future[int], int]:
     """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
     larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
     start the rest while the body comes; for one that fits, for the read itself. Raises the read's error
     if it fails first; a ``read_head`` that never tells the size (a user backend's) gets a ``stat``.
     ``started(future)`` is called before the wait (a reader that must wait for the read when it closes,
-    whatever happens). ``start(on_size)``: starts the read instead of ``backend.start_read_head``."""
+    whatever happens). ``start(on_size)``: starts the read instead of ``backend.start_read_head``.
+    ``fault_in``: ``buf`` is fresh anonymous memory (``osio.anonymous``), and the calling thread, instead
+    of only waiting, faults in the pages the read will fill: ``fault_in`` bytes until the size is told,
+    then up to the size (``osio.fault_in_ahead``; pages past the size are given back)."""
     told: list[int] = []
-    ready = threading.Event()
+    ready, sized = threading.Event(), threading.Event()
     room = memoryview(buf).nbytes
 
     def on_size(n: int) -> None:
         told.append(n)
+        sized.set()
         if n > room:  # more to fetch than ``buf`` holds: the caller starts it while this body comes
             ready.set()
         # else the read is about to end; waking the caller now would only have it wait again for the
         # body (on 2 cores a thread's wake-up costs a few tenths of a millisecond): the read's end wakes it
 
     fut = start(on_size) if start is not None else backend.start_read_head(uri, buf, on_size)
-    fut.add_done_callback(lambda _: ready.set())
+
+    def done(_: cf.Future[int]) -> None:
+        ready.set()
+        sized.set()  # a read that ends without telling the size: a fault-in waiting for it stops
+
+    fut.add_done_callback(done)
     if started is not None:
         started(fut)
+    if fault_in:
+        fault_in_ahead(memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in)
     ready.wait()
     if not told:
         fut.result()  # the read failed: its error

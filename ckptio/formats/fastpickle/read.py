@@ -52,6 +52,9 @@ COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
+# a remote load's first GET: the caller faults in this much of the buffer while the reply's headers are awaited
+# (about 0.5 ms here; even a server on loopback takes longer to answer), then up to the size they tell
+FAULT_GUESS = 1 << 20
 LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
 
 
@@ -173,7 +176,9 @@ class BackendSource(Source):
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
         first = anonymous(self.part_size)
         # close() waits for the first read whatever happens next
-        head_f, size = start_sized(self.backend, self.name, first, lambda f: self._ahead.append((0, first[:0], f)))
+        head_f, size = start_sized(
+            self.backend, self.name, first, lambda f: self._ahead.append((0, first[:0], f)), fault_in=FAULT_GUESS
+        )
         if self._size is None:
             self._size = size
         head = min(self.size, len(first))
