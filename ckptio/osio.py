@@ -257,11 +257,14 @@ def _load_madvise() -> bool:
     return _populate_ok
 
 
-def _populate(start: int, n: int) -> None:
-    """Fault in the (page-aligned) range now; ctypes releases the GIL for the call."""
+def _populate(start: int, n: int) -> bool:
+    """Fault in the (page-aligned) range now; ctypes releases the GIL for the call. False if it failed."""
     global _populate_ok
-    if _libc.madvise(start, n, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+    if _libc.madvise(start, n, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:
         _populate_ok = False  # an older kernel
+    return False
 
 
 FAULT_AHEAD_STEP = 256 << 10  # bytes populated between two looks at whether to go on
@@ -279,8 +282,9 @@ def fault_in_ahead(
     then, or when the read ends), ``guess`` bytes are populated; after, up to that size. ``stop()`` is
     asked between steps of ``FAULT_AHEAD_STEP``. Whole pages populated past the size are given back
     (``MADV_DONTNEED``: they read as zeros after), so a small object keeps no more resident memory
-    than its own pages. Returns the bytes populated and kept. Populating a page the read has already
-    written leaves it as it is."""
+    than its own pages. Returns how far it populated (or tried to), less what it gave back; where the
+    size is not known by then, the caller gives back with :func:`give_back` once it is. Populating a
+    page the read has already written leaves it as it is."""
     if not len(buf) or not _load_madvise():
         return 0
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -294,15 +298,23 @@ def fault_in_ahead(
             sized.wait()  # the guess is populated: the rest once the size is known
             continue
         n = min(FAULT_AHEAD_STEP, end - done)
-        _populate(base + done, n)
-        done += n
+        ok = _populate(base + done, n)
+        done += n  # on a failure too: some of its pages may be in, and past the size they are given back
+        if not ok:
+            break
     told = size()
-    if told is not None:
-        keep = -(-told // _PAGE) * _PAGE
-        if done > keep:
-            _libc.madvise(base + keep, done - keep, _MADV_DONTNEED)
-            done = keep
-    return done
+    return give_back(buf, told, done) if told is not None else done
+
+
+def give_back(buf: memoryview, size: int, populated: int) -> int:
+    """Give back the whole pages of ``buf[:populated]`` (private anonymous memory that
+    :func:`fault_in_ahead` populated) that lie past ``size`` bytes: ``MADV_DONTNEED``, after which they
+    read as zeros. Returns the bytes still populated."""
+    keep = -(-size // _PAGE) * _PAGE
+    if populated <= keep:
+        return populated
+    _libc.madvise(ctypes.addressof(ctypes.c_char.from_buffer(buf)) + keep, populated - keep, _MADV_DONTNEED)
+    return keep
 
 
 MEMMOVE_CHUNK = 64 << 20

@@ -286,6 +286,18 @@ def _resident(view: memoryview) -> list[bool]:
     return [bool(b & 1) for b in vec.raw]
 
 
+def _fresh(n: int) -> memoryview:
+    """``osio.anonymous(n)`` in 4 KiB pages even where transparent huge pages are "always" (a huge page
+    is faulted in, and stays, 2 MiB at a time: residency would count those, not what was populated)."""
+    import ctypes
+
+    buf = osio.anonymous(n)
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(ctypes.addressof(ctypes.c_char.from_buffer(buf)), n, 15)  # MADV_NOHUGEPAGE
+    return buf
+
+
 needs_populate = pytest.mark.skipif(
     not osio._load_madvise() or osio.sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux-only"
 )
@@ -297,7 +309,7 @@ PAGE = mmap.PAGESIZE
 def test_fault_in_ahead_populates_to_the_size_and_gives_back_what_lies_past_it(size):
     """Told the size at once, the pages up to it (the last one, partly filled, too) are faulted in and
     none past it stay resident, whatever the guess."""
-    buf = osio.anonymous(8 << 20)
+    buf = _fresh(8 << 20)
     told = threading.Event()
     told.set()
     kept = osio.fault_in_ahead(buf, lambda: size, told, lambda: False, 2 << 20)
@@ -312,7 +324,7 @@ def test_fault_in_ahead_populates_to_the_size_and_gives_back_what_lies_past_it(s
 def test_fault_in_ahead_populates_the_guess_then_waits_for_the_size(size):
     """Before the reply's headers only the guess is faulted in; once the size is known the rest up to it,
     and what the guess faulted in past a smaller object is given back."""
-    buf = osio.anonymous(8 << 20)
+    buf = _fresh(8 << 20)
     known: list[int] = []
     sized = threading.Event()
     t = threading.Thread(
@@ -338,7 +350,7 @@ def test_fault_in_ahead_populates_the_guess_then_waits_for_the_size(size):
 def test_fault_in_ahead_stops_when_asked_and_keeps_bytes_written_meanwhile():
     """A reader waiting for more than the buffer holds stops faulting in at once; bytes another thread
     wrote while pages were faulted in (and given back past the size) are intact."""
-    buf = osio.anonymous(8 << 20)
+    buf = _fresh(8 << 20)
     sized = threading.Event()
     assert osio.fault_in_ahead(buf, lambda: None, sized, lambda: True, 4 << 20) == 0
     assert not any(_resident(buf))
@@ -365,3 +377,36 @@ def test_fault_in_ahead_is_a_no_op_without_madvise(monkeypatch):
     monkeypatch.setattr(osio, "_populate_ok", False)
     buf = osio.anonymous(1 << 20)
     assert osio.fault_in_ahead(buf, lambda: 1 << 20, threading.Event(), lambda: False, 1 << 20) == 0
+
+
+@needs_populate
+def test_a_read_that_never_tells_the_size_gives_back_what_was_faulted_in_past_it():
+    """A user backend's ``read_head`` may never call ``on_size`` (``start_sized`` then asks ``stat``): the
+    pages the caller faulted in while it waited are given back past the size ``stat`` tells."""
+    import concurrent.futures as cf
+
+    from ckptio.backends.base import ObjectInfo, start_sized
+
+    size = 10_000
+    buf = _fresh(8 << 20)
+
+    class NoSize:
+        def stat(self, uri):
+            return ObjectInfo(uri, size)
+
+    def start(on_size):
+        fut: cf.Future[int] = cf.Future()
+
+        def read() -> None:
+            time.sleep(0.05)  # the caller faults in its guess meanwhile
+            buf[:size] = b"x" * size
+            fut.set_result(size)
+
+        threading.Thread(target=read).start()
+        return fut
+
+    fut, n = start_sized(NoSize(), "user://a", buf, start=start, fault_in=1 << 20)
+    assert n == size and fut.result() == size and bytes(buf[:size]) == b"x" * size
+    pages = -(-size // PAGE)
+    res = _resident(buf)
+    assert all(res[:pages]) and not any(res[pages:]), sum(res)

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
 from ..errors import NotFoundError
-from ..osio import fault_in_ahead
+from ..osio import fault_in_ahead, give_back
 from ..threads import shared_pool
 
 WriteMode = Literal["overwrite", "create"]
@@ -324,7 +324,9 @@ class Backend(abc.ABC):
     def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
         """Fill ``buf`` from byte 0 (``readinto``) and call ``on_size(size)`` once with the object's size,
         as early as the storage can tell it. Object stores take it from the GET's headers (one request
-        where a size lookup and a read were two); this default looks it up first."""
+        where a size lookup and a read were two); this default looks it up first. Only the object's bytes
+        are written: the caller may fault in and give back (zero) the pages of ``buf`` past them while
+        the read runs."""
         on_size(self.stat(uri).size)
         return self.readinto(uri, buf, 0)
 
@@ -512,7 +514,7 @@ def start_sized(
     buf: Buffer,
     started: Callable[[cf.Future[int]], None] | None = None,
     start: Callable[[Callable[[int], None]], cf.Future[int]] | None = None,
-    fault_in: int = 0,
+    fault_in: int | None = None,
 ) -> tuple[cf.Future[int], int]:
     """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
     larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
@@ -522,7 +524,8 @@ def start_sized(
     whatever happens). ``start(on_size)``: starts the read instead of ``backend.start_read_head``.
     ``fault_in``: ``buf`` is fresh anonymous memory (``osio.anonymous``), and the calling thread, instead
     of only waiting, faults in the pages the read will fill: ``fault_in`` bytes until the size is told,
-    then up to the size (``osio.fault_in_ahead``; pages past the size are given back)."""
+    then up to the size (``osio.fault_in_ahead``); pages past the size are given back, also where the
+    size comes from a ``stat`` after the read."""
     told: list[int] = []
     ready, sized = threading.Event(), threading.Event()
     room = memoryview(buf).nbytes
@@ -544,9 +547,15 @@ def start_sized(
     fut.add_done_callback(done)
     if started is not None:
         started(fut)
-    if fault_in:
-        fault_in_ahead(memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in)
+    populated = 0
+    if fault_in is not None:
+        populated = fault_in_ahead(memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in)
     ready.wait()
     if not told:
         fut.result()  # the read failed: its error
-    return fut, told[0] if told else backend.stat(uri).size
+    if told:
+        return fut, told[0]
+    size = backend.stat(uri).size  # a read_head that did not tell it: the read is done
+    if populated:
+        give_back(memoryview(buf), size, populated)
+    return fut, size
