@@ -4,7 +4,8 @@
 (Linux, via ctypes) starts writeback of a range without waiting, and ``WriteBehind`` calls it as a
 file is written, so a durable save's final fsync has little left to do; ``prefault`` populates a
 fresh buffer with one ``madvise(MADV_POPULATE_WRITE)`` (after checking with ``mincore`` that it is
-not resident already) before a read fills it (``prefault_range`` for a raw address); ``memmove``
+not resident already) before a read fills it (``prefault_range`` for a raw address), and
+``fault_in_ahead`` does it on a waiting thread while another thread's read is in flight; ``memmove``
 copies between raw addresses on the calling thread in GIL-free chunks (async staging),
 ``copy_bytes`` out of a ``bytes`` object the same way (memory:// reads); ``translate_os_errors``
 turns an ``OSError`` into the ckptio error that names the object. Each is a no-op or declines
