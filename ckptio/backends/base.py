@@ -551,11 +551,10 @@ def start_sized(
     if fault_in is not None:
         populated = fault_in_ahead(memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in)
     ready.wait()
-    if not told:
-        fut.result()  # the read failed: its error
     if told:
         return fut, told[0]
-    size = backend.stat(uri).size  # a read_head that did not tell it: the read is done
+    fut.result()  # the read failed (its error), or it is done without telling the size (a user backend's)
+    size = backend.stat(uri).size
     if populated:
         give_back(memoryview(buf), size, populated)
     return fut, size
