@@ -15,7 +15,7 @@ whose target is a CPU tensor of the same dtype and shape is read straight into t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,20 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def apply(target: Any, source: Any, prefix: str, res: LoadResult) -> Any:
-    """Restore ``source`` into ``target`` in place where possible; returns the value to store."""
+def apply(
+    target: Any,
+    source: Any,
+    prefix: str,
+    res: LoadResult,
+    stateful: Callable[[Any, Any, str, LoadResult], None] | None = None,
+) -> Any:
+    """Restore ``source`` into ``target`` in place where possible; returns the value to store.
+    ``stateful(target, source, prefix, res)``: restores a ``Stateful`` target, at any depth, instead of
+    the rules above (the Checkpointer's, :mod:`ckptio.checkpointer.statedict`)."""
     if is_stateful(target):
-        if isinstance(target, torch.nn.Module):
+        if stateful is not None:
+            stateful(target, source, prefix, res)
+        elif isinstance(target, torch.nn.Module):
             out = target.load_state_dict(source, strict=False)
             res.missing_keys += [prefix + k for k in out.missing_keys]
             res.unexpected_keys += [prefix + k for k in out.unexpected_keys]
@@ -61,7 +71,7 @@ def apply(target: Any, source: Any, prefix: str, res: LoadResult) -> Any:
             if k not in source:
                 res.missing_keys.append(f"{prefix}{k}")
             else:
-                target[k] = apply(target[k], source[k], f"{prefix}{k}.", res)
+                target[k] = apply(target[k], source[k], f"{prefix}{k}.", res, stateful)
         for k in source:
             if k not in target:
                 res.unexpected_keys.append(f"{prefix}{k}")

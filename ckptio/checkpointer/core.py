@@ -37,18 +37,37 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
+from .. import uri as _uri
 from ..errors import AlreadyExistsError, CkptioError
-from ..restore import targets
 from . import formats
 from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .group import Group
 from .manifest import FORMATS, CheckpointWarning, Layout
 from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
 from .staging import Background, _Stager
-from .state import LoadResult, SaveResult, restore, state_dicts
+from .state import LoadResult, SaveResult
+from .statedict import Parts
 from .tiered import Tier, open_layouts, tier_options
 
 log = logging.getLogger("ckptio.checkpointer")
+_UNKNOWN = object()
+
+
+def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``metrics`` as floats: tensors (a loss) read with ``.item()``, without autograd's warning."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"metrics[{k!r}]: a tensor of {v.numel()} elements, not a number")
+            v = v.detach().item()
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metrics[{k!r}]: {type(v).__name__} is not a number") from None
+    return out
 
 
 class Checkpointer:
@@ -130,6 +149,7 @@ class Checkpointer:
         self._group = Group(process_group, self.timeout)
         self._pg, self._rank, self._world = self._group.pg, self._group.rank, self._group.world
         self._tier = None if remote is None else Tier(remote, self._layout, self, self._rank, self._world, **tier_opts)
+        self._latest_known: Any = _UNKNOWN  # the pointer's step as this Checkpointer last saw it
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root_uri!r}, format={self.format!r})"
@@ -161,28 +181,54 @@ class Checkpointer:
         return self._group.on_rank0(self._tier.status)
 
     # ---- save --------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, metrics: Mapping[str, float] | None = None) -> None:
-        """Save ``state`` (parts by name; tensors, containers, ``Stateful`` objects) as checkpoint ``step``."""
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        """Save ``state`` (parts by name; tensors, containers, modules, optimizers and other ``Stateful``
+        objects at any depth: :mod:`.statedict`) as checkpoint ``step``: the state after training step
+        ``step``, so a resume runs ``step + 1`` next (:meth:`resume`). ``metrics``: numbers (tensors are
+        read with ``.item()``) kept in the marker, for ``keep_best``. Saving the latest step again raises
+        :class:`AlreadyExistsError` here, at the call; ``overwrite=True`` replaces it (as DINOv3 does; a
+        crash meanwhile leaves the previous complete step as the latest)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not isinstance(state, Mapping) or not state:
             raise TypeError("state must be a non-empty mapping of part name -> state")
-        if self.keep_best is not None and (metrics is None or self.best_metric not in metrics):
+        metrics = _numbers(metrics)
+        if self.keep_best is not None and self.best_metric not in metrics:
             warnings.warn(
                 f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
                 CheckpointWarning,
                 stacklevel=2,
             )
         self._background.wait()
+        if not overwrite:
+            self._refuse_latest(step)
         if self._tier is not None and self._tier.replicator is not None:
             self._tier.replicator.admit()
-        sd = state_dicts(state)
-        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        sd = Parts(state, files=self.format != "dcp").state_dicts()
         if not self.async_save:
-            self._persist(step, sd, metrics)
+            self._persist(step, sd, metrics, overwrite)
             return
         staged = self._stager.stage(sd)
-        self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics)
+        self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics, overwrite)
+
+    def _refuse_latest(self, step: int) -> None:
+        """Raise at the call when ``step`` is the latest checkpoint (the pointer is read once per
+        Checkpointer, then followed through its own saves, loads and deletes)."""
+        if self._latest_known is _UNKNOWN:
+            self._latest_known = self._group.on_rank0(self._layout.pointer)
+        if step == self._latest_known:
+            raise AlreadyExistsError(
+                self.uri(step),
+                "this step is the latest checkpoint: resume at the step after it (resume() returns it), "
+                "pass overwrite=True to replace it, or delete it first",
+            )
 
     def wait(self) -> None:
         """Wait for the background save, if any; re-raise its exception if it failed (tiered: and replication)."""
@@ -204,9 +250,9 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float]) -> None:
+    def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float], overwrite: bool = False) -> None:
         t0 = time.perf_counter()
-        self._group.on_rank0(self._prepare, step)
+        self._group.on_rank0(self._prepare, step, overwrite)
         if self.format == "dcp" and self._content is not None:
             files = self._content.write_dcp(step, sd, self._pg, self.save_options, self._rank)
         elif self.format == "dcp":
@@ -229,6 +275,7 @@ class Checkpointer:
         if self._tier is not None:  # every rank: the files of every rank's node (DCP); replication scheduled
             self._tier.prepare(step, manifest, self._pg)
         self._group.on_rank0(self._commit, step, manifest)
+        self._latest_known = step
         if self._tier is not None and self._rank != 0:
             self._tier.follow(step, manifest)
         took = time.perf_counter() - t0
@@ -240,20 +287,23 @@ class Checkpointer:
         else:
             log.info("saved checkpoint %s in %.2fs: %d bytes, %d written", d, took, logical, written)
 
-    def _prepare(self, step: int) -> None:
+    def _prepare(self, step: int, overwrite: bool = False) -> None:
         """Step 1 of the protocol (rank 0): sweep stale writes once, clear the way for ``step``."""
         if not self._swept:
             abort_stale_writes(self._layout, self.stale_after)
             self._swept = True
         self._layout.manifests.pop(step, None)
         if self._layout.committed(step):
-            if self._layout.pointer() == step:
+            if self._layout.pointer() == step and not overwrite:
                 raise AlreadyExistsError(
-                    self.uri(step), "this step is the latest checkpoint; delete it first to save it again"
+                    self.uri(step), "this step is the latest checkpoint; pass overwrite=True or delete it first"
                 )
-            warnings.warn(
-                f"replacing the existing checkpoint {self.uri(step)} (not the latest)", CheckpointWarning, stacklevel=2
-            )
+            if not overwrite:
+                warnings.warn(
+                    f"replacing the existing checkpoint {self.uri(step)} (not the latest)",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             self._layout.uncommit(step)  # uncommit before touching its data
         formats.discard(self.format, self._layout, step)
 
@@ -270,6 +320,7 @@ class Checkpointer:
         """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
         self._background.wait()
         self._group.on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
+        self._latest_known = _UNKNOWN
         self._group.barrier()
 
     # ---- load ------------------------------------------------------------------------------------
@@ -279,17 +330,23 @@ class Checkpointer:
         *,
         step: Any = "latest",
         keys: Iterable[str] | None = None,
+        exclude: Iterable[str] | None = None,
         strict: bool = True,
         cache: Any = None,
         allow_pickle: bool = False,
     ) -> int | None:
-        """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet.
+        """Restore ``state`` in place from a checkpoint; returns its step, or ``None`` if there is none yet
+        (the step to run next is that step + 1: :meth:`resume`).
 
-        ``step``: ``"latest"``, an int, or the URI of any checkpoint directory (another run's too).
-        ``keys``: the parts to restore (default: every part of ``state``). ``strict=False`` restores
-        what matches and reports missing/unexpected keys (warning and ``self.last_load``);
-        ``strict=True`` raises ``KeyError`` on any mismatch. ``cache`` (True, a directory or a mapping)
-        reads the data through the node-local cache (:mod:`ckptio.cache`).
+        ``step``: ``"latest"``, an int, or the URI of any checkpoint directory or file (another run's
+        too; its step is the marker's, else the number its name ends with, else 0). ``keys``: the parts
+        to restore (default: every part of ``state``); ``exclude``: parts not to restore (Cosmos's
+        ``keys_not_to_resume``); only the bytes of the parts restored are read (``dcp``, ``fpk``).
+        ``strict=True`` raises ``KeyError`` naming every missing and unexpected key before anything is
+        restored; ``strict=False`` restores what matches and reports the rest (a warning and
+        ``self.last_load``). ``cache`` (True, a directory or a mapping) reads the data through the
+        node-local cache (:mod:`ckptio.cache`). Modules and optimizers (plain, DDP, FSDP2) restore
+        through torch's state_dict functions (:mod:`.statedict`).
 
         The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
         Loading runs no code from it: the commit marker cannot pick another deserializer or a path (its
@@ -299,50 +356,110 @@ class Checkpointer:
         objects in ``fpk`` and ``dcp`` files and ``pt`` files with ``weights_only=False``.
         """
         self._background.wait()
+        names = self._names(state, keys, exclude)
+        picked = keys is not None or exclude is not None
         with contextlib.nullcontext() if self._tier is None else self._tier.reading():  # no eviction meanwhile
-            found = self._read(state, step, keys, cache, allow_pickle)
+            found = self._read(state, names, picked, step, strict, cache, allow_pickle)
         if found is None:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
             return None
         s, d, parts, source, ckpt_parts = found
         res = LoadResult(s, d)
-        restore(state, parts, source, res, ckpt_parts if keys is None else None)
+        for k in names:
+            if k not in source:
+                res.missing_keys.append(k)
+            else:
+                state[k] = parts.restore(k, source[k], res)
+        if not picked:
+            res.unexpected_keys += [k for k in ckpt_parts if k not in state]
         self.last_load = res
+        if step == "latest":
+            self._latest_known = s
         if res.missing_keys or res.unexpected_keys:
             msg = (
                 f"checkpoint {d} (step {s}) does not match the state: missing keys {res.missing_keys}, "
                 f"unexpected keys {res.unexpected_keys}"
             )
-            if strict:
-                raise KeyError(msg + " (pass strict=False to restore what matches)")
+            if strict:  # found only while restoring (the check before found nothing): the rest is restored
+                raise KeyError(msg + "; everything else was restored (pass strict=False to restore what matches)")
             warnings.warn(msg, CheckpointWarning, stacklevel=2)
         log.info("restored step %d from %s", s, d)
         return s
 
+    def resume(self, state: dict[str, Any], **options: Any) -> int:
+        """Restore the latest checkpoint into ``state`` (:meth:`load`'s options) and return the step to run
+        next: the restored step + 1, or 0 when there is no checkpoint yet. ``for step in range(ck.resume(state),
+        steps): ...; ck.save(step, state)``."""
+        s = self.load(state, **options)
+        return 0 if s is None else s + 1
+
+    @staticmethod
+    def _names(
+        state: Mapping[str, Any], keys: Iterable[str] | None, exclude: Iterable[str] | None
+    ) -> builtins.list[str]:
+        names = list(state) if keys is None else list(keys)
+        unknown = [k for k in names if k not in state]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not in the state given to load()")
+        skip = set(exclude or ())
+        unknown = sorted(str(k) for k in skip if k not in state)
+        if unknown:
+            raise KeyError(f"exclude: {unknown} are not in the state given to load()")
+        return [k for k in names if k not in skip]
+
     def _read(
-        self, state: dict[str, Any], step: Any, keys: Iterable[str] | None, cache: Any, allow_pickle: bool
-    ) -> tuple[int, str, builtins.list[str], Mapping[str, Any], builtins.list[str]] | None:
-        """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``load`` restores."""
+        self,
+        state: dict[str, Any],
+        names: builtins.list[str],
+        picked: bool,
+        step: Any,
+        strict: bool,
+        cache: Any,
+        allow_pickle: bool,
+    ) -> tuple[int, str, Parts, Mapping[str, Any], builtins.list[str]] | None:
+        """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``names``."""
         target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
         s, d, fmt, name, content = self._group.on_rank0(target, step)
         if s is None:
             return None
         if self._tier is not None and self._pg is not None:
             d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
-        parts = list(state) if keys is None else list(keys)
-        unknown = [k for k in parts if k not in state]
-        if unknown:
-            raise KeyError(f"keys {unknown} are not in the state given to load()")
+        parts = Parts(state, files=fmt != "dcp")
+
+        def check(tree: Mapping[str, Any]) -> None:
+            """Strict: every mismatch raised before anything is restored."""
+            missing, unexpected = [], []
+            for k in names:
+                if k not in tree:
+                    missing.append(k)
+                else:
+                    m, u = parts.mismatch(k, tree[k])
+                    missing, unexpected = missing + m, unexpected + u
+            if not picked:
+                unexpected += [str(k) for k in tree if k not in state]
+            if missing or unexpected:
+                raise KeyError(
+                    f"checkpoint {where} (step {s}) does not match the state: missing keys {missing}, unexpected "
+                    f"keys {unexpected}; nothing was restored (pass strict=False to restore what matches, "
+                    f"keys= or exclude= to choose the parts)"
+                )
+
+        where = d if name is None else _uri.join_path(d, name)
 
         def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
+            checked = check if strict else None
             if fmt == "dcp":
-                parted = {k: state[k] for k in parts}
-                return formats.read_dcp(d, parted, self.load_options, self._pg, cache, allow_pickle, content)
-            into = targets({k: state[k] for k in parts})  # tensors read in place where they match
-            return formats.read_file(
-                fmt, d, name, self.load_options, self.weights_only, cache, allow_pickle, content, into
-            )
+                return formats.read_dcp(
+                    d, parts, names, self.load_options, self._pg, cache, allow_pickle, content, checked
+                )
+            opts = dict(self.load_options)
+            if picked and strict and fmt == "fpk":
+                opts.setdefault("keys", names)  # only these parts' bytes (the check saw every one of them)
+                into = None
+            else:
+                into = parts.targets(names)  # tensors read in place where they match
+            return formats.read_file(fmt, d, name, opts, self.weights_only, cache, allow_pickle, content, into, checked)
 
         try:
             source, ckpt_parts = read(d)

@@ -8,13 +8,14 @@ read with the ckptio format of the checkpoint's format, whatever the file's name
 
 Reading runs no code from the files unless the caller opts in (``allow_pickle``): ``pt`` files load with
 ``weights_only``, ``fpk`` files unpickle nothing, ``dcp`` non-tensor items load only if they are plain
-data (:mod:`ckptio.dcp.checks`). A DCP read fills the state's own tensors where they match and new
-tensors for entries the state lacks (e.g. a fresh optimizer's moments).
+data (:mod:`ckptio.dcp.checks`). A DCP read fills the state dicts of :mod:`.statedict` in place (a fresh
+optimizer's state initialized first, DTensor shards under FSDP2) and new tensors for entries they lack.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ import torch
 from .. import uri as _uri
 from ..errors import FormatError
 from .manifest import _DATA_FILE, _FILE_FORMAT, Layout
-from .state import _fill_empty, state_dicts, tree_has
+from .state import _fill_empty, tree_has
+from .statedict import Parts
 
 
 def discard(fmt: str, layout: Layout, step: int) -> None:
@@ -64,16 +66,22 @@ def read_file(
     allow_pickle: bool,
     incremental: bool = False,
     into: Any = None,
+    check: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> tuple[Mapping[str, Any], list[str]]:
     """The parts of the ``pt``/``fpk`` checkpoint file ``d``/``name`` and their names (``incremental``:
     read through the content store of ``d``'s root, :mod:`.content`; ``into``: the tensors to read
-    matching stored tensors into, for formats that can, :func:`ckptio.restore.load_into`)."""
+    matching stored tensors into, for formats that can, :func:`ckptio.restore.load_into`; ``check``:
+    called with the file's parts before anything is read into ``into``, may raise)."""
     from ..io import load as _load
     from ..registry import formats
 
+    fmt_obj = formats.by_name(_FILE_FORMAT[fmt]).instance()  # type: ignore[union-attr]
     kw = dict(options)
-    if into is not None and formats.by_name(_FILE_FORMAT[fmt]).instance().loads_into:  # type: ignore[union-attr]
+    if into is not None and fmt_obj.loads_into:
         kw["into"] = into
+    if check is not None and fmt_obj.loads_into:  # .fpk: checked before a byte is read (into=)
+        kw["check"] = _parts_checked(check, d)
+        check = None
     if allow_pickle:
         kw["allow_pickle"] = True
     if cache is not None:
@@ -87,41 +95,63 @@ def read_file(
 
         backend, resolved = read_backend(d, kw.pop("cache", None))
         try:
-            source = formats.by_name(_FILE_FORMAT[fmt]).instance().load(backend, _uri.join_path(resolved, name), **kw)  # type: ignore[union-attr]
+            source = fmt_obj.load(backend, _uri.join_path(resolved, name), **kw)
         finally:
             backend.close()
     else:
         source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
     if not isinstance(source, Mapping):
         raise FormatError(f"{data_uri}: holds a {type(source).__name__}, not a checkpoint's mapping of parts")
+    if check is not None:
+        check(source)
     return source, list(source)
+
+
+def _parts_checked(check: Callable[[Mapping[str, Any]], None], d: str) -> Callable[[Any], None]:
+    def run(tree: Any) -> None:
+        if not isinstance(tree, Mapping):
+            raise FormatError(f"{d}: holds a {type(tree).__name__}, not a checkpoint's mapping of parts")
+        check(tree)
+
+    return run
 
 
 def read_dcp(
     d: str,
-    state: dict[str, Any],
+    parts: Parts,
+    names: list[str],
     options: dict[str, Any],
     process_group: Any,
     cache: Any = None,
     allow_pickle: bool = False,
     incremental: bool = False,
+    check: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Read the parts in ``state`` from a DCP checkpoint: into the state's own tensors where they match,
-    into new tensors for entries the state lacks (e.g. a fresh optimizer's moments). ``incremental``:
-    its data objects are read through the content store of ``d``'s root (:mod:`.content`)."""
+    """Read the parts ``names`` of ``parts`` from a DCP checkpoint: into the state's own tensors where they
+    match (the templates of :meth:`Parts.templates`: a fresh optimizer's state initialized, DTensor shards
+    under FSDP2), into new tensors for entries the templates lack. ``incremental``: its data objects are
+    read through the content store of ``d``'s root (:mod:`.content`); ``check``: called with the
+    checkpoint's parts (keys only) before anything is read."""
     if not incremental:
-        return _read_dcp(d, state, options, process_group, cache, allow_pickle)
+        return _read_dcp(d, parts, names, options, process_group, cache, allow_pickle, check)
     from .content import read_backend
 
     backend, _ = read_backend(d, cache)
     try:
-        return _read_dcp(d, state, {**options, "backend": backend}, process_group, cache, allow_pickle)
+        return _read_dcp(d, parts, names, {**options, "backend": backend}, process_group, cache, allow_pickle, check)
     finally:
         backend.close()
 
 
 def _read_dcp(
-    d: str, state: dict[str, Any], options: dict[str, Any], process_group: Any, cache: Any, allow_pickle: bool
+    d: str,
+    parts: Parts,
+    names: list[str],
+    options: dict[str, Any],
+    process_group: Any,
+    cache: Any,
+    allow_pickle: bool,
+    check: Callable[[Mapping[str, Any]], None] | None,
 ) -> tuple[dict[str, Any], list[str]]:
     from .. import torch_internals as _ti
 
@@ -137,8 +167,13 @@ def _read_dcp(
     if allow_pickle:
         opts["allow_pickle"] = True
     reader = dcp.StorageReader(d, **opts)
-    md = reader.read_metadata()
-    template = state_dicts(state)
+    md = reader.keep_metadata()  # torch's load below asks again: answered without a second read
+    paths = {fqn: p for fqn, p in (md.planner_data or {}).items() if p}
+    ckpt_parts = sorted({str(p[0]) for p in paths.values()})
+    if check is not None:
+        check(_skeleton(paths.values()))
+    stored = _prefixes(md.state_dict_metadata)
+    template = parts.templates(names, lambda prefix: stored(prefix))
     flat, mappings = flatten_state_dict(template)
     tree: dict[str, Any] = {}
     for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
@@ -147,12 +182,11 @@ def _read_dcp(
             isinstance(meta, TensorStorageMetadata)
             and (not isinstance(value, torch.Tensor) or value.shape != meta.size)
         ):
-            continue  # absent, or read into a new tensor below (a shape mismatch is reported by _apply)
+            continue  # absent, or read into a new tensor below (a shape mismatch is reported by the restore)
         set_element(tree, mappings[fqn], value)
     new = {}
-    for fqn in md.state_dict_metadata:
-        path = (md.planner_data or {}).get(fqn)
-        if path and path[0] in state and not (fqn in flat and tree_has(tree, path)):
+    for fqn, path in paths.items():
+        if path[0] in template and not (fqn in flat and tree_has(tree, path)):
             new[fqn] = path
     reader.set_up_storage_reader(md, True)
     reader.check_tensors(f for f in new if isinstance(md.state_dict_metadata[f], TensorStorageMetadata))
@@ -167,9 +201,30 @@ def _read_dcp(
     for k in tree:
         _fill_empty(template[k], tree[k])  # DCP stores no empty containers (e.g. an unstepped optimizer's state)
     if tree:
-        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, **opts)
-    for k, v in state.items():  # DCP paths store dict keys as str: optimizers index state by int
-        st = tree.get(k, {}).get("state") if isinstance(v, torch.optim.Optimizer) else None
-        if isinstance(st, dict):
-            tree[k]["state"] = {int(i) if isinstance(i, str) and i.isdigit() else i: x for i, x in st.items()}
-    return tree, sorted({p[0] for p in (md.planner_data or {}).values() if p})
+        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+    return tree, ckpt_parts
+
+
+def _prefixes(keys: Iterable[str]) -> Callable[[str], bool]:
+    """Whether any of ``keys`` starts with a given prefix (bisect over the sorted keys)."""
+    ordered = sorted(keys)
+
+    def stored(prefix: str) -> bool:
+        i = bisect.bisect_left(ordered, prefix)
+        return i < len(ordered) and ordered[i].startswith(prefix)
+
+    return stored
+
+
+def _skeleton(paths: Iterable[Sequence[Any]]) -> dict[str, Any]:
+    """The nesting of a DCP checkpoint's entries (``planner_data`` paths) as dicts, leaves None."""
+    root: dict[Any, Any] = {}
+    for path in paths:
+        node = root
+        for p in path[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = node[p] = {}
+            node = nxt
+        node.setdefault(path[-1], None)
+    return root

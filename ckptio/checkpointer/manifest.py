@@ -25,6 +25,7 @@ import builtins
 import json
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ class CheckpointWarning(RuntimeWarning):
 class CheckpointInfo:
     step: int
     uri: str
+
+
+def step_of_name(u: str) -> int:
+    """The step of a checkpoint without a marker: the number its name ends with (``1000``, ``step100.pt``,
+    ``iter_000001000_model.pt``: a DINOv3 step directory, a Cosmos file), else 0."""
+    found = re.findall(r"\d+", _uri.basename(u.rstrip("/")))
+    return int(found[-1]) if found else 0
 
 
 def _parse_manifest(data: bytes, marker: str) -> Any:
@@ -253,10 +261,10 @@ class Layout:
                 s, fmt, name = _check_manifest(m, marker)
                 return s, u, fmt, name, m.get("content") is not None
             if backend.isfile(_uri.join_path(d, ".metadata")):
-                return 0, u, "dcp", None, False
+                return step_of_name(u), u, "dcp", None, False
             for fmt, name in _DATA_FILE.items():
                 if d.endswith(name[5:]) and backend.isfile(d):
-                    return 0, _uri.parent(u), fmt, _uri.basename(u), False
+                    return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
             raise IncompleteCheckpointError(
                 f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
             )

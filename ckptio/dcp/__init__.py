@@ -28,8 +28,11 @@ error instead of torch's ``CheckpointException`` (:func:`surface_error`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -117,6 +120,24 @@ def _surfaced(fut: cf.Future, uri: str | os.PathLike) -> cf.Future:
     return out
 
 
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """torch warns on every save/load without ``torch.distributed`` that it "assumes the intent is to save
+    (load) in a single process": through ckptio that is the documented use, so the warning is skipped then
+    (only then, and only that one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        yield
+
+
+_SINGLE_PROCESS = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to"
+
+
 def save(
     state_dict: dict[str, Any],
     uri: str | os.PathLike,
@@ -134,7 +155,7 @@ def save(
 
     writer = StorageWriter(uri, **options)
     try:
-        with quiet_dcp_log():
+        with quiet_dcp_log(), _single_process():
             return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
     except CheckpointException as e:
         raise surface_error(e, "save", uri) from e
@@ -153,7 +174,7 @@ def async_save(
     import torch.distributed.checkpoint as dcp
 
     try:
-        with quiet_dcp_log():  # the staging part; the upload runs on in torch's thread
+        with quiet_dcp_log(), _single_process():  # the staging part; the upload runs on in torch's thread
             res = dcp.async_save(
                 state_dict, storage_writer=StorageWriter(uri, **options), planner=planner, process_group=process_group
             )
@@ -170,17 +191,21 @@ def load(
     *,
     planner: LoadPlanner | None = None,
     process_group: Any = None,
+    storage_reader: StorageReader | None = None,
     **options: Any,
 ) -> None:
-    """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place).
+    """``torch.distributed.checkpoint.load`` from ``uri`` into ``state_dict`` (in place), through
+    ``storage_reader`` if given (one made for ``uri`` from ``options`` else).
 
     Failures raise as for :func:`save` (a missing ``.metadata``: :class:`IncompleteCheckpointError`).
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = StorageReader(uri, **options)
+    if storage_reader is not None and options:
+        raise TypeError(f"load(): options {sorted(options)} go to the StorageReader; pass them there")
+    reader = StorageReader(uri, **options) if storage_reader is None else storage_reader
     try:
-        with quiet_dcp_log():
+        with quiet_dcp_log(), _single_process():
             dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
     except CheckpointException as e:
         raise surface_error(e, "load", uri, reader.metadata_error) from e

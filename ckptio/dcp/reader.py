@@ -256,6 +256,7 @@ class StorageReader(AtURI, _storage.StorageReader):
         self._data = DataObjects(self.data_backend)  # data objects' sizes, small ones' bytes fetched with them
         self._metadata: Metadata | None = None
         self._checked: tuple[Metadata | None, dict[str, str]] = (None, {})  # metadata read, its data objects
+        self._kept: Metadata | None = None  # keep_metadata()
 
     @property
     def metadata_error(self) -> BaseException | None:
@@ -269,14 +270,24 @@ class StorageReader(AtURI, _storage.StorageReader):
         self._metadata = None
         self._metadata_error = None
         self._checked = (None, {})
+        self._kept = None
         if checkpoint_id:
             self._set_uri(checkpoint_id)
         self._data = DataObjects(self.data_backend)
         self._meta_uri = self._path(METADATA_NAME)
         self.load_id = uuid.uuid4().hex
 
+    def keep_metadata(self) -> Metadata:
+        """Read the global ``.metadata`` now and answer this load's later ``read_metadata`` calls with it
+        (a caller that plans from the metadata first, then loads: one read, not two)."""
+        self._kept = None
+        self._kept = self.read_metadata()
+        return self._kept
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
+        if rank is None and self._kept is not None:
+            return self._kept
         try:
             metadata = self._read_metadata(self._path(metadata_name(rank, rank is None)))
         except Exception as e:

@@ -6,7 +6,7 @@ info`` and ``ckptio verify``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import torch
@@ -35,7 +35,10 @@ def load_source(
     verify: bool | None = None,
     allow_pickle: bool = False,
     into: Any = None,
+    check: Callable[[Any], None] | None = None,
 ) -> Any:
+    """``check``: called with the file's tree (tensors as references) before any tensor byte is read or
+    written into ``into``; what it raises is the load's error."""
     if verify is None:  # an explicit mapping stays lazy unless verification is asked for
         verify = mmap is not True
     share = mmap is None  # by default a remote load may return views of what it read ahead (not mmap=False)
@@ -48,6 +51,11 @@ def load_source(
             f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "
             f"pass allow_pickle=True only if you trust the file"
         )
+    if check is not None:
+        if meta.check is not None:  # a damaged header or metadata is the error to report, not a mismatch
+            meta.check()
+            meta.check = None
+        check(decode_tree(meta, Ref, allow_pickle))
     if src.verified:  # every byte was checked against its content hash on the way: not twice
         verify = False
     if keys is not None:

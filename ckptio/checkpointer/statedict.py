@@ -1,0 +1,264 @@
+"""How a Checkpointer's parts become state dicts and are restored, at any depth of the state.
+
+* A module (plain, DDP, FSDP2/DTensor) is saved as torch's ``get_model_state_dict`` (keys without the
+  DDP ``module.`` prefix) and restored with ``set_model_state_dict``: the pattern torch's DCP tutorial
+  teaches with an ``AppState`` wrapper, done here for every module of the state.
+* An optimizer is saved as ``get_optimizer_state_dict`` (its state keyed by parameter name), paired
+  with the one module of the state that holds all of its parameters, and restored with
+  ``set_optimizer_state_dict``, which initializes a fresh optimizer's state first, so an FSDP2
+  optimizer that has not stepped yet gets DTensor shards, never full-size plain tensors. An
+  optimizer that has not stepped is saved as its own ``state_dict()`` (it holds no tensors, and
+  torch's function would initialize it by a step with zero gradients, changing the live run).
+* ``dcp`` stores DTensor shards as they are; ``pt``/``fpk`` (one file, written by rank 0) store full
+  tensors, gathered onto rank 0 (``full_state_dict``, ``cpu_offload``) when a module holds DTensors,
+  and every rank's ``set_*`` takes its own shard of them.
+* Any other ``Stateful`` (``state_dict``/``load_state_dict``: a ``GradScaler``, an LR scheduler,
+  :class:`~ckptio.RNGState`) is saved and restored through its own methods, at any depth: a scaler
+  inside a dict part is treated like a top-level one.
+* Checkpoints written before (optimizer state keyed by index, a DDP model's keys with ``module.``)
+  restore through ``load_state_dict`` as before.
+
+:meth:`Parts.mismatch` tells what a restore would report as missing/unexpected without touching
+anything, so a strict load can refuse before restoring any part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..restore import LoadResult, apply, is_stateful
+
+__all__ = ["Parts"]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor
+        return None
+    return DTensor
+
+
+def _holds_dtensors(module: torch.nn.Module) -> bool:
+    dt = _dtensor_type()
+    return dt is not None and any(isinstance(p, dt) for p in module.parameters())
+
+
+def _is_ddp(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def _ddp_prefixed(module: torch.nn.Module, source: Mapping[str, Any]) -> bool:
+    """A DDP module's state saved by ``ddp.state_dict()`` (keys with ``module.``), before torch's functions."""
+    return _is_ddp(module) and any(str(x).startswith("module.") for x in source)
+
+
+def _index_keyed(osd: Mapping[str, Any]) -> bool:
+    """An optimizer state dict keyed by parameter index (``optim.state_dict()``), not by name."""
+    state = osd.get("state") or {}
+    groups = osd.get("param_groups") or []
+    keys = list(state) + [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
+    return all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in keys)
+
+
+def _int_keys(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """``osd`` with index keys as ints (DCP stores dict keys as str)."""
+    out = dict(osd)
+    if isinstance(out.get("state"), Mapping):
+        out["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in out["state"].items()}
+    return out
+
+
+def _walk(obj: Any) -> Iterable[Any]:
+    """Every module and optimizer in the state tree (not inside modules)."""
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk(v)
+
+
+class Parts:
+    """The parts of one ``save``/``load`` call; ``files``: the checkpoint is one ``pt``/``fpk`` file
+    (full tensors), else ``dcp`` (DTensor shards)."""
+
+    def __init__(self, state: Mapping[str, Any], files: bool) -> None:
+        self.state = state
+        self.files = files
+        self._modules = [m for m in _walk(state) if isinstance(m, torch.nn.Module)]
+
+    # ---- pairing and options -------------------------------------------------------------------
+    def owner(self, optim: torch.optim.Optimizer) -> torch.nn.Module | None:
+        """The module of the state that holds all of ``optim``'s parameters (the smallest such)."""
+        wanted = {id(p) for g in optim.param_groups for p in g["params"]}
+        found = None
+        for m in self._modules:
+            have = {id(p) for p in m.parameters()}
+            if wanted <= have and (found is None or len(have) < found[1]):
+                found = (m, len(have))
+        return None if found is None else found[0]
+
+    def _options(self, module: torch.nn.Module, **kw: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        loading = kw.pop("loading", False)
+        full = self.files and _holds_dtensors(module)
+        if full and not loading:
+            import torch.distributed as dist
+
+            kw["cpu_offload"] = dist.is_initialized()  # gathered onto rank 0 only, which writes the file
+        return StateDictOptions(full_state_dict=full, **kw)
+
+    # ---- save ----------------------------------------------------------------------------------
+    def state_dicts(self) -> dict[str, Any]:
+        """The state with every module, optimizer and ``Stateful`` replaced by its state dict."""
+        return {k: self._saved(v) for k, v in self.state.items()}
+
+    def _saved(self, v: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if isinstance(v, torch.nn.Module):
+            return get_model_state_dict(v, options=self._options(v))
+        if isinstance(v, torch.optim.Optimizer):
+            m = self.owner(v)
+            if m is None or not v.state:
+                return v.state_dict()
+            return get_optimizer_state_dict(m, v, options=self._options(m))
+        if is_stateful(v):
+            return self._saved(v.state_dict())
+        if isinstance(v, Mapping):
+            items = {k: self._saved(x) for k, x in v.items()}
+            return v if all(items[k] is x for k, x in v.items()) else items
+        if isinstance(v, (list, tuple)):
+            seq = [self._saved(x) for x in v]
+            if all(a is b for a, b in zip(seq, v, strict=True)):
+                return v
+            return seq if isinstance(v, list) else tuple(seq)
+        return v
+
+    def targets(self, names: Iterable[str]) -> dict[str, Any]:
+        """The tensors a ``pt``/``fpk`` load may read straight into (:func:`ckptio.restore.load_into`), by
+        part: a module's parameters and an optimizer's state tensors, by the names the file uses; nothing
+        for DTensors (the file holds full tensors) or a fresh optimizer (nothing to fill)."""
+        return {k: self._target(self.state[k]) for k in names}
+
+    def _target(self, v: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(v, torch.nn.Module):
+            return None if _holds_dtensors(v) else self._saved(v)
+        if isinstance(v, torch.optim.Optimizer):
+            m = self.owner(v)
+            if m is None or not v.state or _holds_dtensors(m):
+                return None
+            return get_optimizer_state_dict(m, v)
+        if is_stateful(v):
+            return self._target(v.state_dict())
+        if isinstance(v, Mapping):
+            return {k: self._target(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [self._target(x) for x in v]
+        return v
+
+    # ---- load templates (dcp) ------------------------------------------------------------------
+    def templates(self, names: Iterable[str], stored: Callable[[str], bool]) -> dict[str, Any]:
+        """The state dicts a DCP load fills in place: a fresh optimizer's state initialized (torch's
+        function) when the checkpoint holds its state by parameter name; ``stored(prefix)``: whether the
+        checkpoint has a key under ``prefix`` (a flattened path, ``"."``-joined)."""
+        return {k: self._template(self.state[k], k, stored) for k in names}
+
+    def _template(self, v: Any, path: str, stored: Callable[[str], bool]) -> Any:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if isinstance(v, torch.nn.Module):
+            if _is_ddp(v) and stored(f"{path}.module."):
+                return v.state_dict()  # written before ckptio used torch's functions: keys with module.
+            return self._saved(v)
+        if isinstance(v, torch.optim.Optimizer):
+            m = self.owner(v)
+            if m is None or not self._named_state(v, path, stored):
+                return v.state_dict()
+            return get_optimizer_state_dict(m, v, options=self._options(m))  # initializes a fresh one
+        if is_stateful(v):
+            return self._template(v.state_dict(), path, stored)
+        if isinstance(v, Mapping):
+            return {k: self._template(x, f"{path}.{k}", stored) for k, x in v.items()}
+        if isinstance(v, list):
+            return [self._template(x, f"{path}.{i}", stored) for i, x in enumerate(v)]
+        return v
+
+    @staticmethod
+    def _named_state(optim: torch.optim.Optimizer, path: str, stored: Callable[[str], bool]) -> bool:
+        """Whether the checkpoint holds ``optim``'s state keyed by parameter name (torch's functions)."""
+        if not stored(f"{path}.state."):
+            return False
+        return not any(stored(f"{path}.state.{i}.") for i in range(sum(len(g["params"]) for g in optim.param_groups)))
+
+    # ---- restore -------------------------------------------------------------------------------
+    def restore(self, k: str, source: Any, res: LoadResult) -> Any:
+        """Restore part ``k`` from ``source`` in place; returns the value to keep under ``k``."""
+        return apply(self.state[k], source, f"{k}.", res, self._restore_stateful)
+
+    def _restore_stateful(self, target: Any, source: Any, prefix: str, res: LoadResult) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if isinstance(target, torch.nn.Module):
+            if not isinstance(source, Mapping):
+                raise TypeError(f"{prefix[:-1]}: the checkpoint holds a {type(source).__name__}, not a module's state")
+            if _ddp_prefixed(target, source):
+                out = target.load_state_dict(source, strict=False)  # saved with the DDP prefix
+            else:
+                out = set_model_state_dict(
+                    target, dict(source), options=self._options(target, strict=False, loading=True)
+                )
+            res.missing_keys += [prefix + x for x in out.missing_keys]
+            res.unexpected_keys += [prefix + x for x in out.unexpected_keys]
+        elif isinstance(target, torch.optim.Optimizer):
+            if not isinstance(source, Mapping):
+                raise TypeError(
+                    f"{prefix[:-1]}: the checkpoint holds a {type(source).__name__}, not an optimizer's state"
+                )
+            if _index_keyed(source):
+                target.load_state_dict(_int_keys(source))
+                return
+            m = self.owner(target)
+            if m is None:
+                raise ValueError(
+                    f"{prefix[:-1]}: the checkpoint holds optimizer state by parameter name, but no module in the "
+                    f"state given to load() holds all of this optimizer's parameters; pass the model in the same state"
+                )
+            set_optimizer_state_dict(m, target, dict(source), options=self._options(m, loading=True))
+        else:
+            target.load_state_dict(source)
+
+    # ---- what a restore would report -----------------------------------------------------------
+    def mismatch(self, k: str, source: Any) -> tuple[list[str], list[str]]:
+        """(missing, unexpected) keys restoring part ``k`` from ``source`` would report; touches nothing.
+        ``source`` may be a skeleton (leaves of any type): only its keys are compared."""
+        missing: list[str] = []
+        unexpected: list[str] = []
+        self._diff(self.state[k], source, f"{k}.", missing, unexpected)
+        return missing, unexpected
+
+    def _diff(self, target: Any, source: Any, prefix: str, missing: list[str], unexpected: list[str]) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        if isinstance(target, torch.nn.Module) and isinstance(source, Mapping):
+            have = set(target.state_dict() if _ddp_prefixed(target, source) else get_model_state_dict(target))
+            missing += [prefix + x for x in have if x not in source]
+            unexpected += [prefix + str(x) for x in source if x not in have]
+        elif isinstance(target, torch.optim.Optimizer) or is_stateful(target):
+            return  # their own load_state_dict decides
+        elif isinstance(target, dict) and isinstance(source, Mapping):
+            for x in target:
+                if x not in source:
+                    missing.append(f"{prefix}{x}")
+                else:
+                    self._diff(target[x], source[x], f"{prefix}{x}.", missing, unexpected)
+            unexpected += [f"{prefix}{x}" for x in source if x not in target]
