@@ -66,6 +66,10 @@ def apply(
                 target.copy_(source)  # a view of the same memory (read in place): no copy
             return target
         return source
+    if isinstance(target, list) and isinstance(source, (list, tuple)) and len(target) == len(source):
+        for i, x in enumerate(source):  # e.g. a list of optimizers: each restored in place
+            target[i] = apply(target[i], x, f"{prefix}{i}.", res, stateful)
+        return target
     if isinstance(target, dict) and isinstance(source, Mapping):
         for k in list(target):
             if k not in source:

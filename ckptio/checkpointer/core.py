@@ -365,7 +365,8 @@ class Checkpointer:
             self.last_load = LoadResult(None, None)
             return None
         s, d, parts, source, ckpt_parts = found
-        res = LoadResult(s, d)
+        given = isinstance(step, (str, os.PathLike)) and step != "latest"
+        res = LoadResult(s, os.fspath(step).rstrip("/") if given else d)  # a bare file: the file
         for k in names:
             if k not in source:
                 res.missing_keys.append(k)

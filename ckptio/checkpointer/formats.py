@@ -14,7 +14,6 @@ optimizer's state initialized first, DTensor shards under FSDP2) and new tensors
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -170,10 +169,10 @@ def _read_dcp(
     md = reader.keep_metadata()  # torch's load below asks again: answered without a second read
     paths = {fqn: p for fqn, p in (md.planner_data or {}).items() if p}
     ckpt_parts = sorted({str(p[0]) for p in paths.values()})
+    stored = _skeleton(paths.values())
     if check is not None:
-        check(_skeleton(paths.values()))
-    stored = _prefixes(md.state_dict_metadata)
-    template = parts.templates(names, lambda prefix: stored(prefix))
+        check(stored)
+    template = parts.templates(names, stored)
     flat, mappings = flatten_state_dict(template)
     tree: dict[str, Any] = {}
     for fqn, value in flat.items():  # a copy of the structure holding only what the checkpoint has
@@ -203,17 +202,6 @@ def _read_dcp(
     if tree:
         dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
     return tree, ckpt_parts
-
-
-def _prefixes(keys: Iterable[str]) -> Callable[[str], bool]:
-    """Whether any of ``keys`` starts with a given prefix (bisect over the sorted keys)."""
-    ordered = sorted(keys)
-
-    def stored(prefix: str) -> bool:
-        i = bisect.bisect_left(ordered, prefix)
-        return i < len(ordered) and ordered[i].startswith(prefix)
-
-    return stored
 
 
 def _skeleton(paths: Iterable[Sequence[Any]]) -> dict[str, Any]:

@@ -255,6 +255,9 @@ class Layout:
         if isinstance(step, (str, os.PathLike)):
             u = os.fspath(step).rstrip("/")
             backend, d = resolve(u)
+            for fmt, name in _DATA_FILE.items():  # a bare .pt/.fpk file
+                if d.endswith(name[5:]) and backend.isfile(d):
+                    return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
             if backend.isfile(_uri.join_path(d, MARKER_NAME)):
                 marker = _uri.join_path(u, MARKER_NAME)
                 m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
@@ -262,9 +265,6 @@ class Layout:
                 return s, u, fmt, name, m.get("content") is not None
             if backend.isfile(_uri.join_path(d, ".metadata")):
                 return step_of_name(u), u, "dcp", None, False
-            for fmt, name in _DATA_FILE.items():
-                if d.endswith(name[5:]) and backend.isfile(d):
-                    return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
             raise IncompleteCheckpointError(
                 f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
             )

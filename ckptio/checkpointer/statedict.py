@@ -24,7 +24,7 @@ anything, so a strict load can refuse before restoring any part.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +70,10 @@ def _int_keys(osd: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("state"), Mapping):
         out["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in out["state"].items()}
     return out
+
+
+def _child(node: Any, key: Any) -> Any:
+    return node.get(key) if isinstance(node, Mapping) else None
 
 
 def _walk(obj: Any) -> Iterable[Any]:
@@ -167,38 +171,32 @@ class Parts:
         return v
 
     # ---- load templates (dcp) ------------------------------------------------------------------
-    def templates(self, names: Iterable[str], stored: Callable[[str], bool]) -> dict[str, Any]:
+    def templates(self, names: Iterable[str], stored: Mapping[str, Any]) -> dict[str, Any]:
         """The state dicts a DCP load fills in place: a fresh optimizer's state initialized (torch's
-        function) when the checkpoint holds its state by parameter name; ``stored(prefix)``: whether the
-        checkpoint has a key under ``prefix`` (a flattened path, ``"."``-joined)."""
-        return {k: self._template(self.state[k], k, stored) for k in names}
+        function) when the checkpoint holds its state by parameter name. ``stored``: the checkpoint's
+        entries as nested dicts (keys only)."""
+        return {k: self._template(self.state[k], _child(stored, k)) for k in names}
 
-    def _template(self, v: Any, path: str, stored: Callable[[str], bool]) -> Any:
+    def _template(self, v: Any, stored: Any) -> Any:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if isinstance(v, torch.nn.Module):
-            if _is_ddp(v) and stored(f"{path}.module."):
+            if isinstance(stored, Mapping) and _ddp_prefixed(v, stored):
                 return v.state_dict()  # written before ckptio used torch's functions: keys with module.
             return self._saved(v)
         if isinstance(v, torch.optim.Optimizer):
             m = self.owner(v)
-            if m is None or not self._named_state(v, path, stored):
+            named = isinstance(stored, Mapping) and not _index_keyed(stored)
+            if m is None or not named or not _child(stored, "state"):
                 return v.state_dict()
             return get_optimizer_state_dict(m, v, options=self._options(m))  # initializes a fresh one
         if is_stateful(v):
-            return self._template(v.state_dict(), path, stored)
+            return self._template(v.state_dict(), stored)
         if isinstance(v, Mapping):
-            return {k: self._template(x, f"{path}.{k}", stored) for k, x in v.items()}
+            return {k: self._template(x, _child(stored, k)) for k, x in v.items()}
         if isinstance(v, list):
-            return [self._template(x, f"{path}.{i}", stored) for i, x in enumerate(v)]
+            return [self._template(x, _child(stored, i)) for i, x in enumerate(v)]
         return v
-
-    @staticmethod
-    def _named_state(optim: torch.optim.Optimizer, path: str, stored: Callable[[str], bool]) -> bool:
-        """Whether the checkpoint holds ``optim``'s state keyed by parameter name (torch's functions)."""
-        if not stored(f"{path}.state."):
-            return False
-        return not any(stored(f"{path}.state.{i}.") for i in range(sum(len(g["params"]) for g in optim.param_groups)))
 
     # ---- restore -------------------------------------------------------------------------------
     def restore(self, k: str, source: Any, res: LoadResult) -> Any:
