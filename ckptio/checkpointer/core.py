@@ -430,7 +430,8 @@ class Checkpointer:
 
         def check(tree: Mapping[str, Any]) -> None:
             """Strict: every mismatch raised before anything is restored."""
-            missing, unexpected = [], []
+            missing: builtins.list[str] = []
+            unexpected: builtins.list[str] = []
             for k in names:
                 if k not in tree:
                     missing.append(k)
