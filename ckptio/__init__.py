@@ -66,6 +66,10 @@ def __getattr__(name: str):  # lazy: these import torch (and torch.distributed);
         from .checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "RNGState":
+        from .checkpointer import RNGState
+
+        return RNGState
     if name == "load_into":
         from .restore import load_into
 
@@ -82,6 +86,7 @@ __all__ = [
     "AlreadyExistsError",
     "Backend",
     "Checkpointer",
+    "RNGState",
     "CkptioError",
     "Context",
     "CredentialsError",
