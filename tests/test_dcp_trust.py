@@ -302,8 +302,11 @@ def test_checkpointer_allocates_only_stored_tensors(tmp_path):
         md.storage_data[MetadataIndex("m.ghost", (0,))] = entry(md, "m.x")
 
     edit_metadata(uri, edit)
-    (result,) = load_in_child(tmp_path, [{"uri": uri, "state": {"m": {"x": torch.zeros(2)}}, "kind": "checkpointer"}])
+    job = {"uri": uri, "state": {"m": {"x": torch.zeros(2)}}, "kind": "checkpointer"}
+    (result,) = load_in_child(tmp_path, [{**job, "options": {"strict": False}}])  # would allocate it
     assert_refused(result, "'m.ghost'", "stored in 8 bytes")
+    (result,) = load_in_child(tmp_path, [job])  # strict: an unexpected key, refused before any read
+    assert "KeyError" in result["types"] and "m.ghost" in result["outcome"], result
 
 
 # ---- what DCP users save keeps loading by default -----------------------------------------------
