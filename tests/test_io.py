@@ -104,6 +104,49 @@ def test_dump_without_file_and_file_objects():
     assert torch.equal(ckptio.load(buf, file_format="pt")["t"], torch.ones(2))
 
 
+def _text_file_objects(tmp_path):
+    """Text file objects as callers hand them to dump: the io classes and tempfile's wrappers."""
+    import tempfile
+
+    yield "StringIO", io.StringIO()
+    for mode in ("r+", "w", "w+"):
+        yield f"NamedTemporaryFile({mode!r})", tempfile.NamedTemporaryFile(mode, dir=tmp_path)
+    yield "SpooledTemporaryFile('w+')", tempfile.SpooledTemporaryFile(mode="w+")
+    yield "SpooledTemporaryFile('w+', rolled over)", tempfile.SpooledTemporaryFile(max_size=1, mode="w+")
+    yield "TemporaryFile('w+')", tempfile.TemporaryFile("w+", dir=tmp_path)
+    yield "open('w')", open(tmp_path / "plain.txt", "w")
+    yield "open('w+')", open(tmp_path / "plain2.txt", "w+")
+
+
+def _binary_file_objects(tmp_path):
+    import tempfile
+
+    yield "BytesIO", io.BytesIO()
+    yield "NamedTemporaryFile('w+b')", tempfile.NamedTemporaryFile("w+b", dir=tmp_path)
+    yield "SpooledTemporaryFile()", tempfile.SpooledTemporaryFile()
+    yield "open('wb')", open(tmp_path / "plain.bin", "wb")
+    yield "open('wb', buffering=0)", open(tmp_path / "raw.bin", "wb", buffering=0)
+
+
+@pytest.mark.parametrize("file_format, obj", [("json", {"a": [1, "x"]}), ("yaml", {"a": [1, "x"]}), ("txt", "hé")])
+def test_dump_into_text_and_binary_file_objects(tmp_path, file_format, obj):
+    """Text or binary, whatever wraps it (tempfile's wrappers are not io.TextIOBase): what is written
+    reads back, as mmengine's dump into a NamedTemporaryFile('r+') does."""
+    for kind, objects in (("text", _text_file_objects), ("binary", _binary_file_objects)):
+        for name, f in objects(tmp_path):
+            with f:
+                ckptio.dump(obj, f, file_format=file_format)
+                f.flush()
+                r = f if f.readable() else open(f.name, "r" if kind == "text" else "rb")
+                r.seek(0)
+                data = r.read()
+                assert isinstance(data, str if kind == "text" else bytes), name
+                r.seek(0)
+                assert ckptio.load(r, file_format=file_format) == obj, name
+                if r is not f:
+                    r.close()
+
+
 def test_file_format_overrides_extension(root):
     uri = ckptio.join_path(root, "noext")
     ckptio.dump({"a": 1}, uri, file_format="json")

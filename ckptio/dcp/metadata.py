@@ -219,8 +219,8 @@ def prepare_overwrite(backend: Backend, root: str, meta: str, overwrite: bool, u
     if not backend.isfile(meta):
         return []
     if not overwrite:
-        raise AlreadyExistsError(
-            meta, f"a complete checkpoint already exists at {uri!r}; pass overwrite=True to replace it"
+        raise AlreadyExistsError(  # torch's words ("Checkpoint already exists"), which its tests and users match
+            meta, f"Checkpoint already exists at {uri!r} and overwrite=False; pass overwrite=True to replace it"
         )
     return uncommit(backend, root, meta)
 

@@ -112,4 +112,14 @@ class NumpyFormat(StreamFormat):
 
 
 def _is_binary(f: IO) -> bool:
-    return not isinstance(f, io.TextIOBase)
+    """Whether ``f`` takes bytes: io's binary classes do, its text classes don't, and a wrapper that
+    is neither (tempfile's ``NamedTemporaryFile``, ``SpooledTemporaryFile``) says so by its ``mode``
+    (``"r+"``: text, ``"w+b"``: binary) or, lacking a str mode, by having a str ``encoding``."""
+    if isinstance(f, io.TextIOBase):
+        return False
+    if isinstance(f, (io.BufferedIOBase, io.RawIOBase)):
+        return True
+    mode = getattr(f, "mode", None)
+    if isinstance(mode, str):
+        return "b" in mode
+    return not isinstance(getattr(f, "encoding", None), str)
