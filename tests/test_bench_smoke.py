@@ -152,3 +152,59 @@ def test_load_into_benchmark_runs(capsys):
     assert load_into.main(["--mib", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "ckptio.load_into" in out and "raw preadv into tensors" in out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_s3_peers_are_baselines_on_the_same_server(tmp_path, capsys, monkeypatch):
+    """s3torchconnector's S3Checkpoint and DCP writer/reader and s3fs's single PUT run as baselines on
+    the embedded S3 server; the first screen is the summary naming the best baseline, sizes are exact."""
+    pytest.importorskip("s3torchconnector.dcp")
+    from ckptio.bench import measure
+    from ckptio.bench import throughput as bench
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
+
+    code = bench.main(
+        ["--sizes", "64KiB", "--repeats", "2", "--backends", "s3", "--out", str(tmp_path), "--name", "peers"]
+        + ["--no-chart", "--quiet"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "peers.json").read_text())
+    peers = ("s3torchconnector S3Checkpoint", "s3torchconnector DCP", "s3fs pipe_file(torch.save)")
+    assert not [s for s in doc["skipped"] if s["impl"] in peers]
+    for peer in peers:
+        ops = {r["op"] for r in doc["results"] if r["impl"] == peer and r["baseline"] and len(r["seconds"]) == 2}
+        assert ops == {"save", "load"}, peer
+        rs = [x for x in doc["ratios"] if x["baseline"] == peer]
+        assert {x["impl"] for x in rs} >= {"ckptio .fpk", "ckptio .pt"}
+        assert all(0 < x["ratio_min"] <= x["ratio_max"] for x in rs)
+    assert out.startswith("== ckptio's best vs the best baseline")
+    first = out.splitlines()[1]
+    assert first.startswith("64 KiB  s3  save") and any(x["baseline"] in first for x in doc["summary"])
+    assert "== 64 KiB of fp32 tensors" in out and all(r["size_bytes"] == 64 * 1024 for r in doc["results"])
+    assert "s3torchconnector" in doc["machine"]["versions"]
+
+
+def test_missing_peers_are_named(monkeypatch):
+    from ckptio.bench import peers
+
+    monkeypatch.setitem(sys.modules, "s3torchconnector", None)  # as if not installed
+    impls, notes = peers.s3_peers("http://127.0.0.1:1")
+    assert impls == [] and notes == [
+        {
+            "impl": "s3torchconnector",
+            "reason": "baseline left out: the s3torchconnector package is not installed (pip install 'ckptio[peers]')",
+        }
+    ]
+
+
+def test_chart_axes_fit_the_data_and_sizes_are_exact():
+    from ckptio.bench.chart import log_limits
+    from ckptio.bench.report import size_label
+    from ckptio.bench.workload import make_state, nbytes
+
+    lo, hi = log_limits([0.004, 0.2, 5.1])
+    assert 0.001 <= lo <= 0.004 and 5.1 < hi <= 11  # not 50-100 GB/s for bars that stop near 5
+    assert nbytes(make_state(8 * 2**20)) == 8 * 2**20 and size_label(8 * 2**20) == "8 MiB"
+    assert size_label(3 * 2**30) == "3 GiB" and size_label(1536) == "1.5 KiB"

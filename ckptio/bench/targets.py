@@ -16,6 +16,7 @@ from ckptio.errors import MissingDependencyError
 
 from .impls import backend_raw_baseline, ckptio_impls, fsspec_baselines, local_baselines, memory_baselines
 from .measure import Target
+from .peers import crt_credentials, s3_peers, s3fs_put_baseline
 from .servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket
 
 EMBEDDED = ("local", "memory", "s3", "gcs")
@@ -97,7 +98,10 @@ def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -
                 "client_kwargs": {"endpoint_url": srv.url, "region_name": "us-east-1"},
             }
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-            yield Target("s3", f"s3://{bucket}", mine + fsspec_baselines(fs, "s3", opts))
+            peers, notes = s3_peers(srv.url)
+            impls = mine + fsspec_baselines(fs, "s3", opts) + [s3fs_put_baseline(fs)] + peers
+            with crt_credentials(S3_CREDS["access_key_id"], S3_CREDS["secret_access_key"]):
+                yield Target("s3", f"s3://{bucket}", impls, notes=notes)
     else:
         import logging
 

@@ -30,8 +30,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 from ckptio.config import parse_size
 from ckptio.progress import Bar, human_bytes
 
+from .chart import chart
 from .measure import run_matrix
-from .report import chart, machine, ratios, summary, table
+from .report import machine, ratios, summary, table
 from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets
 
 QUICK_SIZES = ["32MiB"]
