@@ -157,19 +157,29 @@ def test_load_into_benchmark_runs(capsys):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_s3_peers_are_baselines_on_the_same_server(tmp_path, capsys, monkeypatch):
     """s3torchconnector's S3Checkpoint and DCP writer/reader and s3fs's single PUT run as baselines on
-    the embedded S3 server; the first screen is the summary naming the best baseline, sizes are exact."""
+    the embedded S3 server, here behind the realistic profile's proxy; the first screen is the summary
+    naming the best baseline, sizes are exact."""
     pytest.importorskip("s3torchconnector.dcp")
-    from ckptio.bench import measure
+    from ckptio.bench import measure, targets
     from ckptio.bench import throughput as bench
 
     monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
+    proxies = []  # and everything goes through the latency proxy of --profile realistic
 
+    class Proxy(targets.LatencyProxy):
+        def start(self):
+            proxies.append(self)
+            return super().start()
+
+    monkeypatch.setattr(targets, "LatencyProxy", Proxy)
     code = bench.main(
         ["--sizes", "64KiB", "--repeats", "2", "--backends", "s3", "--out", str(tmp_path), "--name", "peers"]
-        + ["--no-chart", "--quiet"]
+        + ["--no-chart", "--quiet", "--profile", "realistic", "--latency-ms", "5", "--stream-mbps", "500"]
     )
     assert code == 0
     out = capsys.readouterr().out
+    assert [(p.latency, p.bandwidth) for p in proxies] == [(0.005, 500e6)] and proxies[0].connections > 0
+    assert "--profile realistic: S3 and GCS through a loopback proxy: 5 ms" in out
     doc = json.loads((tmp_path / "peers.json").read_text())
     peers = ("s3torchconnector S3Checkpoint", "s3torchconnector DCP", "s3fs pipe_file(torch.save)")
     assert not [s for s in doc["skipped"] if s["impl"] in peers]
@@ -208,3 +218,61 @@ def test_chart_axes_fit_the_data_and_sizes_are_exact():
     assert 0.001 <= lo <= 0.004 and 5.1 < hi <= 11  # not 50-100 GB/s for bars that stop near 5
     assert nbytes(make_state(8 * 2**20)) == 8 * 2**20 and size_label(8 * 2**20) == "8 MiB"
     assert size_label(3 * 2**30) == "3 GiB" and size_label(1536) == "1.5 KiB"
+
+
+def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth():
+    """Coarse on purpose (a busy machine only adds time): 20 ms asked -> >= 15 ms per round trip on a
+    kept-alive connection; 4 MB/s asked -> 1 MB each way takes >= 0.2 s, and the bytes arrive intact."""
+    import http.client
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ckptio.bench.proxy import LatencyProxy
+
+    body = bytes(range(256)) * 4096  # 1 MiB
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            data = b"ok" if self.path == "/small" else body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self):
+            n = len(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(str(n))))
+            self.end_headers()
+            self.wfile.write(str(n).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with LatencyProxy(f"http://127.0.0.1:{server.server_address[1]}", latency=0.020, bandwidth=4e6) as p:
+            conn = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]), timeout=30)
+            conn.request("GET", "/small")
+            conn.getresponse().read()  # connected
+            t = time.perf_counter()
+            for _ in range(5):  # same connection: each turn pays the latency
+                conn.request("GET", "/small")
+                assert conn.getresponse().read() == b"ok"
+            assert (time.perf_counter() - t) / 5 >= 0.015
+            t = time.perf_counter()
+            conn.request("GET", "/big")
+            assert conn.getresponse().read() == body
+            assert time.perf_counter() - t >= 0.2  # 1 MiB at 4 MB/s: 0.26 s
+            t = time.perf_counter()
+            conn.request("PUT", "/up", body=body)
+            assert conn.getresponse().read() == str(len(body)).encode()
+            assert time.perf_counter() - t >= 0.2
+            conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
