@@ -276,3 +276,37 @@ def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth():
     finally:
         server.shutdown()
         server.server_close()
+
+
+ENTRY_POINTS = sorted(
+    f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and not f.startswith("_")
+)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_is_thin_and_starts(name, capsys):
+    """benchmarks/ holds entry points only (the code is in ckptio.bench, which imports nothing from
+    tests/ or benchmarks/); each one imports and answers --help."""
+    import importlib
+
+    with open(os.path.join(ROOT, "benchmarks", name + ".py")) as f:
+        assert len(f.read().splitlines()) <= 25, f"benchmarks/{name}.py: move its code into ckptio/bench/"
+    mod = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_bench_package_stands_alone():
+    """No module of ckptio.bench reaches into tests/, benchmarks/ or a path outside the project."""
+    bench = os.path.join(ROOT, "ckptio", "bench")
+    for f in sorted(os.listdir(bench)):
+        if f.endswith(".py"):
+            with open(os.path.join(bench, f)) as fh:
+                text = fh.read()
+            assert "from servers import" not in text and '"tests"' not in text, f
+            assert "/work/" not in text and "PERF.md" not in text and "shared/tools" not in text, f
+            assert len(text.splitlines()) <= 600, f
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as fh:
+        readme = fh.read()
+    assert "/work/" not in readme and "PERF.md" not in readme

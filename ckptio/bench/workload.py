@@ -1,5 +1,5 @@
 """The benchmark's workload: a seeded, transformer-shaped dict of fp32 tensors, and helpers to touch,
-compare, pack and unpack it (shared by ``ckptio bench`` and the scripts in ``benchmarks/``)."""
+compare, pack and unpack it (shared by the benchmarks in this package)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import os
 from typing import Any
 
 import torch
+
+# the directory that holds the ckptio package: child processes put it first on sys.path to import this copy
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_state(size: int) -> dict[str, torch.Tensor]:
