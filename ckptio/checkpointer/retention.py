@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..incremental import CONTENT_DIR
-from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_step_name
+from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_own_name
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -88,11 +88,12 @@ def cleanup(rules: _Rules, layout: Layout, latest: int) -> list[int]:
 def abort_stale_writes(layout: Layout, stale_after: float | None) -> None:
     """Discard the unfinished writes killed saves left under root (``stale_after``)."""
     prefix = layout.root.rstrip("/") + "/"
+    steps = set(layout.step_dirs().values())
 
-    def ours(uri: str) -> bool:  # the pointer, or something in a step directory
+    def ours(uri: str) -> bool:  # the pointer, or something in a step directory of ckptio's
         rel = uri[len(prefix) :] if uri.startswith(prefix) else ""
         top = rel.split("/", 1)[0] if "/" in rel else None
-        return rel == POINTER_NAME or top == CONTENT_DIR or (top is not None and _is_step_name(top))
+        return rel == POINTER_NAME or top == CONTENT_DIR or (top is not None and (_is_own_name(top) or top in steps))
 
     cutoff = time.time() - (stale_after or 0.0)
     try:
