@@ -117,3 +117,7 @@ class IncompleteCheckpointError(CkptioError, FileNotFoundError):
 
 class TransferError(CkptioError, OSError):
     """A remote operation failed for a reason that is not one of the above."""
+
+
+class TierInUseError(AlreadyExistsError):
+    """A Checkpointer's ``local_tier`` already serves another root (its ``tier.json`` names that root)."""

@@ -11,11 +11,13 @@ The package's modules, each stating its part of the contract:
 - :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves;
 - :mod:`.content`: incremental saves (``incremental=True``): the content store, its sweep, :func:`usage`;
 - :mod:`.tiered`: tiered saves (``local_tier=``): the two roots, step states, which copy a restore reads,
-  local eviction; :mod:`.replication`: their background replicator, its bounded queue and failures.
+  local eviction; :mod:`.replication`: their background replicator, its bounded queue and failures;
+  :mod:`.binding`: the root a local tier serves (``tier.json``, :class:`~ckptio.errors.TierInUseError`).
 """
 
 from __future__ import annotations
 
+from ..errors import TierInUseError
 from .content import usage
 from .core import Checkpointer
 from .manifest import FORMATS as FORMATS
@@ -36,6 +38,7 @@ __all__ = [
     "SaveResult",
     "BacklogError",
     "ReplicationError",
+    "TierInUseError",
     "MARKER_NAME",
     "POINTER_NAME",
 ]

@@ -62,6 +62,7 @@ from ..backends.base import ObjectInfo
 from ..context import resolve
 from ..errors import CkptioError, NotFoundError
 from ..transfer import copy_objects
+from .binding import bind
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup
@@ -554,4 +555,6 @@ def open_layouts(root_uri: str, local_tier: Any) -> tuple[Layout, Layout]:
     """(remote, local) layouts of a tiered Checkpointer."""
     local = os.fspath(local_tier)
     resolve(local)  # fails early on an unknown scheme
-    return Layout(root_uri), Layout(local.rstrip("/") or local)
+    layouts = Layout(root_uri), Layout(local.rstrip("/") or local)
+    bind(layouts[1], layouts[0])  # TierInUseError when the tier serves another root
+    return layouts
