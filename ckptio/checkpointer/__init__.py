@@ -8,7 +8,8 @@ The package's modules, each stating its part of the contract:
 - :mod:`.formats`: writing, reading and discarding the data of a ``dcp``, ``pt`` or ``fpk`` checkpoint;
 - :mod:`.state`: ``Stateful`` parts, restoring in place, :class:`RNGState`, :class:`LoadResult`;
 - :mod:`.staging`: async save's snapshot copies and background thread;
-- :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best`` and the debris of killed saves;
+- :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best``, policies (``retention=``), kept steps and the
+  debris of killed saves;
 - :mod:`.content`: incremental saves (``incremental=True``): the content store, its sweep, :func:`usage`;
 - :mod:`.tiered`: tiered saves (``local_tier=``): the two roots, step states, which copy a restore reads,
   local eviction; :mod:`.replication`: their background replicator, its bounded queue and failures;
@@ -25,6 +26,7 @@ from .manifest import MARKER_NAME, POINTER_NAME, CheckpointInfo, CheckpointWarni
 from .manifest import STEP_DIGITS as STEP_DIGITS
 from .replication import BacklogError, ReplicationError
 from .retention import STALE_AFTER as STALE_AFTER
+from .retention import RetentionPolicy
 from .state import LoadResult, RNGState, SaveResult
 from .state import tree_has as tree_has
 
@@ -39,6 +41,7 @@ __all__ = [
     "BacklogError",
     "ReplicationError",
     "TierInUseError",
+    "RetentionPolicy",
     "MARKER_NAME",
     "POINTER_NAME",
 ]

@@ -65,7 +65,7 @@ from ..transfer import copy_objects
 from .binding import bind
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
-from .retention import _Rules, cleanup
+from .retention import _Rules, cleanup, prune
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -263,10 +263,21 @@ class Tier:
                 _uri.join_path(remote.root, POINTER_NAME), (remote.name(step) + "\n").encode(), mode="overwrite"
             )
             ptr = step
-        cleanup(self.rules, remote, ptr)
+        cleanup(self.rules, remote, ptr, self._busy() - {step})
         self.replicated.add(step)
         log.info("replicated checkpoint %s", remote.uri(step))
         self.evict()
+
+    def _busy(self) -> set[int]:
+        """Steps queued for replication or being replicated."""
+        return self.replicator.pending() if self.replicator is not None else set()
+
+    def prune(self) -> builtins.list[int]:
+        """Apply retention to the remote root now, then evict; returns the steps deleted remotely."""
+        ptr = self.remote.latest()
+        deleted = [] if ptr is None else prune(self.rules, self.remote, ptr, self._busy())[1]
+        self.evict()
+        return deleted
 
     def evict(self) -> None:
         """Delete local steps past the newest ``keep_local`` that are committed remotely, and local debris
