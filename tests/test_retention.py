@@ -155,3 +155,32 @@ def test_kept_steps_survive_every_rule_until_unkept(backend, tiered, request, tm
         assert Checkpointer(root).kept() == {"best": 2, "final": 3}
         st = {"model": {"w": torch.zeros(4, 4)}, "trainer": {"step": -1}}
         assert ck.load(st, step=2) == 2 and st["trainer"] == {"step": 2}
+
+
+# ---- tiered: retention at the remote root -------------------------------------------------------------
+
+
+def test_tiered_best_policy_and_a_step_being_replicated(tmp_path, monkeypatch):
+    """The remote root keeps only the best and the latest; a step the replicator holds (here: replicating
+    an older step again, over the debris of an interrupted copy) is not deleted by a prune meanwhile."""
+    from test_tiered import Gate
+
+    root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    with Checkpointer(root, format="pt", local_tier=tier, keep_local=5, retention="best", best_metric="loss") as ck:
+        for s, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0)):
+            ck.save(s, state(s), metrics={"loss": loss})
+            ck.wait()
+        assert Checkpointer(root).list() == [2, 4]
+        gate = Gate(monkeypatch)
+        debris = tmp_path / "remote" / "000000000003"  # an interrupted replication of step 3 left a file
+        debris.mkdir()
+        (debris / "state.pt").write_bytes(b"partial")
+        ck.save(3, state(3), metrics={"loss": 0.5}, overwrite=True)  # the new best, replicated after 4
+        try:
+            assert 3 in ck._tier.replicator.pending()
+            assert ck.prune() == [] and debris.exists()  # held by the replicator: neither debris nor deleted
+        finally:
+            gate.open()
+        ck.wait()
+        assert Checkpointer(root).list() == [3, 4]
+        assert ck.manifest(3)["metrics"] == {"loss": 0.5}
