@@ -312,7 +312,7 @@ class Tier:
             return
         if self.replicator is not None and self.replicator.scanning:
             return  # the steps found at start are not scheduled yet
-        busy = self.replicator.pending() if self.replicator is not None else set()
+        busy = self._busy()
         for s in complete[: -self.keep_local]:
             if s in self.replicated and s not in busy:
                 local.discard(s)
@@ -323,7 +323,7 @@ class Tier:
     def _evict_sent(self) -> None:
         """Ranks but 0 (``per_rank``): delete this node's step directories that have no marker here (another
         node's tier holds it), past the newest ``keep_local``, once committed remotely."""
-        local, busy = self.local, self.replicator.pending() if self.replicator is not None else set()
+        local, busy = self.local, self._busy()
         for s in sorted(local.step_dirs())[: -self.keep_local]:
             if s not in busy and not local.committed(s) and self.remote.committed(s):
                 local.rmtree(local.dir(s))
@@ -363,7 +363,7 @@ class Tier:
         """Step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"``, ascending."""
         remote = self._remote_steps() or set()
         local = set(self.local.list())
-        busy = self.replicator.pending() if self.replicator is not None else set()
+        busy = self._busy()
         return {s: state_of(s in local, s in remote, s in busy) for s in sorted(local | remote)}
 
     def list(self) -> builtins.list[int]:
