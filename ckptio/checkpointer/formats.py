@@ -106,6 +106,28 @@ def read_file(
     return source, list(source)
 
 
+def read_pt_parts(
+    files: Mapping[str, str],
+    names: list[str],
+    options: dict[str, Any],
+    weights_only: bool,
+    cache: Any,
+    allow_pickle: bool,
+    check: Callable[[Mapping[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The parts ``names`` of a checkpoint of one ``.pt`` file per part (a Cosmos step: ``files``, part ->
+    file URI), reading only those parts' files; ``check`` as for :func:`read_file`, before anything is
+    restored."""
+    source = {}
+    for k in names:
+        if k in files:
+            f = files[k]
+            source[k], _ = read_file("pt", _uri.parent(f), _uri.basename(f), options, weights_only, cache, allow_pickle)
+    if check is not None:
+        check(source)
+    return source, list(files)
+
+
 def _parts_checked(check: Callable[[Mapping[str, Any]], None], d: str) -> Callable[[Any], None]:
     def run(tree: Any) -> None:
         if not isinstance(tree, Mapping):
