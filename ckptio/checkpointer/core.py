@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +70,13 @@ def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
         except (TypeError, ValueError):
             raise TypeError(f"metrics[{k!r}]: {type(v).__name__} is not a number") from None
     return out
+
+
+def _keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
+    def run(tree: Mapping[str, Any]) -> None:
+        wanted[:] = [k for k in wanted if k in tree]
+
+    return run
 
 
 class Checkpointer:
@@ -347,7 +354,7 @@ class Checkpointer:
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory or file (another run's
         too; its step is the marker's, else the number its name ends with, else 0). ``keys``: the parts
         to restore (default: every part of ``state``); ``exclude``: parts not to restore (Cosmos's
-        ``keys_not_to_resume``); only the bytes of the parts restored are read (``dcp``, ``fpk``).
+        ``keys_not_to_resume``); only the bytes of the parts restored are read (every format).
         ``strict=True`` raises ``KeyError`` naming every missing and unexpected key before anything is
         restored; ``strict=False`` restores what matches and reports the rest (a warning and
         ``self.last_load``). ``cache`` (True, a directory or a mapping) reads the data through the
@@ -457,7 +464,7 @@ class Checkpointer:
         where = d if name is None else _uri.join_path(d, name)
 
         def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
-            checked = check if strict else None
+            checked: Callable[[Mapping[str, Any]], None] | None = check if strict else None
             if fmt == "pt-parts":
                 return formats.read_pt_parts(
                     t.files, names, self.load_options, self.weights_only, cache, allow_pickle, checked
@@ -467,8 +474,14 @@ class Checkpointer:
                     d, parts, names, self.load_options, self._pg, cache, allow_pickle, content, checked
                 )
             opts = dict(self.load_options)
-            if picked and strict and fmt == "fpk":
-                opts.setdefault("keys", names)  # only these parts' bytes (the check saw every one of them)
+            if picked and fmt == "fpk":  # only these parts' bytes
+                wanted = list(names)
+                opts.setdefault("keys", wanted)
+                if not strict:  # those the file lacks are reported missing (its tree is seen before keys= is read)
+                    checked = _keep_present(wanted)
+                into = None
+            elif picked and fmt == "pt":
+                opts.setdefault("keys", names)  # only these parts' bytes (:mod:`ckptio.formats.torch_entries`)
                 into = None
             else:
                 into = parts.targets(names)  # tensors read in place where they match
