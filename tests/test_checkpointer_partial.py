@@ -44,6 +44,13 @@ def test_a_load_of_some_parts_reads_only_their_bytes(s3_proxy, fmt, strict):
         assert torch.equal(dst["big"]["table"], table)  # untouched
 
 
+class Holder:
+    """A trusted object holding tensors (loaded with weights_only=False): its tensors are found through it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = {"inner": [t]}
+
+
 def test_pt_entries_of_a_file_share_storages_and_load_whole_when_not_a_mapping(s3_uri, tmp_path):
     from ckptio.context import resolve
     from ckptio.formats.torch_entries import load_entries
@@ -55,6 +62,10 @@ def test_pt_entries_of_a_file_share_storages_and_load_whole_when_not_a_mapping(s
     got = load_entries(backend, uri, ["b", "p", "missing"])
     assert sorted(got) == ["b", "p"] and torch.equal(got["b"]["view"], base[50:]) and got["b"]["n"] == 3
     assert isinstance(got["p"], torch.nn.Parameter) and torch.equal(got["p"], base)
+    ckptio.dump({"h": Holder(torch.arange(5.0)), "big": torch.ones(1000)}, f"{s3_uri}/obj.pt")
+    backend, uri = resolve(f"{s3_uri}/obj.pt")
+    held = load_entries(backend, uri, ["h"], weights_only=False)["h"]
+    assert torch.equal(held.t["inner"][0], torch.arange(5.0))  # not a hole of zeros
     ckptio.dump([torch.ones(2)], f"{s3_uri}/list.pt")
     backend, uri = resolve(f"{s3_uri}/list.pt")
     assert torch.equal(load_entries(backend, uri, ["a"])[0], torch.ones(2))  # the caller reports what it holds

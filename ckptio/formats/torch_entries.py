@@ -8,7 +8,8 @@ one ranged read from one version of the object (``pin_version``), into a sparse 
 their own offsets; ``torch.load(mmap=True)`` of it builds the tree (the other entries' tensors map
 holes, never read) and the kept entries are returned. Which storages an entry uses is read from the
 pickle by ckptio's inspecting unpickler, which calls nothing. The load itself is torch's, with the
-caller's ``weights_only``. A file that is not a zip (legacy ``torch.save``) or not a mapping loads whole.
+caller's ``weights_only``. A file that is not a zip (legacy ``torch.save``) or not a mapping loads whole,
+and so does one with a storage the walk from the top-level entries does not reach (so none is missed).
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ def _ranges(reads: Backend, uri: str, size: int, keys: list[str]) -> list[tuple[
         pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
         if pkl is None:
             return None
+        inspector = _Recording(io.BytesIO(z.read(pkl)))
         try:
-            tree = _TorchInspector(io.BytesIO(z.read(pkl))).load()
+            tree = inspector.load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl.filename}: {e}") from None
-        if not isinstance(tree, dict):
-            return None
+        if not isinstance(tree, dict) or not inspector.seen <= _storages([tree]):
+            return None  # not a mapping, or a storage the walk cannot place: load whole, never a hole
         prefix = pkl.filename[: -len("data.pkl")] + "data/"
         records = {prefix + key for key in _storages([tree[k] for k in keys if k in tree])}
         ends = [i.header_offset for i in infos[1:]] + [z.start_dir]
@@ -93,6 +95,20 @@ def _ranges(reads: Backend, uri: str, size: int, keys: list[str]) -> list[tuple[
         ]
         ranges.append((z.start_dir, size))
     return ranges
+
+
+class _Recording(_TorchInspector):
+    """The inspector, noting the key of every storage the pickle refers to."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.seen: set[str] = set()
+
+    def persistent_load(self, pid: Any) -> Any:
+        ref = super().persistent_load(pid)
+        if isinstance(ref, dict):
+            self.seen.add(ref["key"])
+        return ref
 
 
 def _storages(roots: list[Any]) -> set[str]:
