@@ -128,7 +128,7 @@ def _fsdp2_body(rank: int, world: int, port: int, root: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     expected = _net(3).state_dict()
-    for uri in (f"{root}/dcp", f"{root}/pt", f"{root}/plain.pt"):
+    for uri in (f"{root}/dcp", f"{root}/pt", f"{root}/plain.pt", f"{root}/dino"):
         model = _net(rank + 20)
         mesh = init_device_mesh("cpu", (world,))
         for layer in model:
@@ -148,6 +148,7 @@ def test_load_model_into_an_fsdp2_model_on_two_ranks(tmp_path):
     for fmt in ("dcp", "pt"):
         Checkpointer(str(tmp_path / fmt), format=fmt).save(4, {"model": src, "optim": optim})
     torch.save(src.state_dict(), tmp_path / "plain.pt")
+    dino_save(str(tmp_path / "dino" / "ckpt"), 99, src, optim)  # DINOv3's output_dir
     out = str(tmp_path / "out")
     os.makedirs(out)
     run_ranks(_fsdp2_worker, 2, str(tmp_path), out)
