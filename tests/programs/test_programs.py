@@ -30,15 +30,10 @@ FORMATS = ["dcp", "fpk", "pt"]
 MODES = ["sync", "async", "tiered", "incremental"]
 STORAGES = ["local", "s3"]
 
-RNG_PER_RANK = (
-    "Checkpointer saves one RNGState for all ranks (dcp: one rank's, deduplicated; fpk/pt: rank 0's), so every "
-    "rank resumes with the same RNG state and a multi-rank resume is not bitwise"
-)
-
 
 def defect(parallel: str, fmt: str, mode: str, storage: str) -> str | None:
     """The Checkpointer defect that fails a cell, if any (the cell is ``xfail(strict=True)``)."""
-    return RNG_PER_RANK if WORLD[parallel] > 1 else None
+    return None
 
 
 def program(parallel: str, **job: Any) -> dict[str, Any]:
@@ -139,9 +134,7 @@ def test_killed_run_resumes_bitwise(launcher, parallel, fmt, mode, storage, tmp_
     compare(got, want, what)
 
 
-@pytest.mark.parametrize(
-    "fmt", [pytest.param("dcp", marks=pytest.mark.xfail(strict=True, reason=RNG_PER_RANK)), "fpk", "pt"]
-)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_fsdp2_run_saved_on_two_ranks_loads_on_one(launcher, fmt, tmp_path):
     want = reference(launcher, "fsdp", str(tmp_path.parent))
     root = str(tmp_path / "run")
