@@ -232,7 +232,7 @@ class Checkpointer:
             self._refuse_latest(step)
         if self._tier is not None and self._tier.replicator is not None:
             self._tier.replicator.admit()
-        sd = Parts(state, files=self.format != "dcp").state_dicts()
+        sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
         if not self.async_save:
             self._persist(step, sd, metrics, overwrite)
             return
@@ -500,7 +500,7 @@ class Checkpointer:
         s, d, fmt, name, content = t.step, t.uri, t.fmt, t.name, t.content
         if self._tier is not None and self._pg is not None:
             d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
-        parts = Parts(state, files=fmt != "dcp")
+        parts = Parts(state, files=fmt != "dcp", group=self._group)
 
         def check(tree: Mapping[str, Any]) -> None:
             """Strict: every mismatch raised before anything is restored."""
