@@ -28,7 +28,7 @@ from . import uri as _uri
 from .backends.base import Backend, ObjectInfo, WriteMode
 from .backends.local import ensure_inside
 from .context import resolve
-from .errors import NotFoundError, SettingsError
+from .errors import IsDirectoryError, NotFoundError, SettingsError
 from .progress import CountingWriter, Tracker
 from .threads import Pool
 
@@ -184,7 +184,7 @@ def copy(
         ensure_inside(db, d, d)
         pairs = [(sb.stat(s), d)]
     elif not recursive:
-        raise IsADirectoryError(f"{src} is a directory; pass -r (recursive=True) to copy it recursively")
+        raise IsDirectoryError(f"{src} is a directory; pass -r (recursive=True) to copy it recursively")
     else:
         pairs = tree_targets(sb.list(s, recursive=True), s, db, d)
     todo, skipped = [], []

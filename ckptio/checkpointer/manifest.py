@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import logging
 import os
 import re
 import warnings
@@ -33,10 +32,10 @@ from typing import Any
 
 from .. import uri as _uri
 from ..context import resolve
-from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError, Redacting, logger
 from ..threads import Pool
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 MARKER_NAME = "checkpoint.json"
 POINTER_NAME = "latest.txt"
@@ -51,7 +50,7 @@ def _is_step_name(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
-class CheckpointWarning(RuntimeWarning):
+class CheckpointWarning(Redacting, RuntimeWarning):
     """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
 
 

@@ -16,16 +16,16 @@ process), through the backend's ``list_pending_writes``.
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..errors import logger
 from ..incremental import CONTENT_DIR
 from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_step_name
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 STALE_AFTER = 6 * 3600.0
 
