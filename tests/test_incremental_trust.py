@@ -89,3 +89,27 @@ def test_a_swapped_block_fails_a_remote_pt_load(s3_uri):
     backend.write(data, MAGIC + json.dumps(body).encode())
     with pytest.raises(IntegrityError, match="CRC mismatch"):
         ck.load({"model": {}, "trainer": {}}, step=1, strict=False)
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "pt"])
+def test_verify_of_a_recipe_with_shortened_lengths_is_a_clear_error(fmt, tmp_path, capsys):
+    """Block lengths shortened (and the size with them, so the recipe parses): the file is cut short inside;
+    verify and load fail with a ckptio error naming the file (exit 1), never a raw ValueError."""
+    ck = Checkpointer(str(tmp_path / "run"), format=fmt, incremental=True)
+    ck.save(1, make_state())
+    target = os.path.join(ck.uri(1), f"state.{fmt}")
+    body = json.loads(open(target, "rb").read()[len(MAGIC) :])
+    cut = 0
+    for b in body["blocks"]:
+        if b[1] == 1 << 20:
+            b[1] -= 4096
+            cut += 4096
+    body["size"] -= cut
+    with open(target, "wb") as f:
+        f.write(MAGIC + json.dumps(body).encode())
+    for call in (ckptio.verify, ckptio.load):
+        with pytest.raises(IntegrityError, match=f"state.{fmt}"):
+            call(target)
+    assert cli_main(["verify", target]) == 1
+    err = capsys.readouterr().err
+    assert f"state.{fmt}" in err and "ValueError" not in err

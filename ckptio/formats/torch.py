@@ -342,6 +342,11 @@ def _open_zip(backend: Backend, uri: str) -> zipfile.ZipFile:
     except zipfile.BadZipFile:
         f.close()
         raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
+    except (ValueError, EOFError) as e:  # offsets past either end: a seek before 0, a short read
+        f.close()
+        raise IntegrityError(
+            f"{uri}: its zip records point outside the file ({e}): the checkpoint is corrupt"
+        ) from None
 
 
 def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
@@ -368,7 +373,10 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
 def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
     """The CRC32 of every zip member, then the pickle (as :func:`inspect_torch`)."""
     with _open_zip(backend, uri) as z:
-        bad = z.testzip()  # reads every member and checks its CRC32
+        try:
+            bad = z.testzip()  # reads every member and checks its CRC32
+        except (zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise IntegrityError(f"{uri}: a zip member cannot be read ({e}): the checkpoint is corrupt") from None
         if bad is not None:
             raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
         members = len(z.namelist())
