@@ -47,6 +47,7 @@ from .errors import (
     SettingsError,
     UnknownFormatError,
     UnknownSchemeError,
+    UnsafeKeyError,
     redact,
 )
 from .formats.base import jsonable
@@ -460,6 +461,7 @@ _HINTS: list[tuple[type, int, str]] = [
     (IntegrityError, EXIT_FAILURE, "the data is corrupt or truncated; restore it from another copy"),
     (UnknownFormatError, EXIT_USAGE, "pass a file with a known extension (.fpk, .pt, .safetensors) or a DCP directory"),
     (FormatError, EXIT_FAILURE, "check that the URI points at a checkpoint in a supported format"),
+    (UnsafeKeyError, EXIT_FAILURE, "the listing holds a crafted or corrupt key; nothing was copied"),
     (SettingsError, EXIT_USAGE, "fix the settings named above; `ckptio config` shows which file is used"),
     (UnknownSchemeError, EXIT_USAGE, "define the scheme as an alias in ckptio.toml or install its fsspec package"),
     (InvalidURIError, EXIT_USAGE, "URIs look like s3://bucket/key, gs://bucket/key, /local/path"),

@@ -149,6 +149,11 @@ class SettingsError(CkptioError, ValueError):
     """Settings are invalid; the message names the source, the key and the reason."""
 
 
+class UnsafeKeyError(CkptioError, ValueError):
+    """A listed key would leave the directory it was listed under (``../``, absolute): the storage holds
+    crafted or corrupt names. Nothing is copied."""
+
+
 class FormatError(CkptioError, ValueError):
     """A file cannot be decoded by the format chosen for it (wrong type, malformed, unsupported)."""
 

@@ -28,7 +28,7 @@ from . import uri as _uri
 from .backends.base import Backend, ObjectInfo, WriteMode
 from .backends.local import ensure_inside
 from .context import resolve
-from .errors import IsDirectoryError, NotFoundError, SettingsError
+from .errors import IsDirectoryError, NotFoundError, UnsafeKeyError
 from .progress import CountingWriter, Tracker
 from .threads import Pool
 
@@ -52,10 +52,10 @@ def path_kind(backend: Backend, uri: str) -> str:
 
 
 def relative_key(root: str, child: str, named: Any = None) -> str:
-    """``child``'s key below ``root``; SettingsError when it would escape (``../``, absolute)."""
+    """``child``'s key below ``root``; UnsafeKeyError when it would escape (``../``, absolute)."""
     rel = child[len(root.rstrip("/")) :].lstrip("/")
     if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
-        raise SettingsError(f"refusing to copy {child!r}: its key escapes {root if named is None else named!r}")
+        raise UnsafeKeyError(f"refusing to copy {child!r}: its key escapes {root if named is None else named!r}")
     return rel
 
 
