@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import logging
 import os
 import time
 import warnings
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from .. import uri as _uri
-from ..errors import AlreadyExistsError, CkptioError
+from ..errors import AlreadyExistsError, CkptioError, logger
 from . import formats
 from . import retention as _retention
 from .content import CONTENT_HASH, CONTENT_KEY, Content
@@ -54,7 +53,7 @@ from .state import LoadResult, SaveResult
 from .statedict import Parts
 from .tiered import Tier, open_layouts, tier_options
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 _UNKNOWN = object()
 
 

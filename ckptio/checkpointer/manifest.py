@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import logging
 import os
 import re
 import warnings
@@ -36,10 +35,10 @@ from typing import Any
 
 from .. import uri as _uri
 from ..context import resolve
-from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError, Redacting, logger
 from ..threads import Pool
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 MARKER_NAME = "checkpoint.json"
 POINTER_NAME = "latest.txt"
@@ -59,7 +58,7 @@ def _is_own_name(name: str) -> bool:
     return _is_step_name(name) and name == f"{int(name):0{STEP_DIGITS}d}"
 
 
-class CheckpointWarning(RuntimeWarning):
+class CheckpointWarning(Redacting, RuntimeWarning):
     """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
 
 
