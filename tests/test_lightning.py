@@ -153,3 +153,11 @@ def test_without_lightning_the_import_names_the_extra():
     )
     assert r.returncode == 0, r.stderr
     assert "MissingDependencyError" in r.stdout and "ckptio[lightning]" in r.stdout, r.stdout
+
+
+def test_load_maps_to_the_cpu_by_default_as_lightning_does(tmp_path):
+    path = str(tmp_path / "a.fpk")
+    CkptioCheckpointIO().save_checkpoint({"w": torch.ones(2)}, path)
+    seen = []
+    CkptioCheckpointIO().load_checkpoint(path, map_location=lambda s, loc: seen.append(loc) or s)
+    assert seen == ["cpu"] and CkptioCheckpointIO().load_checkpoint(path)["w"].device.type == "cpu"

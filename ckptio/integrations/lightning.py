@@ -71,7 +71,8 @@ class CkptioCheckpointIO(*_bases()):  # type: ignore[misc]  # Lightning's Checkp
         kw = {**self.dump_args, **(storage_options or {})}
         _io.dump(checkpoint, os.fspath(path), backend_args=self.backend_args, **kw)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> Any:
+        """Tensors on the CPU unless ``map_location`` says otherwise, as Lightning's own loader."""
         self._settle()
         return _io.load(
             os.fspath(path),
