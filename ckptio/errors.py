@@ -162,6 +162,16 @@ class UnknownFormatError(FormatError):
     """No format is registered for a file's extension."""
 
 
+class UnsupportedValueError(CkptioError, TypeError, ValueError):
+    """``dump`` cannot store a value in the format asked for; nothing was written. A TypeError, as every
+    format's ``dump`` raises, and a ValueError, as ``safetensors.torch.save_file`` raises for the same values."""
+
+
+class UnsupportedTensorError(UnsupportedValueError, NotImplementedError):
+    """A tensor whose memory the format cannot represent: tensors sharing memory, a meta tensor. Also a
+    RuntimeError / NotImplementedError, what ``safetensors.torch.save_file`` raises for them."""
+
+
 class IntegrityError(FormatError):
     """Stored bytes do not match their checksum, or a file is truncated or has trailing bytes."""
 
