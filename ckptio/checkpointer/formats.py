@@ -21,6 +21,7 @@ import torch
 
 from .. import uri as _uri
 from ..errors import FormatError
+from ..incremental.direct import step_reader
 from .manifest import _DATA_FILE, _FILE_FORMAT, Layout
 from .state import _fill_empty, tree_has
 from .statedict import Parts
@@ -90,9 +91,7 @@ def read_file(
         kw.setdefault("map_location", "cpu")
     data_uri = _uri.join_path(d, name)
     if incremental:
-        from .content import read_backend
-
-        backend, resolved = read_backend(d, kw.pop("cache", None))
+        backend, resolved = step_reader(d, kw.pop("cache", None))
         try:
             source = fmt_obj.load(backend, _uri.join_path(resolved, name), **kw)
         finally:
@@ -133,9 +132,7 @@ def read_dcp(
     checkpoint's parts (keys only) before anything is read."""
     if not incremental:
         return _read_dcp(d, parts, names, options, process_group, cache, allow_pickle, check)
-    from .content import read_backend
-
-    backend, _ = read_backend(d, cache)
+    backend, _ = step_reader(d, cache)
     try:
         return _read_dcp(d, parts, names, {**options, "backend": backend}, process_group, cache, allow_pickle, check)
     finally:

@@ -7,8 +7,11 @@ that ``.content`` is ever used, and the recipe's block names cannot leave it (:m
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import uri as _uri
 from ..backends.base import Backend
+from ..context import resolve
 from .backend import IncrementalBackend
 from .recipe import MAGIC
 from .store import CONTENT_DIR, BlockStore
@@ -26,6 +29,12 @@ def reader_for(backend: Backend, step_dir: str) -> IncrementalBackend:
     """A backend reading the files of the step directory ``step_dir`` (resolved) through its root's content."""
     root = _uri.parent(step_dir.rstrip("/"))
     return IncrementalBackend(backend, BlockStore(backend, _uri.join_path(root, CONTENT_DIR)))
+
+
+def step_reader(d: str, cache: Any) -> tuple[IncrementalBackend, str]:
+    """The backend to read the incremental step directory ``d`` (a URI) through, and ``d`` resolved."""
+    backend, resolved = resolve(d, cache=cache)
+    return reader_for(backend, resolved), resolved
 
 
 def file_reader(backend: Backend, uri: str) -> IncrementalBackend | None:
