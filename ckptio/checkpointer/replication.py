@@ -26,8 +26,8 @@ import warnings
 from collections.abc import Callable, Iterable
 
 from ..errors import CkptioError
+from ..threads import lower_priority
 from .manifest import CheckpointWarning
-from .staging import _lower_priority
 
 log = logging.getLogger("ckptio.checkpointer")
 
@@ -158,7 +158,7 @@ class Replicator:
 
     # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority(self._nice)
+        lower_priority(self._nice)
         steps = []
         try:
             if self._scanning:

@@ -12,6 +12,7 @@ from typing import Any
 from .. import uri as _uri
 from ..backends.base import Backend
 from ..context import resolve
+from ..dcp_names import DATA_SUFFIX
 from .backend import IncrementalBackend
 from .recipe import MAGIC
 from .store import CONTENT_DIR, BlockStore
@@ -45,8 +46,6 @@ def file_reader(backend: Backend, uri: str) -> IncrementalBackend | None:
 def dcp_reader(backend: Backend, d: str) -> IncrementalBackend | None:
     """For the DCP directory ``d`` of an incremental step (its data objects are recipes), a backend that
     reads their logical bytes; else None."""
-    from ..dcp import DATA_SUFFIX
-
     try:
         first = next((i.uri for i in backend.list(d) if i.uri.endswith(DATA_SUFFIX) and not i.is_dir), None)
     except (FileNotFoundError, NotADirectoryError):
