@@ -85,8 +85,11 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys, m
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ckptio_bench_command(tmp_path, capsys):
+def test_ckptio_bench_command(tmp_path, capsys, monkeypatch):
     from ckptio import cli
+    from ckptio.bench import measure
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     code = cli.main(
         [
@@ -116,7 +119,10 @@ def test_ckptio_bench_command(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsys):
+    from ckptio.bench import measure
     from ckptio.bench import throughput as bench
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     for mod in ("moto", "matplotlib", "safetensors"):  # as if not installed
         monkeypatch.setitem(sys.modules, mod, None)
