@@ -248,28 +248,23 @@ def _checkpointer_block() -> str:
 
 
 def _run(block: str, steps: int, crash_after: int | None) -> tuple[torch.nn.Module, list[int]]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(optim, 2)
     saved: list[int] = []
 
     class Crash(Exception):
         pass
 
+    g: dict = {"__name__": "__docs__"}
+    exec(compile(PREAMBLE, "PREAMBLE", "exec"), g)
+    step_once = g["train_step"]
+
     def train_step():
-        loss = model(torch.randn(3, 4)).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        sched.step()
-        seen = g.get("step")
-        if seen == crash_after:
+        loss = step_once()
+        if g.get("step") == crash_after:
             g["ck"].wait()
             raise Crash
         return loss
 
-    g = {"ckptio": ckptio, "model": model, "optim": optim, "sched": sched, "steps": steps, "train_step": train_step}
+    g.update(steps=steps, train_step=train_step)
     real_save = ckptio.Checkpointer.save
 
     def save(self, step, state, **kw):
@@ -283,7 +278,7 @@ def _run(block: str, steps: int, crash_after: int | None) -> tuple[torch.nn.Modu
         pass
     finally:
         ckptio.Checkpointer.save = real_save  # type: ignore[method-assign]
-    return model, saved
+    return g["model"], saved
 
 
 def test_the_readme_checkpointer_loop_resumes(s3_endpoint):
