@@ -78,6 +78,17 @@ def test_is_complete_for_steps_dcp_dirs_files_and_roots(tmp_path):
     assert not is_complete(str(tmp_path / "cosmos"))
 
 
+def test_is_complete_on_s3(s3_uri):
+    ck = Checkpointer(f"{s3_uri}/run", format="pt")
+    assert not is_complete(f"{s3_uri}/run")
+    ck.save(1, {"model": _net(0)})
+    assert is_complete(f"{s3_uri}/run") and is_complete(ck.uri(1)) and is_complete(f"{ck.uri(1)}/state.pt")
+    ckptio.remove(f"{ck.uri(1)}/state.pt")  # the marker names a file that is gone
+    assert not is_complete(ck.uri(1))
+    cosmos_save(f"{s3_uri}/checkpoints", 10)
+    assert is_complete(f"{s3_uri}/checkpoints") and is_complete(f"{s3_uri}/checkpoints/iter_000000010_model.pt")
+
+
 # ---- load_model: init from a checkpoint ---------------------------------------------------------------
 def test_load_model_from_any_uri_reads_the_model_only(tmp_path, s3_uri):
     src, optim, _, _ = trained(3)
