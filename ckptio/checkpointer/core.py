@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import logging
 import os
 import time
 import warnings
@@ -40,12 +39,13 @@ from typing import Any
 import torch
 
 from .. import uri as _uri
-from ..errors import AlreadyExistsError, CkptioError
+from ..errors import AlreadyExistsError, CkptioError, logger
 from . import formats
+from . import retention as _retention
 from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .group import Group
 from .manifest import FORMATS, CheckpointWarning, Layout
-from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
+from .retention import STALE_AFTER, RetentionPolicy, abort_stale_writes, check_rules, cleanup
 from .sources import Target, seed_latest
 from .sources import resolve as resolve_uri
 from .staging import Background, _Stager
@@ -53,7 +53,7 @@ from .state import LoadResult, SaveResult
 from .statedict import Parts
 from .tiered import Tier, open_layouts, tier_options
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 _UNKNOWN = object()
 
 
@@ -84,8 +84,10 @@ class Checkpointer:
 
     ``format``: ``"dcp"`` (sharded, every rank writes; see :mod:`ckptio.dcp`), ``"fpk"`` or ``"pt"``
     (one file, written by rank 0). Retention keeps the union of: the ``keep_last`` newest steps, every
-    step divisible by ``keep_every``, the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode``
-    ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
+    step with ``(step + keep_every_offset) % keep_every == 0``, the ``keep_best`` best by
+    ``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``), the kept steps (:meth:`keep`) and
+    always the latest; with no rule set nothing is deleted. ``retention``: a policy, ``"all"``,
+    ``"last"``, ``"best"``, ``"last_and_best"`` or ``"none"`` (:mod:`.retention`).
     ``process_group``: the group to coordinate over (default: a new gloo group when
     ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
     ``stale_after``: seconds after which an unfinished write under root is taken for the debris of a
@@ -114,6 +116,8 @@ class Checkpointer:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
+        keep_every_offset: int = 0,
+        retention: str | RetentionPolicy | None = None,
         async_save: bool = False,
         process_group: Any = None,
         timeout: float = 600.0,
@@ -131,7 +135,9 @@ class Checkpointer:
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        check_rules(keep_last, keep_every, keep_best, best_metric, best_mode)
+        policy, keep_last, keep_best = check_rules(
+            keep_last, keep_every, keep_best, best_metric, best_mode, keep_every_offset, retention
+        )
         if stale_after is not None and not float(stale_after) >= 0:
             raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
         if not float(content_grace) >= 0:
@@ -139,6 +145,7 @@ class Checkpointer:
         self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
         self.format = format
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.retention, self.keep_every_offset = policy, keep_every_offset
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self.background_nice = background_nice
@@ -224,7 +231,7 @@ class Checkpointer:
             self._refuse_latest(step)
         if self._tier is not None and self._tier.replicator is not None:
             self._tier.replicator.admit()
-        sd = Parts(state, files=self.format != "dcp").state_dicts()
+        sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
         if not self.async_save:
             self._persist(step, sd, metrics, overwrite)
             return
@@ -328,13 +335,65 @@ class Checkpointer:
         if self._content is not None:
             self._content.sweep(kept)
 
-    # ---- delete ----------------------------------------------------------------------------------
+    # ---- delete, keep ----------------------------------------------------------------------------
     def delete(self, step: int) -> None:
-        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
+        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one.
+        A kept step (:meth:`keep`) is refused: ``unkeep`` its names first."""
         self._background.wait()
-        self._group.on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
+        self._group.on_rank0(self._delete, step)
         self._latest_known = _UNKNOWN
         self._group.barrier()
+
+    def _delete(self, step: int) -> None:
+        names = _retention.names_of(self._durable, step)
+        if names:
+            raise ValueError(f"{self.uri(step)}: kept as {names}; unkeep({names[0]!r}) first to delete it")
+        (self._layout.delete if self._tier is None else self._tier.delete)(step)
+
+    @property
+    def _durable(self) -> Layout:
+        """The root that holds the kept names and the retention rules apply to (tiered: the remote one)."""
+        return self._layout if self._tier is None else self._tier.remote
+
+    def keep(self, step: int, name: str | None = None) -> str:
+        """Keep checkpoint ``step`` whatever the retention rules, under ``name`` (default ``"<step>_keep"``,
+        DINOv3's); a name already used moves to ``step`` (``"best"``, ``"final"``). Returns the name.
+        Every rank calls it (rank 0 writes ``kept.json`` at root)."""
+        name = _retention.check_name(f"{step}_keep" if name is None else name)
+        self._background.wait()
+
+        def run() -> None:
+            exists = step in (self._layout.list() if self._tier is None else self._tier.list())
+            _retention.keep(self._durable, step, name, exists)
+
+        self._group.on_rank0(run)
+        return name
+
+    def unkeep(self, name: str) -> int:
+        """Drop the kept name ``name`` (``KeyError`` if none); returns its step, which the next save's
+        retention (or :meth:`prune`) deletes unless a rule or another name keeps it."""
+        return self._group.on_rank0(_retention.unkeep, self._durable, name)
+
+    def kept(self) -> dict[str, int]:
+        """Name -> step of the kept checkpoints."""
+        return self._group.on_rank0(_retention.kept, self._durable)
+
+    def prune(self) -> builtins.list[int]:
+        """Apply retention now (after :meth:`unkeep`, or to a root saved with other rules); returns the steps
+        deleted (tiered: at the remote root; the local tier evicts as after a save)."""
+        self._background.wait()
+        return self._group.on_rank0(self._prune)
+
+    def _prune(self) -> builtins.list[int]:
+        if self._tier is not None:
+            return self._tier.prune()
+        latest = self._layout.latest()
+        if latest is None:
+            return []
+        kept, deleted = _retention.prune(self, self._layout, latest)
+        if self._content is not None:
+            self._content.sweep(kept)
+        return deleted
 
     # ---- load ------------------------------------------------------------------------------------
     def load(
@@ -440,7 +499,7 @@ class Checkpointer:
         s, d, fmt, name, content = t.step, t.uri, t.fmt, t.name, t.content
         if self._tier is not None and self._pg is not None:
             d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
-        parts = Parts(state, files=fmt != "dcp")
+        parts = Parts(state, files=fmt != "dcp", group=self._group)
 
         def check(tree: Mapping[str, Any]) -> None:
             """Strict: every mismatch raised before anything is restored."""

@@ -22,6 +22,7 @@ import torch
 from .. import uri as _uri
 from ..context import resolve
 from ..errors import FormatError
+from ..incremental.direct import step_reader
 from .manifest import _DATA_FILE, _FILE_FORMAT, Layout
 from .state import _fill_empty, tree_has
 from .statedict import Parts
@@ -92,9 +93,7 @@ def read_file(
     data_uri = _uri.join_path(d, name)
     entries = kw.pop("keys", None) if fmt == "pt" else None  # only these parts' bytes (.fpk: its own keys=)
     if incremental:
-        from .content import read_backend
-
-        backend, resolved = read_backend(d, kw.pop("cache", None))
+        backend, resolved = step_reader(d, kw.pop("cache", None))
         try:
             source = _load_pt_entries(backend, _uri.join_path(resolved, name), entries, kw) if entries else None
             if source is None:
@@ -174,9 +173,7 @@ def read_dcp(
     checkpoint's parts (keys only) before anything is read."""
     if not incremental:
         return _read_dcp(d, parts, names, options, process_group, cache, allow_pickle, check)
-    from .content import read_backend
-
-    backend, _ = read_backend(d, cache)
+    backend, _ = step_reader(d, cache)
     try:
         return _read_dcp(d, parts, names, {**options, "backend": backend}, process_group, cache, allow_pickle, check)
     finally:
