@@ -184,3 +184,45 @@ def test_tiered_best_policy_and_a_step_being_replicated(tmp_path, monkeypatch):
         ck.wait()
         assert Checkpointer(root).list() == [3, 4]
         assert ck.manifest(3)["metrics"] == {"loss": 0.5}
+
+
+# ---- under torch.distributed ----------------------------------------------------------------------------
+
+
+def _ranks_keep(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from multiproc import record
+
+    record(out, rank, _keep_on_every_rank, rank, world, port, root)
+
+
+def _keep_on_every_rank(rank: int, world: int, port: int, root: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ck = Checkpointer(root, format="dcp", retention="last_and_best", best_metric="loss", timeout=60)
+    for s, loss in ((1, 1.0), (2, 3.0), (3, 2.0)):
+        ck.save(s, state(s), metrics={"loss": loss})
+        if s == 2:
+            assert ck.keep(2, name="final") == "final"
+    assert ck.list() == [1, 2, 3] and ck.kept() == {"final": 2}  # best 1, kept 2, latest 3
+    from ckptio.errors import CkptioError
+
+    with pytest.raises(ValueError if rank == 0 else CkptioError, match="kept as"):  # others: "rank 0 failed: ..."
+        ck.delete(2)
+    assert ck.unkeep("final") == 2
+    assert ck.prune() == [2] and ck.list() == [1, 3]
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_keep_unkeep_prune_on_two_gloo_ranks(tmp_path):
+    from multiproc import results, run_ranks
+
+    out = str(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    run_ranks(_ranks_keep, 2, str(tmp_path / "root"), out)
+    assert results(out, 2) == ["ok", "ok"]
