@@ -157,6 +157,21 @@ def test_kept_steps_survive_every_rule_until_unkept(backend, tiered, request, tm
         assert ck.load(st, step=2) == 2 and st["trainer"] == {"step": 2}
 
 
+def test_saving_a_kept_step_again_needs_overwrite(tmp_path):
+    from ckptio.errors import AlreadyExistsError
+
+    with Checkpointer(str(tmp_path), format="pt", retention="none") as ck:
+        ck.save(1, state(1))
+        ck.keep(1, name="best")
+        ck.save(2, state(2))
+        with pytest.raises(AlreadyExistsError, match=r"kept as \['best'\]"):
+            ck.save(1, state(7))
+        ck.save(1, state(8), overwrite=True)
+        assert ck.kept() == {"best": 1} and ck.list() == [1]  # the pointer moved to 1: step 2 went
+        st = state(0)
+        assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 8}
+
+
 # ---- tiered: retention at the remote root -------------------------------------------------------------
 
 

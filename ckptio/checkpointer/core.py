@@ -306,6 +306,12 @@ class Checkpointer:
                 raise AlreadyExistsError(
                     self.uri(step), "this step is the latest checkpoint; pass overwrite=True or delete it first"
                 )
+            kept = [] if overwrite else _retention.names_of(self._durable, step)
+            if kept:
+                raise AlreadyExistsError(
+                    self.uri(step),
+                    f"this step is kept as {kept}; pass overwrite=True to replace it, or unkeep it first",
+                )
             if not overwrite:
                 warnings.warn(
                     f"replacing the existing checkpoint {self.uri(step)} (not the latest)",
