@@ -62,7 +62,7 @@ from ..backends.base import ObjectInfo
 from ..context import resolve
 from ..errors import CkptioError, NotFoundError
 from ..transfer import copy_objects
-from .binding import bind
+from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup, prune
@@ -521,8 +521,12 @@ def state_of(local: bool, remote: bool, busy: bool) -> str:
 def status(root_uri: str, local_tier: str | None = None) -> dict[int, str]:
     """Step -> state of a Checkpointer root and (optionally) a node's local tier, as another process sees
     them (a step the owning process is replicating shows ``"local"``)."""
-    remote = set(Layout(root_uri.rstrip("/") or root_uri).list())
-    local = set(Layout(local_tier.rstrip("/") or local_tier).list()) if local_tier else set()
+    root = Layout(root_uri.rstrip("/") or root_uri)
+    tier = Layout(local_tier.rstrip("/") or local_tier) if local_tier else None
+    if tier is not None:
+        check(tier, root)  # TierInUseError: that tier's steps are another root's
+    remote = set(root.list())
+    local = set(tier.list()) if tier is not None else set()
     return {s: state_of(s in local, s in remote, False) for s in sorted(local | remote)}
 
 
