@@ -47,6 +47,8 @@ from .errors import (
     SettingsError,
     UnknownFormatError,
     UnknownSchemeError,
+    UnsafeKeyError,
+    redact,
 )
 from .formats.base import jsonable
 from .inspect import info, verify
@@ -82,25 +84,25 @@ class Out:
 
     def emit(self, data: Any, text: Callable[[], str] | str | None = None) -> None:
         if self.json:
-            print(json.dumps(jsonable(data), indent=2))
+            print(redact(json.dumps(jsonable(data), indent=2)))
         elif text is not None:
             s = text() if callable(text) else text
             if s:
-                print(s)
+                print(redact(s))
 
     def note(self, msg: str) -> None:
         if not self.quiet and not self.json:
-            print(msg, file=sys.stderr)
+            print(redact(msg), file=sys.stderr)
 
     def bar(self, total: int, desc: str) -> Bar:
-        return Bar(total, desc, enabled=False if self.quiet else None)
+        return Bar(total, redact(desc), enabled=False if self.quiet else None)
 
 
 def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> str:
     if not tensors:
         return "  (no tensors)"
     shown = tensors if limit is None else tensors[:limit]
-    w = min(60, max(len(str(t.get("key", ""))) for t in shown))
+    w = min(60, max(3, *(len(str(t.get("key", ""))) for t in shown)))
     lines = [f"  {'key':<{w}}  {'dtype':<10} {'shape':<20} {'size':>10}"]
     for t in shown:
         shape = "x".join(str(s) for s in t.get("shape") or []) or "()"
@@ -207,7 +209,7 @@ def _confirmed(question: str) -> bool:
     """Ask on a terminal; anything but yes (or no terminal) is no."""
     if not sys.stdin.isatty():
         return False
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    print(f"{redact(question)} [y/N] ", end="", file=sys.stderr, flush=True)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
@@ -236,10 +238,41 @@ def cmd_rm(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _steps_table(data: dict[str, Any]) -> str:
+    """A Checkpointer root, one line per step (``ckptio info ROOT``)."""
+    rows = data["steps"]
+    latest = data.get("latest")
+    lines = [
+        f"{data['uri']}: Checkpointer root, {len(rows)} step(s)"
+        + (f", latest {latest}" if latest is not None else "")
+        + (f"; local tier {data['local_tier']}" if data.get("local_tier") else "")
+    ]
+    lines.append(f"  {'step':>12}  {'format':<6} {'size':>10}  {'state':<28} metrics")
+    for r in rows:
+        state = r["state"]
+        if state == "committed":
+            state = ("durable" if r["durable"] else "local only") + (
+                f" ({r['where']})" if r["where"] not in ("root", "local") else ""
+            )
+            if r.get("incremental"):
+                state += ", incremental"
+        metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        lines.append(
+            f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
+                :200
+            ].rstrip()
+        )
+        if r.get("problem"):
+            lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    return "\n".join(lines)
+
+
 def cmd_info(args: argparse.Namespace, out: Out) -> int:
-    data = info(args.uri)
+    data = info(args.uri, step=args.step, local_tier=args.local_tier)
 
     def text() -> str:
+        if data.get("kind") == "checkpointer":
+            return _steps_table(data)
         lines = [f"{data['uri']}: {data.get('format') or 'unknown format'}, {human_bytes(data.get('size') or 0)}"]
         tensors = data.get("tensors") or []
         if tensors or data.get("format") in ("torch", "dcp", "fastpickle", "safetensors"):
@@ -322,6 +355,10 @@ def cmd_config(args: argparse.Namespace, out: Out) -> int:
         if s["path_mapping"]:
             lines.append("[path_mapping]")
             lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in s["path_mapping"].items())
+        for table in ("cache", "checkpointer"):
+            if s.get(table):
+                lines.append(f"[{table}]")
+                lines.extend(f"{k} = {json.dumps(jsonable(v))}" for k, v in s[table].items())
         return "\n".join(lines)
 
     out.emit(data, text)
@@ -421,9 +458,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_rm)
 
-    a = sub.add_parser("info", parents=[common], help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors")
+    a = sub.add_parser(
+        "info",
+        parents=[common],
+        help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors, a Checkpointer step; "
+        "a Checkpointer root: its steps",
+    )
     a.add_argument("uri")
     a.add_argument("--all", action="store_true", help="do not truncate long tables")
+    a.add_argument("--step", type=int, help="a Checkpointer root: show this step's keys, dtypes, shapes, sizes")
+    a.add_argument("--local-tier", metavar="DIR", help="a Checkpointer root: also this node's local tier")
     a.set_defaults(func=cmd_info)
 
     a = sub.add_parser("verify", parents=[common], help="check stored checksums (exit 1 on corruption)")
@@ -459,6 +503,7 @@ _HINTS: list[tuple[type, int, str]] = [
     (IntegrityError, EXIT_FAILURE, "the data is corrupt or truncated; restore it from another copy"),
     (UnknownFormatError, EXIT_USAGE, "pass a file with a known extension (.fpk, .pt, .safetensors) or a DCP directory"),
     (FormatError, EXIT_FAILURE, "check that the URI points at a checkpoint in a supported format"),
+    (UnsafeKeyError, EXIT_FAILURE, "the listing holds a crafted or corrupt key; nothing was copied"),
     (SettingsError, EXIT_USAGE, "fix the settings named above; `ckptio config` shows which file is used"),
     (UnknownSchemeError, EXIT_USAGE, "define the scheme as an alias in ckptio.toml or install its fsspec package"),
     (InvalidURIError, EXIT_USAGE, "URIs look like s3://bucket/key, gs://bucket/key, /local/path"),
@@ -486,9 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args, out)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error becomes one line and an exit status
         code, hint = _classify(e)
-        msg = " ".join(str(e).split()) or type(e).__name__
+        msg = redact(" ".join(str(e).split())) or type(e).__name__
         if out.verbose:
-            traceback.print_exc()
+            print(redact(traceback.format_exc()), end="", file=sys.stderr)
         print(f"ckptio {args.command}: error: {msg}", file=sys.stderr)
         print(f"  hint: {hint}", file=sys.stderr)
         if out.json:

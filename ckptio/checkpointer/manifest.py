@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import logging
 import os
 import re
 import warnings
@@ -36,10 +35,10 @@ from typing import Any
 
 from .. import uri as _uri
 from ..context import resolve
-from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError, Redacting, logger
 from ..threads import Pool
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 MARKER_NAME = "checkpoint.json"
 POINTER_NAME = "latest.txt"
@@ -59,7 +58,7 @@ def _is_own_name(name: str) -> bool:
     return _is_step_name(name) and name == f"{int(name):0{STEP_DIGITS}d}"
 
 
-class CheckpointWarning(RuntimeWarning):
+class CheckpointWarning(Redacting, RuntimeWarning):
     """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
 
 
@@ -123,6 +122,29 @@ def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
     if content is not None and content != "xxh3_128":
         raise bad("content", f"is {content!r}; incremental checkpoints have 'xxh3_128'")
     return step, fmt, name
+
+
+_BARE_FILES = {".pt": "pt", ".pth": "pt", ".fpk": "fpk"}  # a bare data file, by extension
+
+
+def target_of_uri(u: str) -> tuple[int, str, str, str | None, bool]:
+    """(step, directory URI, format, data file name, incremental) of the checkpoint directory or bare
+    ``.pt``/``.pth``/``.fpk`` file ``u`` (another run's too; its step is the marker's, else the number its
+    name ends with, else 0); ``IncompleteCheckpointError`` if ``u`` is neither."""
+    backend, d = resolve(u)
+    fmt = _BARE_FILES.get(os.path.splitext(d)[1])
+    if fmt is not None and backend.isfile(d):
+        return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
+    if backend.isfile(_uri.join_path(d, MARKER_NAME)):
+        marker = _uri.join_path(u, MARKER_NAME)
+        m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
+        s, fmt, name = _check_manifest(m, marker)
+        return s, u, fmt, name, m.get("content") is not None
+    if backend.isfile(_uri.join_path(d, ".metadata")):
+        return step_of_name(u), u, "dcp", None, False
+    raise IncompleteCheckpointError(
+        f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.pth/.fpk file)"
+    )
 
 
 class Layout:
@@ -285,21 +307,7 @@ class Layout:
             _, fmt, name = _check_manifest(m, self.user_uri(step, MARKER_NAME))
             return step, self.uri(step), fmt, name, m.get("content") is not None
         if isinstance(step, (str, os.PathLike)):
-            u = os.fspath(step).rstrip("/")
-            backend, d = resolve(u)
-            for fmt, name in _DATA_FILE.items():  # a bare .pt/.fpk file
-                if d.endswith(name[5:]) and backend.isfile(d):
-                    return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
-            if backend.isfile(_uri.join_path(d, MARKER_NAME)):
-                marker = _uri.join_path(u, MARKER_NAME)
-                m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
-                s, fmt, name = _check_manifest(m, marker)
-                return s, u, fmt, name, m.get("content") is not None
-            if backend.isfile(_uri.join_path(d, ".metadata")):
-                return step_of_name(u), u, "dcp", None, False
-            raise IncompleteCheckpointError(
-                f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
-            )
+            return target_of_uri(os.fspath(step).rstrip("/"))
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
     # ---- changes -------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import json
-import logging
 import threading
 import time
 import warnings
@@ -39,11 +38,11 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from .. import uri as _uri
-from ..errors import FormatError, NotFoundError
+from ..errors import FormatError, NotFoundError, logger
 from ..incremental import CONTENT_DIR
 from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_own_name
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 STALE_AFTER = 6 * 3600.0
 KEPT_NAME = "kept.json"

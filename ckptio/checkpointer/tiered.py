@@ -49,7 +49,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-import logging
 import os
 import threading
 import time
@@ -60,14 +59,14 @@ from typing import Any, Protocol
 from .. import uri as _uri
 from ..backends.base import ObjectInfo
 from ..context import resolve
-from ..errors import CkptioError, NotFoundError
+from ..errors import CkptioError, NotFoundError, logger
 from ..transfer import copy_objects
 from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup, prune
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 SIZES_KEY = "sizes"
 STATES = ("local", "replicating", "remote", "local+remote")
