@@ -241,3 +241,44 @@ def test_keep_unkeep_prune_on_two_gloo_ranks(tmp_path):
     (tmp_path / "out").mkdir()
     run_ranks(_ranks_keep, 2, str(tmp_path / "root"), out)
     assert results(out, 2) == ["ok", "ok"]
+
+
+def test_local_eviction_spares_a_step_being_written(tmp_path, monkeypatch):
+    """Saving an older step again (evicted locally, at the remote root) while the replicator finishes a newer
+    one: the eviction after that replication used to take the step's half-written local directory for debris
+    and delete it, and the save then committed a marker with no data, locally and at the remote root."""
+    import threading
+
+    from ckptio.checkpointer import formats
+    from test_tiered import Gate
+
+    root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    with Checkpointer(root, format="pt", local_tier=tier, keep_local=1, async_save=True) as ck:
+        for s in (1, 2):
+            ck.save(s, state(s))
+            ck.wait()
+        gate = Gate(monkeypatch)
+        ck.save(3, state(3))
+        ck._background.wait()  # committed locally; its replication is held
+        wrote, release = threading.Event(), threading.Event()
+        real = formats.write_file
+
+        def held(fmt, uri, *a, **kw):
+            out = real(fmt, uri, *a, **kw)
+            if uri.endswith("000000000001"):
+                wrote.set()
+                assert release.wait(30)
+            return out
+
+        monkeypatch.setattr(formats, "write_file", held)
+        ck.save(1, state(11))
+        try:
+            assert wrote.wait(30)
+            gate.open()
+            ck._tier.replicator.wait()  # step 3 replicated, then the local tier evicted
+        finally:
+            release.set()
+        ck.wait()
+        st = state(0)
+        assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 11}
+    assert Checkpointer(root).list() == [1, 2, 3]
