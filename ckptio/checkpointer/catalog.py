@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import uri as _uri
 from ..errors import CkptioError, FormatError
+from .binding import check
 from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
 
 __all__ = ["catalog", "is_root"]
@@ -83,6 +84,7 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         r["durable"] = r["state"] == "committed"
     if local_tier is not None:
         local = Layout(local_tier.rstrip("/") or local_tier)
+        check(local, layout)  # TierInUseError: that tier's steps are another root's
         for s, n in _sizes(local).items():
             lr = _row(local, s, n)
             if lr["state"] != "committed":
