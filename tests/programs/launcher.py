@@ -3,11 +3,11 @@ of each job (a fork costs milliseconds; a fresh interpreter importing torch cost
 
 Protocol: one JSON job per line on stdin: ``entry`` (``module:function``, called as ``function(rank, world,
 port, job)`` in each rank, ``port`` free for the job's TCP store), ``world``, ``timeout``, ``out`` (a
-directory) and what the entry reads (:mod:`.train`'s keys); one JSON
-reply per line on stdout: ``{"codes": [per rank: exit code, or -signal], "ended": [ranks the launcher
-killed], "seconds": ...}``. A job whose rank is SIGKILLed is torn down (its other ranks SIGKILLed), as a
-cluster scheduler ends a job that lost a process; a rank that fails ends the job too; past ``timeout`` every rank is killed and the reply says
-``"timeout": true``. Each rank's stdout and stderr go to ``out/rank<r>.log``.
+directory) and what the entry reads (:mod:`.train`'s keys); one JSON reply per line on stdout:
+``{"codes": [per rank: exit code, or -signal], "ended": [ranks the launcher killed], "seconds": ...}``.
+A job whose rank is SIGKILLed is torn down (its other ranks SIGKILLed), as a cluster scheduler ends a
+job that lost a process; a rank that fails ends the job too; past ``timeout`` every rank is killed and
+the reply says ``"timeout": true``. Each rank's stdout and stderr go to ``out/rank<r>.log``.
 
 The launcher forks only while it runs one thread, with torch on one thread (``warm_up``), so a child
 inherits no lock held by a thread that does not exist in it.
