@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import stat as _stat
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
@@ -282,11 +283,16 @@ class LocalBackend(Backend):
         return os.path.exists(local_path(uri))
 
     def rmtree(self, uri: str) -> None:
+        """Delete the tree; what another process deletes meanwhile (ranks sharing a node's tier) is gone too."""
         path = local_path(uri)
         if os.path.isdir(path):
-            shutil.rmtree(path)
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=lambda fn, p, e: _raise_unless_gone(e))
+            else:
+                shutil.rmtree(path, onerror=lambda fn, p, info: _raise_unless_gone(info[1]))
         elif os.path.lexists(path):
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
         root = local_path(uri)
@@ -339,3 +345,9 @@ class LocalBackend(Backend):
         derived = LocalBackend(**{**opts, **options})
         derived.name = self.name
         return derived
+
+
+def _raise_unless_gone(e: BaseException) -> None:
+    """For ``shutil.rmtree``: an entry already deleted is fine, any other error raises."""
+    if not isinstance(e, FileNotFoundError):
+        raise e
