@@ -402,7 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("cp", parents=[common], help="copy between any backends (resumable, parallel)")
     a.add_argument("src")
     a.add_argument("dst")
-    a.add_argument("-r", "--recursive", action="store_true")
+    a.add_argument(
+        "-r",
+        "--recursive",
+        action="store_true",
+        help="copy a directory/prefix; symlinks in a local source tree (to files or directories) are "
+        "not followed: each is skipped with a warning",
+    )
     a.add_argument("-j", "--jobs", type=int, default=4, help="files copied in parallel (default 4)")
     a.add_argument(
         "--resume",

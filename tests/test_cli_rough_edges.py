@@ -3,6 +3,8 @@ killed ``cp`` leaves, and which settings file is in effect."""
 
 from __future__ import annotations
 
+import pytest
+
 from ckptio.cli import main as cli_main
 from ckptio.errors import SettingsError, UnsafeKeyError
 
@@ -17,3 +19,31 @@ def test_a_crafted_key_in_a_listing_is_hostile_data_not_settings(tmp_path, user_
     assert "escapes" in err and "settings" not in err
     assert not (tmp_path / "escaped.bin").exists()
     assert not issubclass(UnsafeKeyError, SettingsError) and issubclass(UnsafeKeyError, ValueError)
+
+
+def test_cp_r_skips_symlinks_in_a_local_tree_with_a_warning(tmp_path, capsys):
+    """The rule, for files and directories alike: a recursive copy does not follow symlinks in a local
+    source tree (one pointing outside would upload outside content; a dangling one used to abort the copy
+    with exit 3); each is skipped with a warning naming it, everything else is copied."""
+    import os
+
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "secret.txt").write_bytes(b"outside content")
+    (outside / "d" / "more.txt").write_bytes(b"outside content")
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.bin").write_bytes(b"a")
+    (src / "sub" / "b.bin").write_bytes(b"b")
+    os.symlink(outside / "secret.txt", src / "file-out")
+    os.symlink(outside / "d", src / "dir-out")
+    os.symlink(tmp_path / "nowhere", src / "sub" / "dangling")
+    os.symlink(src / "a.bin", src / "file-in")
+    dst = tmp_path / "dst"
+    with pytest.warns(UserWarning, match="symlink") as seen:
+        assert cli_main(["cp", "-r", str(src), str(dst)]) == 0
+    named = " ".join(str(w.message) for w in seen)
+    assert all(n in named for n in ("file-out", "dir-out", "dangling", "file-in"))
+    got = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
+    assert got == ["a.bin", "sub/b.bin"]
+    capsys.readouterr()
