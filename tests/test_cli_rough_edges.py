@@ -47,3 +47,39 @@ def test_cp_r_skips_symlinks_in_a_local_tree_with_a_warning(tmp_path, capsys):
     got = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
     assert got == ["a.bin", "sub/b.bin"]
     capsys.readouterr()
+
+
+def _killed_writer(dst: str) -> None:
+    """In a child: start writing ``dst`` and die by SIGKILL mid-write (as a killed ``ckptio cp`` does)."""
+    import os
+    import signal
+
+    import ckptio
+
+    backend, uri = ckptio.resolve(dst)
+    w = backend.open_writer(uri)
+    w.write(b"x" * 4096)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_cp_resume_removes_what_a_killed_copy_left(tmp_path, capsys):
+    import multiprocessing as mp
+    import os
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "sub").mkdir(parents=True)
+    for name in ("a.bin", "sub/b.bin"):
+        (src / name).write_bytes(b"y" * 8192)
+    assert cli_main(["cp", "-r", str(src), str(dst)]) == 0
+    os.remove(dst / "sub" / "b.bin")
+    for target in (dst / "sub" / "b.bin", dst / "a.bin"):
+        p = mp.get_context("spawn").Process(target=_killed_writer, args=(str(target),))
+        p.start()
+        p.join(60)
+        assert p.exitcode == -9
+    left = [p.name for p in dst.rglob("*") if ".ckptio-tmp-" in p.name]
+    assert len(left) == 2
+    assert cli_main(["cp", "-r", "--resume", str(src), str(dst)]) == 0
+    assert [p.name for p in dst.rglob("*") if ".ckptio-tmp-" in p.name] == []
+    assert (dst / "sub" / "b.bin").read_bytes() == b"y" * 8192
+    capsys.readouterr()
