@@ -83,3 +83,27 @@ def test_cp_resume_removes_what_a_killed_copy_left(tmp_path, capsys):
     assert [p.name for p in dst.rglob("*") if ".ckptio-tmp-" in p.name] == []
     assert (dst / "sub" / "b.bin").read_bytes() == b"y" * 8192
     capsys.readouterr()
+
+
+def test_the_settings_file_in_effect_is_logged_once_and_named_in_hints(tmp_path, monkeypatch, caplog, capsys):
+    """A ./ckptio.toml can remap s3://a/ to another bucket: say so, once, at INFO (the file, its mappings
+    and aliases), and in the hint of an error about a remapped URI."""
+    import logging
+
+    import ckptio
+
+    (tmp_path / "ckptio.toml").write_text('[path_mapping]\n"memory://a/" = "memory://b/"\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTIO_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "none"))
+    ckptio.reset()
+    with caplog.at_level(logging.INFO, logger="ckptio"):
+        ckptio.put(b"x", "memory://a/x.bin")
+        assert ckptio.get("memory://b/x.bin") == b"x"
+        ckptio.exists("memory://a/y.bin")
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ckptio") and "ckptio.toml" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert str(tmp_path / "ckptio.toml") in lines[0] and "1 path mapping" in lines[0] and "0 aliases" in lines[0]
+    assert cli_main(["ls", "memory://a/missing.bin"]) == 3
+    err = capsys.readouterr().err
+    assert "memory://a/missing.bin" in err and "memory://b/missing.bin" in err and "ckptio.toml" in err
