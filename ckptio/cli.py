@@ -103,7 +103,7 @@ def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> st
     if not tensors:
         return "  (no tensors)"
     shown = tensors if limit is None else tensors[:limit]
-    w = min(60, max(len(str(t.get("key", ""))) for t in shown))
+    w = min(60, max(3, *(len(str(t.get("key", ""))) for t in shown)))
     lines = [f"  {'key':<{w}}  {'dtype':<10} {'shape':<20} {'size':>10}"]
     for t in shown:
         shape = "x".join(str(s) for s in t.get("shape") or []) or "()"
@@ -239,10 +239,41 @@ def cmd_rm(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _steps_table(data: dict[str, Any]) -> str:
+    """A Checkpointer root, one line per step (``ckptio info ROOT``)."""
+    rows = data["steps"]
+    latest = data.get("latest")
+    lines = [
+        f"{data['uri']}: Checkpointer root, {len(rows)} step(s)"
+        + (f", latest {latest}" if latest is not None else "")
+        + (f"; local tier {data['local_tier']}" if data.get("local_tier") else "")
+    ]
+    lines.append(f"  {'step':>12}  {'format':<6} {'size':>10}  {'state':<28} metrics")
+    for r in rows:
+        state = r["state"]
+        if state == "committed":
+            state = ("durable" if r["durable"] else "local only") + (
+                f" ({r['where']})" if r["where"] not in ("root", "local") else ""
+            )
+            if r.get("incremental"):
+                state += ", incremental"
+        metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        lines.append(
+            f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
+                :200
+            ].rstrip()
+        )
+        if r.get("problem"):
+            lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    return "\n".join(lines)
+
+
 def cmd_info(args: argparse.Namespace, out: Out) -> int:
-    data = info(args.uri)
+    data = info(args.uri, step=args.step, local_tier=args.local_tier)
 
     def text() -> str:
+        if data.get("kind") == "checkpointer":
+            return _steps_table(data)
         lines = [f"{data['uri']}: {data.get('format') or 'unknown format'}, {human_bytes(data.get('size') or 0)}"]
         tensors = data.get("tensors") or []
         if tensors or data.get("format") in ("torch", "dcp", "fastpickle", "safetensors"):
@@ -325,6 +356,10 @@ def cmd_config(args: argparse.Namespace, out: Out) -> int:
         if s["path_mapping"]:
             lines.append("[path_mapping]")
             lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in s["path_mapping"].items())
+        for table in ("cache", "checkpointer"):
+            if s.get(table):
+                lines.append(f"[{table}]")
+                lines.extend(f"{k} = {json.dumps(jsonable(v))}" for k, v in s[table].items())
         return "\n".join(lines)
 
     out.emit(data, text)
@@ -430,9 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_rm)
 
-    a = sub.add_parser("info", parents=[common], help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors")
+    a = sub.add_parser(
+        "info",
+        parents=[common],
+        help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors, a Checkpointer step; "
+        "a Checkpointer root: its steps",
+    )
     a.add_argument("uri")
     a.add_argument("--all", action="store_true", help="do not truncate long tables")
+    a.add_argument("--step", type=int, help="a Checkpointer root: show this step's keys, dtypes, shapes, sizes")
+    a.add_argument("--local-tier", metavar="DIR", help="a Checkpointer root: also this node's local tier")
     a.set_defaults(func=cmd_info)
 
     a = sub.add_parser("verify", parents=[common], help="check stored checksums (exit 1 on corruption)")

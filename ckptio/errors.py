@@ -162,6 +162,16 @@ class UnknownFormatError(FormatError):
     """No format is registered for a file's extension."""
 
 
+class UnsupportedValueError(CkptioError, TypeError, ValueError):
+    """``dump`` cannot store a value in the format asked for; nothing was written. A TypeError, as every
+    format's ``dump`` raises, and a ValueError, as ``safetensors.torch.save_file`` raises for the same values."""
+
+
+class UnsupportedTensorError(UnsupportedValueError, NotImplementedError):
+    """A tensor whose memory the format cannot represent: tensors sharing memory, a meta tensor. Also a
+    RuntimeError / NotImplementedError, what ``safetensors.torch.save_file`` raises for them."""
+
+
 class IntegrityError(FormatError):
     """Stored bytes do not match their checksum, or a file is truncated or has trailing bytes."""
 
@@ -172,6 +182,10 @@ class IncompleteCheckpointError(CkptioError, FileNotFoundError):
 
 class TransferError(CkptioError, OSError):
     """A remote operation failed for a reason that is not one of the above."""
+
+
+class TierInUseError(AlreadyExistsError):
+    """A Checkpointer's ``local_tier`` already serves another root (its ``tier.json`` names that root)."""
 
 
 class IsDirectoryError(CkptioError, IsADirectoryError):

@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Callable, Iterable
 
 from ..errors import CkptioError, logger
+from ..threads import lower_priority
 from .manifest import CheckpointWarning
-from .staging import _lower_priority
 
 log = logger("ckptio.checkpointer")
 
@@ -157,7 +157,7 @@ class Replicator:
 
     # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority(self._nice)
+        lower_priority(self._nice)
         steps = []
         try:
             if self._scanning:

@@ -21,7 +21,6 @@ import concurrent.futures as cf
 import copy
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 from .. import osio
 from ..errors import logger
-from ..threads import Pool
+from ..threads import Pool, lower_priority
 
 log = logger("ckptio.checkpointer")
 
@@ -146,15 +145,6 @@ class _Stager:
         return copy.deepcopy(obj)
 
 
-def _lower_priority(nice: int | None) -> None:
-    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it creates)."""
-    if nice and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except OSError as e:
-            log.debug("could not lower the persist thread's priority: %s", e)
-
-
 def _report_background_failure(uri: str, fut: cf.Future) -> None:
     """Log a failed background save at once: if the program ends without another call, the error
     would otherwise vanish. It is still raised by the next ``save``/``wait``/``close``."""
@@ -177,7 +167,7 @@ class Background:
             self._pool = Pool(
                 1,
                 thread_name_prefix="ckptio-checkpointer",
-                initializer=_lower_priority,
+                initializer=lower_priority,
                 initargs=(nice,),
                 inline_at_exit=True,  # a save started while the interpreter exits completes before save() returns
             )

@@ -1,0 +1,115 @@
+"""What a Checkpointer root holds, without loading anything: ``ckptio info ROOT``.
+
+:func:`catalog` reads the root's listing and each step's commit marker (checked as a load checks it,
+:func:`~ckptio.checkpointer.manifest._check_manifest`) and returns one row per step directory: step,
+format, bytes, state, where its copies are (``root``; with a node's local tier: ``local``,
+``local+remote``, ``remote``), whether it is durable (committed at root), incremental, metrics, save
+time. A directory without a marker is ``incomplete`` (a save that was
+killed or is running); a marker that fails its check is ``damaged``, with the reason. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import uri as _uri
+from ..errors import CkptioError, FormatError
+from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
+
+__all__ = ["catalog", "is_root"]
+
+
+def is_root(layout: Layout) -> bool:
+    """Whether ``layout.root`` looks like a Checkpointer root: a step directory or a latest pointer."""
+    return bool(layout.step_dirs()) or layout.backend.isfile(_uri.join_path(layout.root, POINTER_NAME))
+
+
+def _sizes(layout: Layout) -> dict[int, int]:
+    """Step -> bytes of the files in its directory, every step directory (committed or not) included:
+    one recursive listing of the root."""
+    root = layout.root.rstrip("/") + "/"
+    by_name = {name: step for step, name in layout.step_dirs().items()}
+    out = dict.fromkeys(by_name.values(), 0)
+    for i in layout.backend.list(layout.root, recursive=True):
+        if i.is_dir or not i.uri.startswith(root):
+            continue
+        step = by_name.get(i.uri[len(root) :].split("/", 1)[0])
+        if step is not None:
+            out[step] += i.size
+    return out
+
+
+def _row(layout: Layout, step: int, size: int) -> dict[str, Any]:
+    marker = layout.user_uri(step, MARKER_NAME)
+    row: dict[str, Any] = {"step": step, "uri": layout.uri(step), "size": size}
+    try:
+        data = layout.backend.read(_uri.join_path(layout.dir(step), MARKER_NAME))
+    except FileNotFoundError:
+        return {**row, "state": "incomplete", "format": None}
+    try:
+        m = _parse_manifest(data, marker)
+        _, fmt, _ = _check_manifest(m, marker)
+    except FormatError as e:
+        return {**row, "state": "damaged", "format": None, "problem": str(e)}
+    metrics = m.get("metrics")
+    return {
+        **row,
+        "state": "committed",
+        "format": fmt,
+        "incremental": m.get("content") is not None,
+        "metrics": metrics if isinstance(metrics, dict) else {},
+        "time": m.get("time") if isinstance(m.get("time"), (int, float)) else None,
+    }
+
+
+def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
+    """``{"uri", "kind": "checkpointer", "latest", "local_tier", "steps": [row...]}`` of the Checkpointer
+    root ``root_uri`` (rows ascending by step; see the module docstring). ``local_tier``: a node's local
+    tier directory, whose steps are listed too; default: the one the settings' ``[checkpointer]`` table
+    gives this root, when it exists. Raises ``FileNotFoundError`` when the root has no step and no pointer."""
+    layout = Layout(root_uri.rstrip("/") or root_uri)
+    if not is_root(layout):
+        raise FileNotFoundError(
+            f"{root_uri}: no Checkpointer steps here (no step directory, no {POINTER_NAME}); "
+            f"`ckptio ls {root_uri}` shows what is there"
+        )
+    if local_tier is None:
+        local_tier = _settings_tier(root_uri)
+    rows = {s: _row(layout, s, n) for s, n in _sizes(layout).items()}
+    for r in rows.values():
+        r["where"] = "root"
+        r["durable"] = r["state"] == "committed"
+    if local_tier is not None:
+        local = Layout(local_tier.rstrip("/") or local_tier)
+        for s, n in _sizes(local).items():
+            lr = _row(local, s, n)
+            if lr["state"] != "committed":
+                continue
+            if s in rows and rows[s]["state"] == "committed":
+                rows[s]["where"] = "local+remote"
+            else:
+                rows[s] = {**lr, "where": "local", "durable": False}
+        for row in rows.values():
+            if row["where"] == "root":
+                row["where"] = "remote"
+    try:
+        latest = layout.pointer()
+    except CkptioError:
+        latest = None
+    return {
+        "uri": root_uri,
+        "kind": "checkpointer",
+        "latest": latest,
+        "local_tier": local_tier,
+        "steps": [rows[s] for s in sorted(rows)],
+    }
+
+
+def _settings_tier(root_uri: str) -> str | None:
+    """The local tier the settings give ``root_uri`` (``[checkpointer] local_tier``), if it exists here."""
+    from .tiered import tier_options
+
+    tier, _ = tier_options(root_uri, None, None, None, None, False)
+    return tier if tier is not None and os.path.isdir(tier) else None
