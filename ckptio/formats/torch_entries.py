@@ -25,7 +25,7 @@ from typing import Any
 from ..backends.base import Backend, RangeReader
 from ..errors import IntegrityError
 from ..osio import anonymous
-from .torch import TensorInfo, TorchFormat, _TorchInspector
+from .torch import TensorInfo, TorchFormat, _TorchInspector, check_members
 
 _CHUNK = 64 << 20  # the most bytes one ranged read puts in memory before they are written out
 _STORAGE_REF = {"dtype", "key", "numel"}  # what _TorchInspector.persistent_load returns for a storage
@@ -56,7 +56,17 @@ def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> 
                 _copy_range(reads, uri, fd, start, end)
         finally:
             os.close(fd)
+        if backend.assembled(uri):  # an incremental step's blocks: the records read are checked (torch does not)
+            with open(path, "rb") as f:
+                check_members(f, uri, names=_fetched(f, ranges))
         return _pick(torch.load(path, mmap=True, **kw), keys)  # the mapping outlives the file
+
+
+def _fetched(f: Any, ranges: list[tuple[int, int]]) -> set[str]:
+    """The names of the members whose local header starts one of ``ranges`` (the ones fetched)."""
+    starts = {a for a, _ in ranges}
+    with zipfile.ZipFile(f) as z:
+        return {i.filename for i in z.infolist() if i.header_offset in starts}
 
 
 def _pick(obj: Any, keys: list[str]) -> dict[str, Any]:
