@@ -5,6 +5,10 @@ renamed (``overwrite``) or hard-linked (``create``, which fails if the name exis
 then the directory is fsynced. A crash never leaves a torn file under the final name; a killed
 writer leaves its temporary file, ``.<name>.ckptio-tmp-<random>``, which listings hide and
 ``list_pending_writes`` reports (its ``since`` is the file's mtime, the last write).
+
+A recursive listing does not follow symlinks, to files or directories alike: each is skipped with a
+warning naming it (one pointing outside the tree would hand outside content to a tree copy, a dangling
+one would fail it). A listing of one directory shows them as what they point to.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import shutil
 import stat as _stat
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
@@ -255,11 +260,19 @@ class LocalBackend(Backend):
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
                 rel = os.path.relpath(dirpath, root)
-                for fn in sorted(filenames):
+                for fn in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
                     if TMP_MARKER in fn:
                         continue
                     child = fn if rel == "." else f"{rel}/{fn}".replace(os.sep, "/")
-                    yield self._info(f"{prefix}/{child}", os.path.join(dirpath, fn))
+                    path = os.path.join(dirpath, fn)
+                    if os.path.islink(path):
+                        warnings.warn(
+                            f"{prefix}/{child}: a symlink (to {os.readlink(path)}), not followed by a recursive "
+                            "listing or tree copy: skipped",
+                            stacklevel=2,
+                        )
+                        continue
+                    yield self._info(f"{prefix}/{child}", path)
         else:
             with os.scandir(root) as it:
                 for entry in sorted(it, key=lambda e: e.name):
