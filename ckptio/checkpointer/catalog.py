@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import uri as _uri
 from ..errors import CkptioError, FormatError
+from ..threads import Pool
 from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
 
 __all__ = ["catalog", "is_root"]
@@ -26,19 +27,21 @@ def is_root(layout: Layout) -> bool:
     return bool(layout.step_dirs()) or layout.backend.isfile(_uri.join_path(layout.root, POINTER_NAME))
 
 
-def _sizes(layout: Layout) -> dict[int, int]:
-    """Step -> bytes of the files in its directory, every step directory (committed or not) included:
-    one recursive listing of the root."""
-    root = layout.root.rstrip("/") + "/"
-    by_name = {name: step for step, name in layout.step_dirs().items()}
-    out = dict.fromkeys(by_name.values(), 0)
-    for i in layout.backend.list(layout.root, recursive=True):
-        if i.is_dir or not i.uri.startswith(root):
-            continue
-        step = by_name.get(i.uri[len(root) :].split("/", 1)[0])
-        if step is not None:
-            out[step] += i.size
-    return out
+def _rows(layout: Layout) -> dict[int, dict[str, Any]]:
+    """Step -> row of every step directory (committed or not): its marker and a listing of it (not of
+    the whole root: an incremental root's ``.content`` may hold many objects); an object store is
+    asked about several steps at once."""
+    steps = sorted(layout.step_dirs())
+
+    def row(step: int) -> dict[str, Any]:
+        d = layout.dir(step).rstrip("/") + "/"
+        size = sum(i.size for i in layout.backend.list(d, recursive=True) if not i.is_dir and i.uri.startswith(d))
+        return _row(layout, step, size)
+
+    if len(steps) <= 1 or layout.backend.reads_local:
+        return {s: row(s) for s in steps}
+    with Pool(min(len(steps), layout.backend.concurrency), thread_name_prefix="ckptio-info") as ex:
+        return dict(zip(steps, ex.map(row, steps), strict=True))
 
 
 def _row(layout: Layout, step: int, size: int) -> dict[str, Any]:
@@ -77,14 +80,13 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         )
     if local_tier is None:
         local_tier = _settings_tier(root_uri)
-    rows = {s: _row(layout, s, n) for s, n in _sizes(layout).items()}
+    rows = _rows(layout)
     for r in rows.values():
         r["where"] = "root"
         r["durable"] = r["state"] == "committed"
     if local_tier is not None:
         local = Layout(local_tier.rstrip("/") or local_tier)
-        for s, n in _sizes(local).items():
-            lr = _row(local, s, n)
+        for s, lr in _rows(local).items():
             if lr["state"] != "committed":
                 continue
             if s in rows and rows[s]["state"] == "committed":
