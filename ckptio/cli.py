@@ -47,6 +47,8 @@ from .errors import (
     SettingsError,
     UnknownFormatError,
     UnknownSchemeError,
+    UnsafeKeyError,
+    redact,
 )
 from .formats.base import jsonable
 from .inspect import info, verify
@@ -82,18 +84,18 @@ class Out:
 
     def emit(self, data: Any, text: Callable[[], str] | str | None = None) -> None:
         if self.json:
-            print(json.dumps(jsonable(data), indent=2))
+            print(redact(json.dumps(jsonable(data), indent=2)))
         elif text is not None:
             s = text() if callable(text) else text
             if s:
-                print(s)
+                print(redact(s))
 
     def note(self, msg: str) -> None:
         if not self.quiet and not self.json:
-            print(msg, file=sys.stderr)
+            print(redact(msg), file=sys.stderr)
 
     def bar(self, total: int, desc: str) -> Bar:
-        return Bar(total, desc, enabled=False if self.quiet else None)
+        return Bar(total, redact(desc), enabled=False if self.quiet else None)
 
 
 def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> str:
@@ -207,7 +209,7 @@ def _confirmed(question: str) -> bool:
     """Ask on a terminal; anything but yes (or no terminal) is no."""
     if not sys.stdin.isatty():
         return False
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    print(f"{redact(question)} [y/N] ", end="", file=sys.stderr, flush=True)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
@@ -255,6 +257,8 @@ def _steps_table(data: dict[str, Any]) -> str:
             if r.get("incremental"):
                 state += ", incremental"
         metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        if r.get("kept"):
+            metrics = f"[kept: {', '.join(r['kept'])}] {metrics}"
         lines.append(
             f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
                 :200
@@ -262,6 +266,8 @@ def _steps_table(data: dict[str, Any]) -> str:
         )
         if r.get("problem"):
             lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    if data.get("kept_problem"):
+        lines.append(f"kept steps unknown: {data['kept_problem']}")
     return "\n".join(lines)
 
 
@@ -501,6 +507,7 @@ _HINTS: list[tuple[type, int, str]] = [
     (IntegrityError, EXIT_FAILURE, "the data is corrupt or truncated; restore it from another copy"),
     (UnknownFormatError, EXIT_USAGE, "pass a file with a known extension (.fpk, .pt, .safetensors) or a DCP directory"),
     (FormatError, EXIT_FAILURE, "check that the URI points at a checkpoint in a supported format"),
+    (UnsafeKeyError, EXIT_FAILURE, "the listing holds a crafted or corrupt key; nothing was copied"),
     (SettingsError, EXIT_USAGE, "fix the settings named above; `ckptio config` shows which file is used"),
     (UnknownSchemeError, EXIT_USAGE, "define the scheme as an alias in ckptio.toml or install its fsspec package"),
     (InvalidURIError, EXIT_USAGE, "URIs look like s3://bucket/key, gs://bucket/key, /local/path"),
@@ -528,9 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args, out)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error becomes one line and an exit status
         code, hint = _classify(e)
-        msg = " ".join(str(e).split()) or type(e).__name__
+        msg = redact(" ".join(str(e).split())) or type(e).__name__
         if out.verbose:
-            traceback.print_exc()
+            print(redact(traceback.format_exc()), end="", file=sys.stderr)
         print(f"ckptio {args.command}: error: {msg}", file=sys.stderr)
         print(f"  hint: {hint}", file=sys.stderr)
         if out.json:

@@ -52,7 +52,8 @@ from typing import Any
 from . import registry as _registry
 from . import uri as _uri
 from .cache.settings import CACHE_OPTIONS, CACHE_TABLE
-from .errors import MissingDependencyError, SettingsError, UnknownSchemeError
+from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError
+from .errors import redact as _redact_text
 from .values import boolean as _bool
 from .values import nonneg_int as _nonneg_int
 from .values import parse_size as parse_size
@@ -69,14 +70,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_CONFIG = "CKPTIO_CONFIG"
-REDACTED = "***"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
     r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$",
     re.I,
 )
-_URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/?#\s]+@", re.I)  # user:pass@host; to the last @
-_URL_QUERY_RE = re.compile(r"^([a-z][a-z0-9+.\-]*://[^?#]*\?)[^#]*", re.I)
 _SCHEME_NAME_RE = re.compile(r"[a-z][a-z0-9+.\-]*")
 
 
@@ -86,8 +84,8 @@ def is_secret(key: str) -> bool:
 
 
 def redact_url(value: str) -> str:
-    """``value`` with the credentials a URL may carry masked: ``https://***@host/p?***``."""
-    return _URL_QUERY_RE.sub(rf"\1{REDACTED}", _URL_USERINFO_RE.sub(rf"\1{REDACTED}@", value))
+    """``value`` with the credentials a URL may carry masked: ``https://***@host/p?***`` (:func:`errors.redact`)."""
+    return _redact_text(value)
 
 
 def shown(key: str, value: Any) -> Any:

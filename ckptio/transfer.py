@@ -28,7 +28,7 @@ from . import uri as _uri
 from .backends.base import Backend, ObjectInfo, WriteMode
 from .backends.local import ensure_inside
 from .context import resolve
-from .errors import NotFoundError, SettingsError
+from .errors import IsDirectoryError, NotFoundError, UnsafeKeyError
 from .progress import CountingWriter, Tracker
 from .threads import Pool
 
@@ -52,10 +52,10 @@ def path_kind(backend: Backend, uri: str) -> str:
 
 
 def relative_key(root: str, child: str, named: Any = None) -> str:
-    """``child``'s key below ``root``; SettingsError when it would escape (``../``, absolute)."""
+    """``child``'s key below ``root``; UnsafeKeyError when it would escape (``../``, absolute)."""
     rel = child[len(root.rstrip("/")) :].lstrip("/")
     if not rel or rel.startswith("../") or "/../" in f"/{rel}/" or os.path.isabs(rel):
-        raise SettingsError(f"refusing to copy {child!r}: its key escapes {root if named is None else named!r}")
+        raise UnsafeKeyError(f"refusing to copy {child!r}: its key escapes {root if named is None else named!r}")
     return rel
 
 
@@ -184,7 +184,7 @@ def copy(
         ensure_inside(db, d, d)
         pairs = [(sb.stat(s), d)]
     elif not recursive:
-        raise IsADirectoryError(f"{src} is a directory; pass -r (recursive=True) to copy it recursively")
+        raise IsDirectoryError(f"{src} is a directory; pass -r (recursive=True) to copy it recursively")
     else:
         pairs = tree_targets(sb.list(s, recursive=True), s, db, d)
     todo, skipped = [], []

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, AlreadyExistsError, NotFoundError
+from ..errors import AccessDeniedError, AlreadyExistsError, NotDirectoryError, NotFoundError
 from ..osio import WriteBehind, preadv_into, translate_os_errors
 from ..osio import preadinto as _preadinto
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
@@ -247,7 +247,7 @@ class LocalBackend(Backend):
         root = local_path(uri)
         if not os.path.isdir(root):
             if os.path.exists(root):
-                raise NotADirectoryError(errno.ENOTDIR, f"not a directory: {uri}", uri)
+                raise NotDirectoryError(errno.ENOTDIR, f"not a directory: {uri}", uri)
             raise NotFoundError(uri, "no such directory")
         prefix = uri.rstrip("/") if uri.rstrip("/") else uri
         if recursive:

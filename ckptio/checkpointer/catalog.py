@@ -4,9 +4,9 @@
 :func:`~ckptio.checkpointer.manifest._check_manifest`) and returns one row per step directory: step,
 format, bytes, state, where its copies are (``root``; with a node's local tier: ``local``,
 ``local+remote``, ``remote``), whether it is durable (committed at root), incremental, metrics, save
-time. A directory without a marker is ``incomplete`` (a save that was
-killed or is running); a marker that fails its check is ``damaged``, with the reason. Nothing here
-imports torch.
+time, the names it is kept under (``kept.json``, :func:`~ckptio.checkpointer.retention.kept`). A
+directory without a marker is ``incomplete`` (a save that was killed or is running); a marker that
+fails its check is ``damaged``, with the reason. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .. import uri as _uri
 from ..errors import CkptioError, FormatError
 from ..threads import Pool
 from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
+from .retention import kept
 
 __all__ = ["catalog", "is_root"]
 
@@ -84,6 +85,14 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
     for r in rows.values():
         r["where"] = "root"
         r["durable"] = r["state"] == "committed"
+        r["kept"] = []
+    extra: dict[str, Any] = {}
+    try:
+        for name, step in sorted(kept(layout).items()):
+            if step in rows:
+                rows[step]["kept"].append(name)
+    except FormatError as e:  # shown with the steps: the listing is still worth having
+        extra["kept_problem"] = str(e)
     if local_tier is not None:
         local = Layout(local_tier.rstrip("/") or local_tier)
         for s, lr in _rows(local).items():
@@ -92,7 +101,7 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
             if s in rows and rows[s]["state"] == "committed":
                 rows[s]["where"] = "local+remote"
             else:
-                rows[s] = {**lr, "where": "local", "durable": False}
+                rows[s] = {**lr, "where": "local", "durable": False, "kept": []}
         for row in rows.values():
             if row["where"] == "root":
                 row["where"] = "remote"
@@ -106,6 +115,7 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         "latest": latest,
         "local_tier": local_tier,
         "steps": [rows[s] for s in sorted(rows)],
+        **extra,
     }
 
 

@@ -16,7 +16,6 @@ recipe cannot be read stops the sweep (a warning): what it references is unknown
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Mapping
@@ -24,11 +23,11 @@ from typing import Any
 
 from .. import uri as _uri
 from ..backends.base import Backend
-from ..errors import CkptioError, FormatError
+from ..errors import CkptioError, FormatError, logger
 from ..incremental import CONTENT_DIR, BlockStore, IncrementalBackend
 from .manifest import _DATA_FILE, _FILE_FORMAT, CheckpointWarning, Layout
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 CONTENT_KEY = "content"
 CONTENT_HASH = "xxh3_128"

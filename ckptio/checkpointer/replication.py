@@ -19,17 +19,16 @@ bounded: once ``max_pending`` steps are queued or replicating, :meth:`Replicator
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
 
-from ..errors import CkptioError
+from ..errors import CkptioError, logger
 from ..threads import lower_priority
 from .manifest import CheckpointWarning
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 BACKLOG_POLICIES = ("block", "raise")
 RETRY_AFTER = 30.0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import functools
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -29,9 +28,10 @@ from typing import Any
 import torch
 
 from .. import osio
+from ..errors import logger
 from ..threads import Pool, lower_priority
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 _CHUNK = 16 << 20  # the unit of work the copy threads take, one at a time
 _PARALLEL_MIN = 64 << 20  # below this, the calling thread copies alone

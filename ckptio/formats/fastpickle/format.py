@@ -56,8 +56,6 @@ def load_source(
             meta.check()
             meta.check = None
         check(decode_tree(meta, Ref, allow_pickle))
-    if src.verified:  # every byte was checked against its content hash on the way: not twice
-        verify = False
     if keys is not None:
         keys = list(keys)
         skeleton = decode_tree(meta, Ref, allow_pickle)

@@ -7,8 +7,8 @@ with one madvise first), each payload verified right after its read, or a privat
 step's blocks) is read the same way, straight into the buffers. Remote full load: the first and last
 ``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
 in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
-Payload checksums are skipped for a backend that checked every byte against a content hash already
-(``Backend.verifies_reads``); the metadata checksum never is.
+Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
+block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's).
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ class Source:
     concurrency = 1
     prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
     fd: int | None = None
-    verified = False  # the backend checked every byte against a content hash (Backend.verifies_reads)
     local = False  # no request latency: no read-ahead, runs read straight into their buffers
     mappable = False  # a file ckptio opened by path: mapped by default (never rewritten in place by ckptio)
 
@@ -148,7 +147,6 @@ class BackendSource(Source):
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend.pin_version(uri), uri  # every read from one version of it
         self._size: int | None = None  # looked up on first use (a full load asks for it with its first read)
-        self.verified = backend.verifies_reads(uri)
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
         self.local = backend.reads_local
