@@ -2,11 +2,12 @@
 
 :func:`catalog` reads the root's listing and each step's commit marker (checked as a load checks it,
 :func:`~ckptio.checkpointer.manifest._check_manifest`) and returns one row per step directory: step,
-format, bytes, state, where its copies are (``root``; with a node's local tier: ``local``,
-``local+remote``, ``remote``), whether it is durable (committed at root), incremental, metrics, save
-time, the names it is kept under (``kept.json``, :func:`~ckptio.checkpointer.retention.kept`). A
-directory without a marker is ``incomplete`` (a save that was killed or is running); a marker that
-fails its check is ``damaged``, with the reason. Nothing here imports torch.
+format, bytes stored in its directory (an incremental step's content is counted by ``ckptio du``),
+state, where its copies are (``root``; with a node's local tier: ``local``, ``local+remote``,
+``remote``), whether it is durable (committed at root), incremental, metrics, save time, the names it
+is kept under (``kept.json``, :func:`~ckptio.checkpointer.retention.kept`). A directory without a
+marker is ``incomplete`` (a save that was killed or is running); a marker that fails its check is
+``damaged``, with the reason. Nothing here imports torch.
 """
 
 from __future__ import annotations
