@@ -42,6 +42,8 @@ def tree(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("torchfree")
     ckptio.put(b"x" * 1000, str(d / "files" / "a.bin"))
     ckptio.put(b"y" * 10, str(d / "files" / "sub" / "b.bin"))
+    ckptio.dump({"w": torch.ones(2, 3), "b": torch.zeros(2, dtype=torch.bfloat16), "step": 7}, str(d / "m.fpk"))
+    ckptio.dump({"w": torch.ones(2, 3)}, str(d / "m.pt"))
     ck = Checkpointer(str(d / "root"), format="fpk")
     ck.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})
     ck.close()
@@ -63,10 +65,13 @@ COMMANDS = [
     ["cache", "stats", "--cache-dir", "{d}/cache"],
     ["info", "{d}/root"],
     ["info", "{d}/inc"],
+    ["info", "{d}/m.fpk"],
+    ["info", "{d}/root", "--step", "1"],
+    ["info", "{d}/inc/000000000001"],
 ]
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a[:2]) for a in COMMANDS])
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a) for a in COMMANDS])
 def test_commands_that_need_no_tensor_do_not_import_torch(tree, argv):
     code, imported, err = ckptio_cmd(*(a.format(d=tree) for a in argv))
     assert code == 0, err
@@ -84,8 +89,40 @@ def test_import_ckptio_does_not_import_torch():
 
 
 def test_commands_that_read_tensors_still_do(tree):
-    """The check above would pass if the runner could not see torch at all. Today these import it: the
-    .fpk reader builds its tables from torch's dtypes; a DCP .metadata is torch's pickled classes."""
-    code, imported, err = ckptio_cmd("info", f"{tree}/root", "--step", "1")
-    assert code == 0, err
-    assert imported
+    """The check above would pass if the runner could not see torch at all. These import it today: a
+    .pt is torch.load, verify of a .fpk is a full load, a DCP .metadata is torch's pickled classes."""
+    for argv in (["info", f"{tree}/m.pt"], ["verify", f"{tree}/m.fpk"]):
+        code, imported, err = ckptio_cmd(*argv)
+        assert code == 0, err
+        assert imported, argv
+
+
+def test_info_of_an_fpk_file_is_the_same_without_torch(tree):
+    """What the torch-free path prints equals what it printed with torch loaded."""
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptio.cli", "info", "--json", f"{tree}/m.fpk"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == json.loads(json.dumps(ckptio.info(f"{tree}/m.fpk")))
+
+
+def test_the_fpk_dtype_table_is_torchs():
+    """``layout.ELEMENTS`` (what a file's dtypes are checked against without torch) matches torch's dtypes:
+    a torch release with a new dtype fails here until the table has it."""
+    from ckptio.formats.fastpickle import layout
+
+    want = {
+        str(d).removeprefix("torch."): (
+            d.itemsize,
+            "q"
+            if str(d).startswith(("torch.qint", "torch.quint"))
+            else "c"
+            if d.is_complex
+            else "f"
+            if d.is_floating_point
+            else "o",
+        )
+        for d in (getattr(torch, n) for n in dir(torch))
+        if isinstance(d, torch.dtype)
+    }
+    assert {n: layout.ELEMENTS.get(n) for n in want} == want
