@@ -258,6 +258,8 @@ def _steps_table(data: dict[str, Any]) -> str:
             if r.get("incremental"):
                 state += ", incremental"
         metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        if r.get("kept"):
+            metrics = f"[kept: {', '.join(r['kept'])}] {metrics}"
         lines.append(
             f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
                 :200
@@ -265,6 +267,8 @@ def _steps_table(data: dict[str, Any]) -> str:
         )
         if r.get("problem"):
             lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    if data.get("kept_problem"):
+        lines.append(f"kept steps unknown: {data['kept_problem']}")
     return "\n".join(lines)
 
 
