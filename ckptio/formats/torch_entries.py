@@ -27,7 +27,7 @@ from ..backends.base import Backend, RangeReader
 from ..errors import IntegrityError
 from ..osio import anonymous
 from ..threads import Pool
-from .torch import TensorInfo, TorchFormat, _TorchInspector
+from .torch import TensorInfo, TorchFormat, _TorchInspector, check_members
 
 _CHUNK = 16 << 20  # the most bytes one ranged read puts in memory before they are written out
 _STORAGE_REF = {"dtype", "key", "numel"}  # what _TorchInspector.persistent_load returns for a storage
@@ -64,6 +64,9 @@ def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> 
                 list(ex.map(lambda r: _copy_range(reads, uri, fd, *r), todo))
         finally:
             os.close(fd)
+        if backend.assembled(uri):  # an incremental step's blocks: the records read are checked (torch does not)
+            with open(path, "rb") as f:
+                check_members(f, uri, names=_fetched(f, ranges))
         return _pick(torch.load(path, mmap=True, **kw), keys)  # the mapping outlives the file
 
 
@@ -102,6 +105,13 @@ def _merged(ranges: list[tuple[int, int]], head_end: int, tail_start: int) -> li
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def _fetched(f: Any, ranges: list[tuple[int, int]]) -> set[str]:
+    """The names of the members whose local header starts one of ``ranges`` (the ones fetched)."""
+    starts = {a for a, _ in ranges}
+    with zipfile.ZipFile(f) as z:
+        return {i.filename for i in z.infolist() if i.header_offset in starts}
 
 
 def _pick(obj: Any, keys: list[str]) -> dict[str, Any]:
