@@ -60,6 +60,7 @@ __all__ = [
 # major.minor -> how ckptio's support of it is backed (the oldest is pyproject.toml's floor)
 TORCH_RELEASES: dict[str, str] = {
     "2.13": "tested: the whole suite, in CI (requirements/dev.txt pins 2.13.0)",
+    "2.14": "tested by hand, not in CI: test_torch_internals.py and the DCP, Checkpointer, remote .pt tests (2.14.1)",
 }
 TESTED_TORCH = tuple(TORCH_RELEASES)  # every release the table claims has been run
 

@@ -85,8 +85,11 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys, m
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ckptio_bench_command(tmp_path, capsys):
+def test_ckptio_bench_command(tmp_path, capsys, monkeypatch):
     from ckptio import cli
+    from ckptio.bench import measure
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     code = cli.main(
         [
@@ -116,7 +119,10 @@ def test_ckptio_bench_command(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsys):
+    from ckptio.bench import measure
     from ckptio.bench import throughput as bench
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     for mod in ("moto", "matplotlib", "safetensors"):  # as if not installed
         monkeypatch.setitem(sys.modules, mod, None)
@@ -200,7 +206,7 @@ def test_missing_peers_are_named(monkeypatch):
     from ckptio.bench import peers
 
     monkeypatch.setitem(sys.modules, "s3torchconnector", None)  # as if not installed
-    impls, notes = peers.s3_peers("http://127.0.0.1:1")
+    impls, notes = peers.s3_peers("http://127.0.0.1:1", "k", "s")
     assert impls == [] and notes == [
         {
             "impl": "s3torchconnector",
@@ -310,3 +316,17 @@ def test_the_bench_package_stands_alone():
     with open(os.path.join(ROOT, "benchmarks", "README.md")) as fh:
         readme = fh.read()
     assert "/work/" not in readme and "PERF.md" not in readme
+
+
+def test_peer_credentials_are_set_only_during_a_peer_call(monkeypatch):
+    """The CRT client reads credentials from the environment: the embedded server's test ones are set
+    for each peer call only, so a --uri of the user's own bucket in the same run keeps the user's."""
+    from ckptio.bench import peers
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "users-own")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "users-token")
+    seen = []
+    call = peers._with_credentials(lambda s, u: seen.append(dict(os.environ)), ("bench", "bench-secret"))
+    call({}, "s3://b/k")
+    assert seen[0]["AWS_ACCESS_KEY_ID"] == "bench" and "AWS_SESSION_TOKEN" not in seen[0]
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "users-own" and os.environ["AWS_SESSION_TOKEN"] == "users-token"

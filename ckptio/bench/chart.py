@@ -80,18 +80,20 @@ def chart(doc: dict[str, Any], path: str) -> str | None:
         ax.set_ylim(*log_limits(values))
         ax.set_ylabel("GB/s (median, log scale)")
         ax.set_title(f"{op}, {size_label(size)}", pad=16)
-    axes[0][0].legend(
+    _ratio_panels(axes[1], doc.get("summary") or summary(recs))
+    fig.suptitle("ckptio checkpoint throughput, and ratio to the best baseline (higher is better)")
+    fig.legend(  # on its own line under the title, clear of it and of the bars
         handles=[
             Patch(facecolor=CKPTIO, edgecolor="black", label="ckptio"),
             Patch(facecolor=BASELINE, edgecolor="black", hatch="//", label="baseline"),
         ],
-        loc="lower left",
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.965),
+        ncol=2,
         fontsize=8,
-        framealpha=0.9,
+        frameon=False,
     )
-    _ratio_panels(axes[1], doc.get("summary") or summary(recs))
-    fig.suptitle("ckptio checkpoint throughput, and ratio to the best baseline (higher is better)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -130,11 +132,11 @@ def _ratio_panels(axes: Any, rows: list[dict[str, Any]]) -> None:
                 ax.text(
                     pos - width / 4,  # beside the error bar
                     0.02,
-                    f"vs {x['baseline']}",
+                    f"{x['impl']} vs {x['baseline']}",
                     rotation=90,
                     ha="center",
                     va="bottom",
-                    fontsize=6,
+                    fontsize=7,
                     transform=ax.get_xaxis_transform(),
                 )
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1)

@@ -4,8 +4,9 @@ AWS s3torchconnector's ``S3Checkpoint`` (torch.save/torch.load through its CRT c
 
 s3torchconnector is the optional ``peers`` extra (``pip install 'ckptio[peers]'``); without it (or
 without its ``dcp`` extra) :func:`s3_peers` leaves those baselines out and says so in its notes.
-Its CRT client signs with the credentials of the environment: :func:`crt_credentials` sets the
-embedded server's test credentials for the duration of a run and puts the previous values back.
+Its CRT client signs with the credentials of the environment: each of its calls runs inside
+:func:`crt_credentials` (the embedded server's test credentials, the previous values put back after),
+so nothing else in the run (a ``--uri`` of the user's own bucket) sees them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.util
 import io
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any, cast
 
 import torch
@@ -63,8 +64,24 @@ def s3fs_put_baseline(fs: Any) -> Impl:
     )
 
 
-def s3_peers(endpoint: str) -> tuple[list[Impl], list[dict[str, str]]]:
-    """s3torchconnector's baselines against the S3 server at ``endpoint``, and notes for those left out."""
+def _with_credentials(fn: Callable[[dict, str], Any], creds: tuple[str, str]) -> Callable[[dict, str], Any]:
+    def call(s: dict, u: str) -> Any:
+        with crt_credentials(*creds):
+            return fn(s, u)
+
+    return call
+
+
+def s3_peers(endpoint: str, key: str, secret: str) -> tuple[list[Impl], list[dict[str, str]]]:
+    """s3torchconnector's baselines against the S3 server at ``endpoint`` (credentials ``key``,
+    ``secret``), and notes for those left out."""
+    impls, notes = _s3torchconnector(endpoint)
+    for i in impls:
+        i.save, i.load = _with_credentials(i.save, (key, secret)), _with_credentials(i.load, (key, secret))
+    return impls, notes
+
+
+def _s3torchconnector(endpoint: str) -> tuple[list[Impl], list[dict[str, str]]]:
     if importlib.util.find_spec("s3torchconnector") is None:
         why = f"baseline left out: the s3torchconnector package is not installed ({PEERS_HINT})"
         return [], [{"impl": "s3torchconnector", "reason": why}]

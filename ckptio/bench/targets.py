@@ -16,7 +16,7 @@ from ckptio.errors import MissingDependencyError
 
 from .impls import backend_raw_baseline, ckptio_impls, fsspec_baselines, local_baselines, memory_baselines
 from .measure import Target
-from .peers import crt_credentials, s3_peers, s3fs_put_baseline
+from .peers import s3_peers, s3fs_put_baseline
 from .proxy import LatencyProxy
 from .servers import GCSEmulator, MotoServer, Server, make_gcs_bucket, make_s3_bucket
 
@@ -115,10 +115,9 @@ def _server_target(
                 "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"},
             }
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-            peers, notes = s3_peers(url)
+            peers, notes = s3_peers(url, S3_CREDS["access_key_id"], S3_CREDS["secret_access_key"])
             impls = mine + fsspec_baselines(fs, "s3", opts) + [s3fs_put_baseline(fs)] + peers
-            with crt_credentials(S3_CREDS["access_key_id"], S3_CREDS["secret_access_key"]):
-                yield Target("s3", f"s3://{bucket}", impls, notes=notes)
+            yield Target("s3", f"s3://{bucket}", impls, notes=notes)
     else:
         import logging
 

@@ -5,14 +5,16 @@
     ckptio bench --uri s3://my-bucket/tmp --uri ckpt://scratch   # your storage (settings file, aliases)
     ckptio bench --backends local,memory --sizes 8MiB             # a subset
     ckptio bench --sizes 1MiB,32MiB,256MiB,1GiB                   # every size in one run (remote capped)
+    ckptio bench --backends s3 --profile realistic                # S3 as a remote store behaves
     python -m benchmarks.throughput   # the same, from a source checkout (results in benchmarks/results/)
 
-Prints a table that ends with one line per storage and size (ckptio's best against the best
-baseline, save and load), writes a JSON file with every raw figure and the machine description,
-and a PNG chart (GB/s, and those ratios per size), to --out (default ./ckptio-bench-results). Needs
-the bench extra for the embedded servers, the chart and some baselines (pip install
-'ckptio[bench]'); what is missing is listed
-under "not measured". The method is in benchmarks/README.md of the source repository.
+Prints a table that starts with one line per storage and size (ckptio's best against the best
+baseline, named, save and load), writes a JSON file with every raw figure and the machine
+description, and a PNG chart (GB/s, and those ratios per size), to --out (default
+./ckptio-bench-results). Needs the bench extra for the embedded servers, the chart and some
+baselines (pip install 'ckptio[bench]'), and the peers extra for s3torchconnector (pip install
+'ckptio[peers]'); what is missing is listed under "not measured". The method is in
+benchmarks/README.md of the source repository.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any
 from .. import uri as _uri
 from ..errors import CkptioError, FormatError
 from ..threads import Pool
+from .binding import check
 from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
 from .retention import kept
 
@@ -96,6 +97,7 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         extra["kept_problem"] = str(e)
     if local_tier is not None:
         local = Layout(local_tier.rstrip("/") or local_tier)
+        check(local, layout)  # TierInUseError: that tier's steps are another root's
         for s, lr in _rows(local).items():
             if lr["state"] != "committed":
                 continue
