@@ -14,9 +14,10 @@ a walk that tracks what each stack slot holds sees what the unpickler will do. I
   of the class for the whole process (``pathlib.PurePath._str``: every later path). They may only
   apply to objects the unpickler itself created.
 * **allocations from a small argument**: a call (``REDUCE``/``NEWOBJ``) of a global for which
-  ``sized(module, name)`` holds, given an int or a tuple holding one (``bytearray(2**30)``,
-  ``torch.FloatTensor(2**30)``); and ``budgets``: calls whose size argument (the product of a
-  tuple of ints) must fit, all calls together, in ``limit`` elements.
+  ``calls(module, name)`` says ``"sized"``, given an int or a tuple holding one
+  (``bytearray(2**30)``), or ``"never"`` (``torch.FloatTensor``: pickles never call it); and
+  ``budgets``: calls whose size argument (the product of a tuple of ints) must fit, all calls
+  together, in ``limit`` elements.
 * malformed pickles (unknown opcodes, truncated arguments, a stack or memo entry that is not
   there), which the unpicklers would refuse too, only later.
 
@@ -36,7 +37,7 @@ import re
 import struct
 from collections.abc import Callable, Mapping
 
-__all__ = ["memo_problem", "never_sized", "problem"]
+__all__ = ["memo_problem", "no_checks", "problem"]
 
 _MARK = object()  # on the walk's stack, like the unpickler's metastack boundary
 _OTHER = object()  # any object the unpickler creates (containers, instances, numbers we do not track, ...)
@@ -51,8 +52,8 @@ class _Global:
         self.name = name
 
 
-def never_sized(module: str, name: str) -> bool:
-    return False
+def no_checks(module: str, name: str) -> str | None:
+    return None
 
 
 # opcode byte -> (name, argument kind): kinds are a fixed byte count (>= 0) or one of pickletools'
@@ -82,20 +83,21 @@ class _Malformed(Exception):
 def problem(
     data: bytes | bytearray | memoryview,
     *,
-    sized: Callable[[str, str], bool] = never_sized,
+    calls: Callable[[str, str], str | None] = no_checks,
     shared: frozenset[str] = frozenset(),
     budgets: Mapping[str, int] | None = None,
     limit: int = 0,
 ) -> str | None:
     """Why unpickling ``data`` could change shared objects or allocate far beyond it; None if it cannot.
 
-    ``sized(module, name)``: whether calling that global with an int allocates from it (refused).
+    ``calls(module, name)``: ``"sized"`` when calling that global with an int allocates from it,
+    ``"never"`` when no call of it is admitted, else None.
     ``shared``: ``module.name`` of callables that return shared objects (enum classes).
     ``budgets``: ``module.name`` -> position of a size argument; those sizes together must stay
     within ``limit``. Only the first pickle in ``data`` is walked (up to its STOP).
     """
     try:
-        return _walk(memoryview(data).cast("B"), sized, shared, budgets or {}, limit)
+        return _walk(memoryview(data).cast("B"), calls, shared, budgets or {}, limit)
     except _Malformed as e:
         return f"is not a well-formed pickle ({e})"
     except (IndexError, struct.error, ValueError, UnicodeDecodeError) as e:
@@ -103,13 +105,17 @@ def problem(
 
 
 def _walk(
-    mv: memoryview, sized: Callable[[str, str], bool], shared: frozenset[str], budgets: Mapping[str, int], limit: int
+    mv: memoryview,
+    calls: Callable[[str, str], str | None],
+    shared: frozenset[str],
+    budgets: Mapping[str, int],
+    limit: int,
 ) -> str | None:
     n = len(mv)
     stack: list = []
     memo: dict[int, object] = {}
     pos = ops = spent = 0
-    strings = bool(budgets) or sized is not never_sized or bool(shared)  # STACK_GLOBAL needs the names
+    strings = bool(budgets) or calls is not no_checks or bool(shared)  # STACK_GLOBAL needs the names
     while True:
         if pos >= n:
             raise _Malformed("ends without a STOP opcode")
@@ -205,7 +211,10 @@ def _walk(
             result: object = _OTHER
             if type(fn) is _Global:
                 module, _, attr = fn.name.rpartition(".")
-                if sized(module, attr) and _has_int(args):
+                check = calls(module, attr)
+                if check == "never":
+                    return f"calls {fn.name} (at byte {at}), which pickles of data never call"
+                if check == "sized" and _has_int(args):
                     return (
                         f"calls {fn.name} with a number (at byte {at}), which would allocate from it; "
                         f"pickles pass it data, never a size"

@@ -64,18 +64,19 @@ def archive_problem(z: zipfile.ZipFile, size: int) -> str | None:
     return None
 
 
-def _sized(module: str, name: str) -> bool:
-    """Globals torch's allow-list admits that allocate from an int argument."""
+def _calls(module: str, name: str) -> str | None:
+    """Globals torch's allow-list admits that allocate from an int argument ("sized"), or that torch.save
+    never calls (tensor and storage classes, which allocate from a size or copy any sequence: "never")."""
     if module == "builtins":
-        return name in ("bytearray", "bytes")
-    return module.partition(".")[0] == "torch" and name.endswith(("Tensor", "Storage"))
+        return "sized" if name in ("bytearray", "bytes") else None
+    return "never" if module.partition(".")[0] == "torch" and name.endswith(("Tensor", "Storage")) else None
 
 
 def pickle_problem(pkl: bytes | memoryview, size: int) -> str | None:
     """Why unpickling ``pkl`` (the ``data.pkl`` of a ``size``-byte archive) could change shared objects
     or allocate far beyond the archive; None if it cannot (see :mod:`ckptio.formats.pickle_scan`)."""
     budgets = {f"{_ti.REBUILD_MODULE}.{_ti.REBUILD_QTENSOR}": 2}
-    return pickle_scan.problem(pkl, sized=_sized, budgets=budgets, limit=size)
+    return pickle_scan.problem(pkl, calls=_calls, budgets=budgets, limit=size)
 
 
 def _data_pkl(z: zipfile.ZipFile) -> str | None:
