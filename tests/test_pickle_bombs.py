@@ -40,7 +40,7 @@ def _build(global_line: bytes, key: str, value: bytes, slot: bool = False) -> by
     return b"c" + global_line + (b"N" + state + b"\x86" if slot else state) + b"b0"
 
 
-def _genuine_metadata() -> bytes:
+def genuine_metadata() -> bytes:
     props = md.TensorProperties(dtype=torch.float32)
     meta = md.Metadata(
         state_dict_metadata={
@@ -79,7 +79,7 @@ _LAYOUT = b"torch.serialization\n_get_layout\n"
 
 
 def test_build_on_admitted_globals_is_refused(tmp_path):
-    genuine = _genuine_metadata()
+    genuine = genuine_metadata()
     path_str = _build(b"pathlib\nPurePath\n", "_str", _unicode("/pwn"), slot=True)
     cases = {
         # the prefix: afterwards str(Path(anything)) is the attacker's path

@@ -19,10 +19,9 @@ import struct
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint.metadata as md
 
 from pickle_workers import run_jobs
-from test_pickle_bombs import MIB, pt_archive
+from test_pickle_bombs import MIB, genuine_metadata, pt_archive
 
 GLOBALS = [
     b"pathlib\nPurePath\n",
@@ -93,20 +92,10 @@ def gadget(rng: random.Random) -> bytes:
 
 
 def _seeds() -> list[bytes]:
-    props = md.TensorProperties(dtype=torch.float32)
-    meta = md.Metadata(
-        state_dict_metadata={
-            "w": md.TensorStorageMetadata(
-                properties=props,
-                size=torch.Size([4]),
-                chunks=[md.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))],
-            ),
-            "step": md.BytesStorageMetadata(),
-        }
-    )
     data = {"a": [1, 2.5, "x", b"y", None], "t": (1, {2}), "o": collections.OrderedDict(k=1)}
     arr = np.array([1, "a", None], dtype=object)
     pt = pt_bytes({"w": torch.ones(2), "step": 3})
+    meta = pickle.loads(genuine_metadata())
     return [
         pickle.dumps(meta, protocol=2),
         pickle.dumps(meta),

@@ -18,6 +18,7 @@ for the whole process. :func:`guard` returns, for an admitted global:
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -98,10 +99,17 @@ class _Member:
 
 
 def _stand_in_class(cls: type, what: str) -> type:
-    def __new__(_: type, *args: Any, **kwargs: Any) -> Any:  # NEWOBJ: cls.__new__(cls, *args)
-        return cls.__new__(cls, *args, **kwargs)
+    new: Any
+    if cls.__new__ is object.__new__ and cls.__init__ is not object.__init__:  # type: ignore[misc]
+        # NEWOBJ calls new(stand-in, *args): object.__new__(cls, stand-in, *args) at C speed, which
+        # ignores the extra arguments of a class with its own __init__ (the dataclasses of DCP metadata)
+        new = functools.partial(object.__new__, cls)
+    else:
 
-    return _Frozen(cls.__name__, (), {"__new__": __new__, "__slots__": (), "_real": cls, "_what": what})
+        def new(_: type, *args: Any, **kwargs: Any) -> Any:  # NEWOBJ: cls.__new__(cls, *args)
+            return cls.__new__(cls, *args, **kwargs)
+
+    return _Frozen(cls.__name__, (), {"__new__": new, "__slots__": (), "_real": cls, "_what": what})
 
 
 def guard(obj: Any, what: str) -> Any:
