@@ -30,6 +30,7 @@ import io
 import math
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from collections.abc import Sequence
@@ -72,9 +73,17 @@ def _calls(module: str, name: str) -> str | None:
     return "never" if module.partition(".")[0] == "torch" and name.endswith(("Tensor", "Storage")) else None
 
 
+# the names :func:`_calls` and the budgets check, however a pickle spells a global (GLOBAL's text
+# line, STACK_GLOBAL's strings); torch.save's own pickles name none of them (storages pickle as
+# torch.FloatStorage..., tensors through _rebuild_tensor_v2), so they skip the walk in Python
+_RISKY = re.compile(b"bytearray|bytes|Tensor|TypedStorage|" + _ti.REBUILD_QTENSOR.encode())
+
+
 def pickle_problem(pkl: bytes | memoryview, size: int) -> str | None:
     """Why unpickling ``pkl`` (the ``data.pkl`` of a ``size``-byte archive) could change shared objects
     or allocate far beyond the archive; None if it cannot (see :mod:`ckptio.formats.pickle_scan`)."""
+    if _RISKY.search(pkl) is None:  # nothing to call that allocates: the memo alone, at C speed
+        return pickle_scan.memo_problem(pkl)
     budgets = {f"{_ti.REBUILD_MODULE}.{_ti.REBUILD_QTENSOR}": 2}
     return pickle_scan.problem(pkl, calls=_calls, budgets=budgets, limit=size)
 
