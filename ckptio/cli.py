@@ -39,6 +39,7 @@ from . import config as _config
 from . import uri as _uri
 from .context import default_context, resolve
 from .errors import (
+    CkptioError,
     FormatError,
     IncompleteCheckpointError,
     IntegrityError,
@@ -47,6 +48,8 @@ from .errors import (
     SettingsError,
     UnknownFormatError,
     UnknownSchemeError,
+    UnsafeKeyError,
+    redact,
 )
 from .formats.base import jsonable
 from .inspect import info, verify
@@ -82,25 +85,25 @@ class Out:
 
     def emit(self, data: Any, text: Callable[[], str] | str | None = None) -> None:
         if self.json:
-            print(json.dumps(jsonable(data), indent=2))
+            print(redact(json.dumps(jsonable(data), indent=2)))
         elif text is not None:
             s = text() if callable(text) else text
             if s:
-                print(s)
+                print(redact(s))
 
     def note(self, msg: str) -> None:
         if not self.quiet and not self.json:
-            print(msg, file=sys.stderr)
+            print(redact(msg), file=sys.stderr)
 
     def bar(self, total: int, desc: str) -> Bar:
-        return Bar(total, desc, enabled=False if self.quiet else None)
+        return Bar(total, redact(desc), enabled=False if self.quiet else None)
 
 
 def _tensor_table(tensors: list[dict[str, Any]], limit: int | None = None) -> str:
     if not tensors:
         return "  (no tensors)"
     shown = tensors if limit is None else tensors[:limit]
-    w = min(60, max(len(str(t.get("key", ""))) for t in shown))
+    w = min(60, max(3, *(len(str(t.get("key", ""))) for t in shown)))
     lines = [f"  {'key':<{w}}  {'dtype':<10} {'shape':<20} {'size':>10}"]
     for t in shown:
         shape = "x".join(str(s) for s in t.get("shape") or []) or "()"
@@ -207,7 +210,7 @@ def _confirmed(question: str) -> bool:
     """Ask on a terminal; anything but yes (or no terminal) is no."""
     if not sys.stdin.isatty():
         return False
-    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    print(f"{redact(question)} [y/N] ", end="", file=sys.stderr, flush=True)
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
@@ -236,10 +239,45 @@ def cmd_rm(args: argparse.Namespace, out: Out) -> int:
     return EXIT_OK
 
 
+def _steps_table(data: dict[str, Any]) -> str:
+    """A Checkpointer root, one line per step (``ckptio info ROOT``)."""
+    rows = data["steps"]
+    latest = data.get("latest")
+    lines = [
+        f"{data['uri']}: Checkpointer root, {len(rows)} step(s)"
+        + (f", latest {latest}" if latest is not None else "")
+        + (f"; local tier {data['local_tier']}" if data.get("local_tier") else "")
+    ]
+    lines.append(f"  {'step':>12}  {'format':<6} {'size':>10}  {'state':<28} metrics")
+    for r in rows:
+        state = r["state"]
+        if state == "committed":
+            state = ("durable" if r["durable"] else "local only") + (
+                f" ({r['where']})" if r["where"] not in ("root", "local") else ""
+            )
+            if r.get("incremental"):
+                state += ", incremental"
+        metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        if r.get("kept"):
+            metrics = f"[kept: {', '.join(r['kept'])}] {metrics}"
+        lines.append(
+            f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
+                :200
+            ].rstrip()
+        )
+        if r.get("problem"):
+            lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    if data.get("kept_problem"):
+        lines.append(f"kept steps unknown: {data['kept_problem']}")
+    return "\n".join(lines)
+
+
 def cmd_info(args: argparse.Namespace, out: Out) -> int:
-    data = info(args.uri)
+    data = info(args.uri, step=args.step, local_tier=args.local_tier)
 
     def text() -> str:
+        if data.get("kind") == "checkpointer":
+            return _steps_table(data)
         lines = [f"{data['uri']}: {data.get('format') or 'unknown format'}, {human_bytes(data.get('size') or 0)}"]
         tensors = data.get("tensors") or []
         if tensors or data.get("format") in ("torch", "dcp", "fastpickle", "safetensors"):
@@ -322,6 +360,10 @@ def cmd_config(args: argparse.Namespace, out: Out) -> int:
         if s["path_mapping"]:
             lines.append("[path_mapping]")
             lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in s["path_mapping"].items())
+        for table in ("cache", "checkpointer"):
+            if s.get(table):
+                lines.append(f"[{table}]")
+                lines.extend(f"{k} = {json.dumps(jsonable(v))}" for k, v in s[table].items())
         return "\n".join(lines)
 
     out.emit(data, text)
@@ -400,7 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("cp", parents=[common], help="copy between any backends (resumable, parallel)")
     a.add_argument("src")
     a.add_argument("dst")
-    a.add_argument("-r", "--recursive", action="store_true")
+    a.add_argument(
+        "-r",
+        "--recursive",
+        action="store_true",
+        help="copy a directory/prefix; symlinks in a local source tree (to files or directories) are "
+        "not followed: each is skipped with a warning",
+    )
     a.add_argument("-j", "--jobs", type=int, default=4, help="files copied in parallel (default 4)")
     a.add_argument(
         "--resume",
@@ -421,9 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_rm)
 
-    a = sub.add_parser("info", parents=[common], help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors")
+    a = sub.add_parser(
+        "info",
+        parents=[common],
+        help="keys, dtypes, shapes, sizes of .fpk, .pt, DCP, .safetensors, a Checkpointer step; "
+        "a Checkpointer root: its steps",
+    )
     a.add_argument("uri")
     a.add_argument("--all", action="store_true", help="do not truncate long tables")
+    a.add_argument("--step", type=int, help="a Checkpointer root: show this step's keys, dtypes, shapes, sizes")
+    a.add_argument("--local-tier", metavar="DIR", help="a Checkpointer root: also this node's local tier")
     a.set_defaults(func=cmd_info)
 
     a = sub.add_parser("verify", parents=[common], help="check stored checksums (exit 1 on corruption)")
@@ -459,6 +514,7 @@ _HINTS: list[tuple[type, int, str]] = [
     (IntegrityError, EXIT_FAILURE, "the data is corrupt or truncated; restore it from another copy"),
     (UnknownFormatError, EXIT_USAGE, "pass a file with a known extension (.fpk, .pt, .safetensors) or a DCP directory"),
     (FormatError, EXIT_FAILURE, "check that the URI points at a checkpoint in a supported format"),
+    (UnsafeKeyError, EXIT_FAILURE, "the listing holds a crafted or corrupt key; nothing was copied"),
     (SettingsError, EXIT_USAGE, "fix the settings named above; `ckptio config` shows which file is used"),
     (UnknownSchemeError, EXIT_USAGE, "define the scheme as an alias in ckptio.toml or install its fsspec package"),
     (InvalidURIError, EXIT_USAGE, "URIs look like s3://bucket/key, gs://bucket/key, /local/path"),
@@ -468,6 +524,21 @@ _HINTS: list[tuple[type, int, str]] = [
     (IsADirectoryError, EXIT_USAGE, "pass -r for directories"),
     (NotADirectoryError, EXIT_USAGE, "the path is a file, not a directory"),
 ]
+
+
+def _remapped(args: argparse.Namespace) -> list[str]:
+    """For each URI argument that settings rewrite (path mapping, alias): what to and by which file."""
+    try:
+        s = default_context().settings
+        out = []
+        for given in (getattr(args, name, None) for name in ("uri", "src", "dst")):
+            if isinstance(given, str):
+                to, _ = s.resolve_alias(s.map_path(given))
+                if to != given:
+                    out.append(redact(f"{given} was remapped to {to} by {', '.join(s.sources) or 'configure()'}"))
+        return out
+    except CkptioError:  # the settings themselves are what failed: the error above says so
+        return []
 
 
 def _classify(e: BaseException) -> tuple[int, str]:
@@ -486,11 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args, out)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every error becomes one line and an exit status
         code, hint = _classify(e)
-        msg = " ".join(str(e).split()) or type(e).__name__
+        msg = redact(" ".join(str(e).split())) or type(e).__name__
         if out.verbose:
-            traceback.print_exc()
+            print(redact(traceback.format_exc()), end="", file=sys.stderr)
         print(f"ckptio {args.command}: error: {msg}", file=sys.stderr)
         print(f"  hint: {hint}", file=sys.stderr)
+        for line in _remapped(args):
+            print(f"  hint: {line}", file=sys.stderr)
         if out.json:
             print(json.dumps({"error": msg, "type": type(e).__name__, "exit_code": code}))
     finally:

@@ -51,7 +51,18 @@ from typing import Any
 
 from . import registry as _registry
 from . import uri as _uri
-from .errors import MissingDependencyError, SettingsError, UnknownSchemeError
+from .cache.settings import CACHE_OPTIONS, CACHE_TABLE
+from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError, logger
+from .errors import redact as _redact_text
+from .values import boolean as _bool
+from .values import nonneg_int as _nonneg_int
+from .values import parse_size as parse_size
+from .values import pos_float as _pos_float
+from .values import pos_int as _pos_int
+from .values import pos_size as _pos_size
+from .values import provider as _provider
+from .values import string as _str
+from .values import url as _url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,35 +70,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ENV_CONFIG = "CKPTIO_CONFIG"
-REDACTED = "***"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
     r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$",
     re.I,
 )
-_URL_USERINFO_RE = re.compile(r"^((?:[a-z][a-z0-9+.\-]*://)?)[^/?#\s]+@", re.I)  # user:pass@host; to the last @
-_URL_QUERY_RE = re.compile(r"^([a-z][a-z0-9+.\-]*://[^?#]*\?)[^#]*", re.I)
 _SCHEME_NAME_RE = re.compile(r"[a-z][a-z0-9+.\-]*")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "ki": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "mi": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "gi": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
 
 
 def is_secret(key: str) -> bool:
@@ -96,8 +84,8 @@ def is_secret(key: str) -> bool:
 
 
 def redact_url(value: str) -> str:
-    """``value`` with the credentials a URL may carry masked: ``https://***@host/p?***``."""
-    return _URL_QUERY_RE.sub(rf"\1{REDACTED}", _URL_USERINFO_RE.sub(rf"\1{REDACTED}@", value))
+    """``value`` with the credentials a URL may carry masked: ``https://***@host/p?***`` (:func:`errors.redact`)."""
+    return _redact_text(value)
 
 
 def shown(key: str, value: Any) -> Any:
@@ -114,94 +102,6 @@ def shown(key: str, value: Any) -> Any:
 def redact(options: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``options`` fit to display: see :func:`shown` (recursively)."""
     return {k: shown(str(k), v) for k, v in options.items()}
-
-
-def _bytes(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected a size, not a boolean")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError("expected a size such as 64MiB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_size(value: Any) -> int:
-    """``64MiB``/``1GB``/``1048576`` -> bytes."""
-    try:
-        return _bytes(value)
-    except ValueError as e:
-        raise ValueError(f"{e}, got {value!r}") from None
-
-
-def _pos_size(value: Any) -> int:
-    n = _bytes(value)
-    if n <= 0:
-        raise ValueError("expected a size > 0 such as 64MiB")
-    return n
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ValueError("expected true/false")
-
-
-def _int(value: Any, least: int) -> int:
-    """Messages never include the value: the caller shows it, redacted."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError("expected a whole number")
-    try:
-        v = int(value)
-    except (TypeError, ValueError):
-        raise ValueError("expected a whole number") from None
-    if v < least:
-        raise ValueError("expected a positive integer" if least == 1 else f"expected an integer >= {least}")
-    return v
-
-
-def _pos_int(value: Any) -> int:
-    return _int(value, 1)
-
-
-def _nonneg_int(value: Any) -> int:
-    return _int(value, 0)
-
-
-def _pos_float(value: Any) -> float:
-    try:
-        v = float(value) if not isinstance(value, bool) else float("nan")
-    except (TypeError, ValueError):
-        raise ValueError("expected a number") from None
-    if not v > 0:
-        raise ValueError("expected a number > 0")
-    return v
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {type(value).__name__}")
-    return value
-
-
-def _url(value: Any) -> str:
-    v = _str(value)
-    if not re.match(r"^https?://[^/\s]+", v):
-        raise ValueError("expected an http(s):// URL")
-    return v.rstrip("/")
-
-
-def _provider(value: Any) -> Any:
-    if callable(value):
-        return value
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
-        raise ValueError("expected a callable or 'package.module:function'")
-    return value
 
 
 # Typed coercion for options whose meaning is shared across backends; only these show their values
@@ -254,8 +154,6 @@ def _did_you_mean(name: str, candidates: Any) -> str:
 def accepted_options(entry: _registry.Entry) -> set[str] | None:
     """The option names a backend entry takes (with the cache's), or None when it takes any or its
     package is not installed (then its constructor checks them when it is built)."""
-    from .cache.settings import CACHE_OPTIONS
-
     try:
         accepted = _registry.accepted_options(entry.load())
     except MissingDependencyError:
@@ -346,16 +244,6 @@ def check_aliases(aliases: Mapping[str, Alias]) -> None:
             except UnknownSchemeError:
                 continue  # reported, naming the URI, when the alias is used
             check_options(alias.options, entry, f"{alias.where}.options")
-
-
-# the ``[cache]`` table: key -> coercion (see :mod:`ckptio.cache.settings` for how it is used)
-CACHE_TABLE: dict[str, Any] = {
-    "dir": _str,
-    "max_bytes": _pos_size,
-    "verify": _bool,
-    "fsync": _bool,
-    "lock_timeout": _pos_float,
-}
 
 
 def _backlog(value: Any) -> str:
@@ -565,4 +453,20 @@ def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None =
     env = os.environ if env is None else env
     path = default_file(env)
     base = load_file(path) if path else Settings()
+    if path and path not in _announced:  # a ./ckptio.toml can remap buckets: never silently
+        _announced.add(path)
+        n, m = len(base.path_mapping), len(base.aliases)
+        _log.info(
+            "ckptio settings from %s: %d path mapping%s, %d alias%s, options for backends %s",
+            path,
+            n,
+            "" if n == 1 else "s",
+            m,
+            "" if m == 1 else "es",
+            sorted(base.backends) or "none",
+        )
     return base.merged(from_env(env, backend_names or []))
+
+
+_announced: set[str] = set()  # settings files already logged in this process
+_log = logger("ckptio.settings")

@@ -8,16 +8,66 @@ Every error pickles and copies with its class, ``args`` (errno, message, URI) an
 rebuilds an exception by calling ``cls(*args)``, which the ``(uri, detail)`` signatures below do not
 accept; :meth:`CkptioError.__reduce__` rebuilds through the built-in base's ``__init__`` instead, so
 a subclass anywhere (with any signature) is covered.
+
+No error carries a secret: :func:`redact` masks the credentials a URL may hold (``user:password@``, a
+query string such as a presigned ``X-Amz-Signature``) in every message, argument, ``uri`` attribute
+and note, when the error is made. It is the one redaction: settings, the CLI's output and log lines
+use it too.
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import logging
+import re
 from typing import Any
+
+REDACTED = "***"
+# in any text: the userinfo of a URL (to the last @ before its path) and its query string
+_USERINFO = re.compile(r"(?i)(^|\b[a-z][a-z0-9+.\-]*://)[^/?#\s'\"]+@")
+_QUERY = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^?#\s'\"]*\?)[^#\s'\"]+")
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URL in it masked: ``https://***@host/p?***``."""
+    if "@" not in text and "?" not in text:
+        return text
+    return _QUERY.sub(rf"\1{REDACTED}", _USERINFO.sub(rf"\1{REDACTED}@", text))
+
+
+class _RedactingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        clean = redact(text)
+        if clean != text:
+            record.msg, record.args = clean, None
+        return True
+
+
+_FILTER = _RedactingFilter()
+
+
+def logger(name: str) -> logging.Logger:
+    """The logger ``name``, its lines redacted (:func:`redact`): every ckptio module logs through one."""
+    log = logging.getLogger(name)
+    if _FILTER not in log.filters:
+        log.addFilter(_FILTER)
+    return log
+
+
+class Redacting:
+    """Mixin for exceptions and warnings: string arguments and attributes (``uri``) are redacted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # kwargs: ImportError's name, path
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args), **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, redact(value) if isinstance(value, str) else value)
 
 
 def note(e: BaseException, text: str) -> None:
     """Attach ``text`` to ``e`` as a note (shown under its traceback; PEP 678), without changing its type."""
+    text = redact(text)
     if hasattr(e, "add_note"):
         e.add_note(text)
     else:  # Python 3.10
@@ -41,7 +91,7 @@ def _rebuild(cls: type[BaseException], args: tuple) -> BaseException:
     return obj
 
 
-class CkptioError(Exception):
+class CkptioError(Redacting, Exception):
     """Base class of every error ckptio raises on purpose."""
 
     def __reduce__(self) -> str | tuple[Any, ...]:
@@ -99,12 +149,27 @@ class SettingsError(CkptioError, ValueError):
     """Settings are invalid; the message names the source, the key and the reason."""
 
 
+class UnsafeKeyError(CkptioError, ValueError):
+    """A listed key would leave the directory it was listed under (``../``, absolute): the storage holds
+    crafted or corrupt names. Nothing is copied."""
+
+
 class FormatError(CkptioError, ValueError):
     """A file cannot be decoded by the format chosen for it (wrong type, malformed, unsupported)."""
 
 
 class UnknownFormatError(FormatError):
     """No format is registered for a file's extension."""
+
+
+class UnsupportedValueError(CkptioError, TypeError, ValueError):
+    """``dump`` cannot store a value in the format asked for; nothing was written. A TypeError, as every
+    format's ``dump`` raises, and a ValueError, as ``safetensors.torch.save_file`` raises for the same values."""
+
+
+class UnsupportedTensorError(UnsupportedValueError, NotImplementedError):
+    """A tensor whose memory the format cannot represent: tensors sharing memory, a meta tensor. Also a
+    RuntimeError / NotImplementedError, what ``safetensors.torch.save_file`` raises for them."""
 
 
 class IntegrityError(FormatError):
@@ -117,3 +182,15 @@ class IncompleteCheckpointError(CkptioError, FileNotFoundError):
 
 class TransferError(CkptioError, OSError):
     """A remote operation failed for a reason that is not one of the above."""
+
+
+class TierInUseError(AlreadyExistsError):
+    """A Checkpointer's ``local_tier`` already serves another root (its ``tier.json`` names that root)."""
+
+
+class IsDirectoryError(CkptioError, IsADirectoryError):
+    """A file was expected where there is a directory (or a prefix with objects under it)."""
+
+
+class NotDirectoryError(CkptioError, NotADirectoryError):
+    """A directory was expected where there is a file (or a path goes through a file)."""

@@ -21,7 +21,7 @@ from .backends import local as _local
 from .backends.base import Backend, WriteMode
 from .backends.local import LocalBackend, local_path
 from .context import default_context
-from .errors import AlreadyExistsError, NotFoundError
+from .errors import AlreadyExistsError, NotFoundError, UnsupportedValueError
 from .formats.base import Format
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +101,9 @@ def dump(
             with _reporting(progress, backend, uri, 0) as backend:
                 fmt.dump(obj, backend, resolved, mode=mode, **kwargs)
     except TypeError as e:
-        raise TypeError(f"cannot write {uri!r} as {fmt.name}: {e}") from e
+        # a ckptio error keeps its class (and the built-ins it stands for), with the URI in front
+        cls = type(e) if isinstance(e, UnsupportedValueError) else TypeError
+        raise cls(f"cannot write {uri!r} as {fmt.name}: {e}") from e
     return None
 
 

@@ -24,7 +24,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
+from .errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    CkptioError,
+    IsDirectoryError,
+    NotDirectoryError,
+    NotFoundError,
+    TransferError,
+)
 
 PREFAULT_MIN = 1 << 20  # local reads into fresh buffers at least this large populate them first
 
@@ -43,9 +51,9 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except PermissionError as e:
         raise AccessDeniedError(uri) from e
     except IsADirectoryError as e:
-        raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
+        raise IsDirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
     except NotADirectoryError as e:
-        raise NotADirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri) from e
+        raise NotDirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri) from e
     except OSError as e:
         full = {
             errno.ENOSPC: "no space left on device",

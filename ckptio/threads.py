@@ -18,11 +18,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
+import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+_log = logging.getLogger("ckptio")
 
 PARALLEL_MIN = 8 << 20  # bytes of hashing or copying below which another thread does not pay for itself
 
@@ -161,6 +165,15 @@ def shared_pool() -> cf.Executor:
                 _shared = Pool(SHARED_WORKERS, thread_name_prefix="ckptio-io")
             pool = _shared
     return pool
+
+
+def lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it creates)."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError as e:
+            _log.debug("could not lower the persist thread's priority: %s", e)
 
 
 def _forget_after_fork() -> None:

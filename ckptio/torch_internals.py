@@ -7,7 +7,12 @@ symbol a torch release dropped fails on use with an ``AttributeError`` naming th
 and this module; ``tests/test_torch_internals.py`` resolves every one of them on the installed
 torch, so a torch upgrade that moves one fails there first, with its name.
 
-Tested torch: :data:`TESTED_TORCH` (requirements/dev.txt; pyproject.toml declares the same range).
+Supported torch: :data:`TORCH_RELEASES`, each release with how the claim is backed; pyproject.toml
+declares ``torch>=`` its oldest, with no upper bound (``tests/test_packaging.py`` keeps the two equal):
+a cap would make ``pip install ckptio`` replace a newer torch, as a floor above the user's does. A
+release outside the table warns once, at first use (:func:`check_torch_version`), and a symbol it
+lacks fails on use naming it, or falls back where a caller can do without it (``dcp_logger``:
+nothing to quiet; ``StorageReaderTransforms``: only items a torch >= 2.7 writer transformed need it).
 The "since" notes below come from torch's history and are not tested here.
 
 Groups:
@@ -48,11 +53,17 @@ __all__ = [
     "REBUILD_TENSOR",
     "SYMBOLS",
     "TESTED_TORCH",
+    "TORCH_RELEASES",
     "check_torch_version",
     "resolve_symbol",
 ]
 
-TESTED_TORCH = ("2.13",)  # major.minor releases the test suite runs on (requirements/dev.txt)
+# major.minor -> how ckptio's support of it is backed (the oldest is pyproject.toml's floor)
+TORCH_RELEASES: dict[str, str] = {
+    "2.13": "tested: the whole suite, in CI (requirements/dev.txt pins 2.13.0)",
+    "2.14": "tested by hand, not in CI: test_torch_internals.py and the DCP, Checkpointer, remote .pt tests (2.14.1)",
+}
+TESTED_TORCH = tuple(TORCH_RELEASES)  # every release the table claims has been run
 
 # Names as a pickle spells them (module, qualified name): matched, never imported, by unpicklers.
 REBUILD_MODULE = "torch._utils"
@@ -108,22 +119,33 @@ def resolve_symbol(name: str) -> Any:
     return obj
 
 
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def check_torch_version() -> None:
-    """Warn once when the installed torch is not a release the test suite runs on (the private names may differ)."""
+    """Warn once when the installed torch is not a release of :data:`TORCH_RELEASES` (private names may differ)."""
     global _checked
     if _checked:
         return
     _checked = True
     import torch
 
-    version = torch.__version__.split("+")[0]
-    if ".".join(version.split(".")[:2]) not in TESTED_TORCH:
-        warnings.warn(
-            f"ckptio is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__}: it relies on private "
-            f"torch names (ckptio/torch_internals.py) that may have changed; run tests/test_torch_internals.py",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    release = "{}.{}".format(*_minor(torch.__version__))
+    if release in TESTED_TORCH:
+        return
+    oldest = min(TESTED_TORCH, key=_minor)
+    if _minor(release) < _minor(oldest):
+        why = f"older than {oldest}, the oldest release ckptio supports"
+    else:
+        why = "a release ckptio has not been tested with yet"
+    warnings.warn(
+        f"ckptio is tested with torch {', '.join(TESTED_TORCH)}, not {torch.__version__} ({why}): it relies on "
+        f"private torch names (ckptio/torch_internals.py) that may have changed; run tests/test_torch_internals.py",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -115,7 +115,8 @@ target = "s3://demo-bucket/checkpoints"
         os.environ["CKPTIO_CONFIG"] = settings
         ckptio.reset()
         print(f"S3 server {s3.url}, GCS emulator {gcs.url}, settings {settings}")
-        print("effective settings:", ckptio.settings())
+        print("effective settings (as `ckptio config` shows them):")
+        ckptio.cli.main(["config"])
         for ext in exts:
             for base in (os.path.join(tmp, "local"), "s3://demo-bucket/run1", "gs://demo-bucket/run1", "ckpt://run1"):
                 roundtrip(state, f"{base}/step100{ext}", size)

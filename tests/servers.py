@@ -1,8 +1,8 @@
 """Real storage servers on loopback for tests and benchmarks: moto (S3 API) and gcp-storage-emulator.
 
-The launchers (:class:`Server`, :class:`MotoServer`, :class:`GCSEmulator`, the bucket helpers) live
-in :mod:`ckptio.bench.servers`, since ``ckptio bench`` starts them too; they are re-exported here.
-This module adds what only tests use: moto over TLS, a boto3 client, and :class:`CountingProxy`,
+The launchers (:class:`Server`, :class:`MotoServer`, :class:`TLSMotoServer`, :class:`GCSEmulator`,
+the bucket helpers, a boto3 client) live in :mod:`ckptio.bench.servers`, since the benchmarks start
+them too; they are re-exported here. This module adds what only tests use: :class:`CountingProxy`,
 which sits in front of a server and records every request with the bytes sent and received, for
 tests that check what the server saw.
 """
@@ -10,91 +10,22 @@ tests that check what the server saw.
 from __future__ import annotations
 
 import http.client
-import os
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckptio.bench.servers import (  # noqa: F401 - re-exported for the tests and benchmarks/
+from ckptio.bench.servers import (  # noqa: F401 - re-exported for the tests
     GCSEmulator,
     MotoServer,
     Server,
+    TLSMotoServer,
     free_port,
     make_gcs_bucket,
     make_s3_bucket,
+    s3_client,
 )
-
-
-class TLSMotoServer(MotoServer):
-    """moto over https with a self-signed certificate for 127.0.0.1; ``ca_file`` is the certificate to
-    trust (``AWS_CA_BUNDLE``)."""
-
-    name = "moto_server (https)"
-
-    def __init__(self, directory: str) -> None:
-        super().__init__()
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.ca_file, self._key_file = _self_signed_certificate(directory)
-        import ssl
-
-        self.ssl_context = ssl.create_default_context(cafile=self.ca_file)
-
-    def command(self) -> list[str]:
-        return super().command() + ["-c", self.ca_file, "-k", self._key_file]
-
-
-def _self_signed_certificate(directory: str) -> tuple[str, str]:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
-    with open(cert_file, "wb") as f:
-        f.write(cert.public_bytes(serialization.Encoding.PEM))
-    with open(key_file, "wb") as f:
-        f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-    return cert_file, key_file
-
-
-# ---- bucket helpers ---------------------------------------------------------------------------
-
-
-def s3_client(endpoint: str):
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-
 
 # ---- a counting proxy -------------------------------------------------------------------------
 

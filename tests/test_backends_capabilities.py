@@ -50,14 +50,14 @@ def test_counting_declines_the_writer_descriptor_and_has_no_attribute_forwarding
     assert counted.with_options(concurrency=counted.concurrency) is counted
 
 
-def test_reads_local_and_verifies_reads_are_the_storages_through_wrappers(s3_uri):
+def test_reads_local_and_assembled_are_the_storages_through_wrappers(s3_uri):
     """Local and memory reads have no latency to hide (readers skip read-ahead and staging); object
-    stores do. No plain storage checks reads against content hashes; wrappers say what they wrap says."""
+    stores do. No plain storage assembles objects from blocks; wrappers say what they wrap says."""
     s3, _ = ckptio.resolve(s3_uri)
     for backend, local in ((LocalBackend(), True), (MemoryBackend(), True), (s3, False)):
         counted = CountingBackend(backend, _counter()[1])  # type: ignore[arg-type]
         assert backend.reads_local is local and counted.reads_local is local
-        assert not backend.verifies_reads("x") and not counted.verifies_reads("x")
+        assert not backend.assembled("x") and not counted.assembled("x")
 
 
 def test_progress_load_of_a_local_fpk_is_counted_whole(tmp_path, monkeypatch):

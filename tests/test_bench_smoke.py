@@ -85,8 +85,11 @@ def test_tiny_benchmark_writes_json_and_png(tmp_path, s3_uri, gcs_uri, capsys, m
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_ckptio_bench_command(tmp_path, capsys):
+def test_ckptio_bench_command(tmp_path, capsys, monkeypatch):
     from ckptio import cli
+    from ckptio.bench import measure
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     code = cli.main(
         [
@@ -116,7 +119,10 @@ def test_ckptio_bench_command(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_missing_bench_extras_are_named_and_skipped(tmp_path, monkeypatch, capsys):
+    from ckptio.bench import measure
     from ckptio.bench import throughput as bench
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
 
     for mod in ("moto", "matplotlib", "safetensors"):  # as if not installed
         monkeypatch.setitem(sys.modules, mod, None)
@@ -152,3 +158,175 @@ def test_load_into_benchmark_runs(capsys):
     assert load_into.main(["--mib", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "ckptio.load_into" in out and "raw preadv into tensors" in out
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_s3_peers_are_baselines_on_the_same_server(tmp_path, capsys, monkeypatch):
+    """s3torchconnector's S3Checkpoint and DCP writer/reader and s3fs's single PUT run as baselines on
+    the embedded S3 server, here behind the realistic profile's proxy; the first screen is the summary
+    naming the best baseline, sizes are exact."""
+    pytest.importorskip("s3torchconnector.dcp")
+    from ckptio.bench import measure, targets
+    from ckptio.bench import throughput as bench
+
+    monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
+    proxies = []  # and everything goes through the latency proxy of --profile realistic
+
+    class Proxy(targets.LatencyProxy):
+        def start(self):
+            proxies.append(self)
+            return super().start()
+
+    monkeypatch.setattr(targets, "LatencyProxy", Proxy)
+    code = bench.main(
+        ["--sizes", "64KiB", "--repeats", "2", "--backends", "s3", "--out", str(tmp_path), "--name", "peers"]
+        + ["--no-chart", "--quiet", "--profile", "realistic", "--latency-ms", "5", "--stream-mbps", "500"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert [(p.latency, p.bandwidth) for p in proxies] == [(0.005, 500e6)] and proxies[0].connections > 0
+    assert "--profile realistic: S3 and GCS through a loopback proxy: 5 ms" in out
+    doc = json.loads((tmp_path / "peers.json").read_text())
+    peers = ("s3torchconnector S3Checkpoint", "s3torchconnector DCP", "s3fs pipe_file(torch.save)")
+    assert not [s for s in doc["skipped"] if s["impl"] in peers]
+    for peer in peers:
+        ops = {r["op"] for r in doc["results"] if r["impl"] == peer and r["baseline"] and len(r["seconds"]) == 2}
+        assert ops == {"save", "load"}, peer
+        rs = [x for x in doc["ratios"] if x["baseline"] == peer]
+        assert {x["impl"] for x in rs} >= {"ckptio .fpk", "ckptio .pt"}
+        assert all(0 < x["ratio_min"] <= x["ratio_max"] for x in rs)
+    assert out.startswith("== ckptio's best vs the best baseline")
+    first = out.splitlines()[1]
+    assert first.startswith("64 KiB  s3  save") and any(x["baseline"] in first for x in doc["summary"])
+    assert "== 64 KiB of fp32 tensors" in out and all(r["size_bytes"] == 64 * 1024 for r in doc["results"])
+    assert "s3torchconnector" in doc["machine"]["versions"]
+
+
+def test_missing_peers_are_named(monkeypatch):
+    from ckptio.bench import peers
+
+    monkeypatch.setitem(sys.modules, "s3torchconnector", None)  # as if not installed
+    impls, notes = peers.s3_peers("http://127.0.0.1:1", "k", "s")
+    assert impls == [] and notes == [
+        {
+            "impl": "s3torchconnector",
+            "reason": "baseline left out: the s3torchconnector package is not installed (pip install 'ckptio[peers]')",
+        }
+    ]
+
+
+def test_chart_axes_fit_the_data_and_sizes_are_exact():
+    from ckptio.bench.chart import log_limits
+    from ckptio.bench.report import size_label
+    from ckptio.bench.workload import make_state, nbytes
+
+    lo, hi = log_limits([0.004, 0.2, 5.1])
+    assert 0.001 <= lo <= 0.004 and 5.1 < hi <= 11  # not 50-100 GB/s for bars that stop near 5
+    assert nbytes(make_state(8 * 2**20)) == 8 * 2**20 and size_label(8 * 2**20) == "8 MiB"
+    assert size_label(3 * 2**30) == "3 GiB" and size_label(1536) == "1.5 KiB"
+
+
+def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth():
+    """Coarse on purpose (a busy machine only adds time): 20 ms asked -> >= 15 ms per round trip on a
+    kept-alive connection; 4 MB/s asked -> 1 MB each way takes >= 0.2 s, and the bytes arrive intact."""
+    import http.client
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ckptio.bench.proxy import LatencyProxy
+
+    body = bytes(range(256)) * 4096  # 1 MiB
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            data = b"ok" if self.path == "/small" else body
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self):
+            n = len(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(str(n))))
+            self.end_headers()
+            self.wfile.write(str(n).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with LatencyProxy(f"http://127.0.0.1:{server.server_address[1]}", latency=0.020, bandwidth=4e6) as p:
+            conn = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]), timeout=30)
+            conn.request("GET", "/small")
+            conn.getresponse().read()  # connected
+            t = time.perf_counter()
+            for _ in range(5):  # same connection: each turn pays the latency
+                conn.request("GET", "/small")
+                assert conn.getresponse().read() == b"ok"
+            assert (time.perf_counter() - t) / 5 >= 0.015
+            t = time.perf_counter()
+            conn.request("GET", "/big")
+            assert conn.getresponse().read() == body
+            assert time.perf_counter() - t >= 0.2  # 1 MiB at 4 MB/s: 0.26 s
+            t = time.perf_counter()
+            conn.request("PUT", "/up", body=body)
+            assert conn.getresponse().read() == str(len(body)).encode()
+            assert time.perf_counter() - t >= 0.2
+            conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+ENTRY_POINTS = sorted(
+    f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py") and not f.startswith("_")
+)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_is_thin_and_starts(name, capsys):
+    """benchmarks/ holds entry points only (the code is in ckptio.bench, which imports nothing from
+    tests/ or benchmarks/); each one imports and answers --help."""
+    import importlib
+
+    with open(os.path.join(ROOT, "benchmarks", name + ".py")) as f:
+        assert len(f.read().splitlines()) <= 25, f"benchmarks/{name}.py: move its code into ckptio/bench/"
+    mod = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_bench_package_stands_alone():
+    """No module of ckptio.bench reaches into tests/, benchmarks/ or a path outside the project."""
+    bench = os.path.join(ROOT, "ckptio", "bench")
+    for f in sorted(os.listdir(bench)):
+        if f.endswith(".py"):
+            with open(os.path.join(bench, f)) as fh:
+                text = fh.read()
+            assert "from servers import" not in text and '"tests"' not in text, f
+            assert "/work/" not in text and "PERF.md" not in text and "shared/tools" not in text, f
+            assert len(text.splitlines()) <= 600, f
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as fh:
+        readme = fh.read()
+    assert "/work/" not in readme and "PERF.md" not in readme
+
+
+def test_peer_credentials_are_set_only_during_a_peer_call(monkeypatch):
+    """The CRT client reads credentials from the environment: the embedded server's test ones are set
+    for each peer call only, so a --uri of the user's own bucket in the same run keeps the user's."""
+    from ckptio.bench import peers
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "users-own")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "users-token")
+    seen = []
+    call = peers._with_credentials(lambda s, u: seen.append(dict(os.environ)), ("bench", "bench-secret"))
+    call({}, "s3://b/k")
+    assert seen[0]["AWS_ACCESS_KEY_ID"] == "bench" and "AWS_SESSION_TOKEN" not in seen[0]
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "users-own" and os.environ["AWS_SESSION_TOKEN"] == "users-token"

@@ -65,3 +65,25 @@ def test_verify_finds_corruption_and_incomplete(tmp_path):
     for fn in (cd.verify, cd.inspect):
         with pytest.raises(IncompleteCheckpointError, match="incomplete"):
             fn(uri)
+
+
+def test_verify_checks_the_framing_torchs_reader_reads(tmp_path, capsys):
+    """ckptio's reader reads only an item's tensor bytes; torch's FileSystemReader unpickles the zip frame
+    around them. Four bytes changed in that frame's pickle: torch's reader fails, so verify must too."""
+    uri = str(tmp_path / "c")
+    sd = state()
+    cd.save(sd, uri)
+    w = sd["w"].numpy().tobytes()[:64]
+    obj = next(u for u in ckptio.ls(uri) if u.endswith(".distcp") and w in ckptio.get(u))
+    path = obj[len("file://") :] if obj.startswith("file://") else obj
+    data = bytearray(open(path, "rb").read())
+    at = data.rindex(b"archive/data.pkl", 0, data.index(w)) + len(b"archive/data.pkl")  # w's frame
+    at = data.index(b"\x80\x02", at)  # the item's pickle (protocol 2)
+    data[at + 2 : at + 6] = bytes(b ^ 0x5A for b in data[at + 2 : at + 6])
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(BaseException):  # noqa: B017 - torch's CheckpointException: it cannot read the item
+        tdcp.load({"w": torch.zeros(64, 32)}, storage_reader=tdcp.FileSystemReader(uri))
+    with pytest.raises(IntegrityError, match="frame"):
+        cd.verify(uri)
+    assert cli.main(["verify", uri]) == 1
+    capsys.readouterr()

@@ -152,24 +152,21 @@ def test_short_or_damaged_content_object_is_named(fmt, where, tmp_path, memory_u
 
 
 @pytest.mark.parametrize("fmt", ["fpk", "dcp"])
-def test_recipe_reads_are_verified_once_by_their_blocks(fmt, tmp_path, monkeypatch):
-    """A recipe's bytes are checked against the blocks' 128-bit names as they are read, so the format
-    skips its own payload checksums (not twice over every byte); a damaged block still fails the load."""
-    from ckptio.dcp import reader as dcp_reader
-    from ckptio.formats.fastpickle import read as fpk_read
+def test_recipe_reads_are_checked_by_their_blocks_and_the_format(fmt, tmp_path):
+    """A recipe's bytes are checked against the blocks' 128-bit names as they are read, and by the
+    format's own payload checksums (a block's name does not say it is the tensor's: test_incremental_trust);
+    a damaged block fails the load naming it."""
     from ckptio.incremental import BlockStore, IncrementalBackend
 
     root = str(tmp_path / "r")
     ck = Checkpointer(root, format=fmt, incremental=True)
     ck.save(1, make_state(1))
-    monkeypatch.setattr(fpk_read, "_verify", lambda *a: pytest.fail("fpk payload checksum verified twice"))
-    monkeypatch.setattr(dcp_reader, "_block_check", _no_hash_check)
     check(ck, 1)
     backend, resolved = ckptio.resolve(root)
     inc = IncrementalBackend(backend, BlockStore(backend, resolved + "/" + CONTENT_DIR))
     names = [i.uri for i in backend.list(resolved, recursive=True) if not i.is_dir and CONTENT_DIR not in i.uri]
-    assert any(inc.verifies_reads(u) for u in names)  # the data file: a recipe
-    assert not all(inc.verifies_reads(u) for u in names)  # small files are stored plainly
+    assert any(inc.assembled(u) for u in names)  # the data file: a recipe
+    assert not all(inc.assembled(u) for u in names)  # small files are stored plainly
     victim = next(p for p in content_files(root) if os.path.getsize(p) == 1 << 20)
     flip_byte(victim, 777)
     with pytest.raises(IntegrityError, match=os.path.basename(victim)):
@@ -190,11 +187,6 @@ def test_what_a_save_references_is_what_its_recipes_name(fmt, s3_uri):
     for step in (1, 2):
         assert ck._content._refs[step] == fresh.referenced([step])[0]
     assert ck._layout.committed_among([0, 1, 2, 3]) == [1, 2]
-
-
-def _no_hash_check(hashes, block, obj, what):
-    assert hashes is None, f"{obj}: DCP checksums verified over a recipe's already verified bytes"
-    return lambda mv, start: None
 
 
 def test_unchanged_dcp_state_writes_no_content_again(tmp_path):

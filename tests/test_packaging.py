@@ -7,6 +7,7 @@ That every documented extra resolves without backtracking is checked by ``script
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -107,3 +108,19 @@ def test_too_old_client_library_is_refused_by_name_and_version(tmp_path, dist, o
     minimum = _floors(extra)[dist]
     assert f"REFUSED: ckptio's {extra} backend needs {dist}>={minimum}, but {dist} {old} is installed" in r.stdout
     assert f"pip install -U 'ckptio[{extra}]'" in r.stdout
+
+
+def test_torch_requirement_is_the_release_table_of_torch_internals():
+    """pyproject.toml declares torch>= the oldest release ckptio.torch_internals.TORCH_RELEASES claims, with no
+    upper bound (pip would replace a newer torch); the table is contiguous and holds the dev pin's release."""
+    from ckptio import torch_internals as ti
+
+    minors = sorted(tuple(int(p) for p in r.split(".")) for r in ti.TORCH_RELEASES)
+    assert all(b == (a[0], a[1] + 1) for a, b in itertools.pairwise(minors)), minors
+    torch_reqs = [r for r in _pyproject()["project"]["dependencies"] if re.match(r"torch\b", r)]
+    assert torch_reqs == [f"torch>={minors[0][0]}.{minors[0][1]}"], torch_reqs
+    with open(os.path.join(ROOT, "requirements", "dev.txt"), encoding="utf-8") as f:
+        (pin,) = re.findall(r"^torch==(\d+\.\d+)\.", f.read(), re.M)
+    assert ti.TORCH_RELEASES[pin].startswith("tested: the whole suite"), ti.TORCH_RELEASES
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert f"torch>={minors[0][0]}.{minors[0][1]}" in f.read()

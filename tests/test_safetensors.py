@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -81,21 +82,18 @@ def test_many_metadata_keys_same_content(tmp_path):
     assert st.load(ours).keys() == sd.keys()
 
 
-def test_float4_and_e8m0_and_views(tmp_path):
+def test_float4_and_e8m0(tmp_path):
     if not hasattr(torch, "float4_e2m1fn_x2") or not hasattr(torch, "float8_e8m0fnu"):
         pytest.skip("torch without float4/e8m0")
-    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sd = {
         "f4": torch.arange(8, dtype=torch.uint8).reshape(2, 4).view(torch.float4_e2m1fn_x2),
         "e8m0": torch.arange(5, dtype=torch.uint8).view(torch.float8_e8m0fnu),
-        "col": base[:, 1],
-    }  # not contiguous: written as its contiguous copy
+    }
     ckptio.dump(sd, tmp_path / "a.safetensors")
     assert header((tmp_path / "a.safetensors").read_bytes())["f4"]["shape"] == [2, 8]
     back = ckptio.load(tmp_path / "a.safetensors")
     assert back["f4"].dtype == torch.float4_e2m1fn_x2 and back["f4"].shape == (2, 4)
     assert torch.equal(back["f4"].view(torch.uint8), sd["f4"].view(torch.uint8))
-    assert torch.equal(back["col"], base[:, 1])
     pkg = st.load_file(tmp_path / "a.safetensors")
     assert torch.equal(pkg["e8m0"].view(torch.uint8), sd["e8m0"].view(torch.uint8))
 
@@ -104,12 +102,12 @@ def test_float4_and_e8m0_and_views(tmp_path):
     "bad, what",
     [
         ([torch.ones(1)], "flat dict"),
-        ({"a": {"b": torch.ones(1)}}, "'a'"),
-        ({"a": torch.ones(1), "n": 3}, "'n'"),
+        ({"a": {"b": torch.ones(1)}}, "`a`.*flatten"),
+        ({"a": torch.ones(1), "n": 3}, "`n`"),
         ({1: torch.ones(1)}, "key 1"),
         ({"__metadata__": torch.ones(1)}, "reserved"),
         ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "'q'"),
-        ({"s": torch.ones(2, 2).to_sparse()}, "'s'"),
+        ({"s": torch.ones(2, 2).to_sparse()}, "'s'.*to_dense"),
         ({"c128": torch.ones(2, dtype=torch.complex128)}, "'c128'"),
     ],
 )
@@ -124,6 +122,69 @@ def test_dump_refuses_what_safetensors_cannot_hold(local_uri, bad, what):
 def test_dump_refuses_bad_metadata(local_uri, md, what):
     with pytest.raises(TypeError, match=what):
         ckptio.dump({"a": torch.ones(1)}, f"{local_uri}/x.safetensors", metadata=md)
+
+
+# ---- the package's refusals (its test_pt_comparison.py and save_file's checks) --------------------
+
+_BASE = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+REFUSED = {  # what safetensors.torch.save_file refuses, and the words of its error that ours has too
+    "not_contiguous": ({"a": _BASE.t()}, "non contiguous tensor: `a`"),
+    "expanded": ({"a": torch.zeros(1).expand(3)}, "non contiguous tensor: `a`"),
+    "column": ({"col": _BASE[:, 1]}, "non contiguous tensor: `col`"),
+    "shared_storage": ({"a": _BASE, "b": _BASE}, "Some tensors share memory"),
+    "overlapping_views": ({"a": _BASE, "b": _BASE[1]}, "Some tensors share memory"),
+    "dict_value": (
+        {"a": {"b": torch.ones(1)}},
+        "Key `a` is invalid, expected torch.Tensor but received <class 'dict'>",
+    ),
+    "int_value": ({"a": torch.ones(1), "n": 3}, "Key `n` is invalid, expected torch.Tensor but received <class 'int'>"),
+    "sparse": ({"s": torch.ones(2, 2).to_sparse()}, "You are trying to save a sparse tensors: `['s']`"),
+    "meta": ({"m": torch.empty(2, device="meta")}, "Cannot copy out of meta tensor"),
+    "not_a_dict": ([torch.ones(1)], "Expected a dict of [str, torch.Tensor] but received <class 'list'>"),
+    "int_key": ({1: torch.ones(1)}, "str"),  # the package's words here are pyo3's
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_dump_refuses_what_the_package_refuses_with_its_error_type(tmp_path, case):
+    sd, words = REFUSED[case]
+    with pytest.raises(Exception) as theirs:
+        st.save_file(sd, tmp_path / "theirs.safetensors")
+    with pytest.raises(type(theirs.value)) as ours:  # the package's type; TypeError as ckptio always raised
+        ckptio.dump(sd, tmp_path / "ours.safetensors")
+    assert isinstance(ours.value, TypeError) and "ours.safetensors" in str(ours.value), ours.value
+    assert words in str(theirs.value) and words in str(ours.value), (theirs.value, ours.value)
+    with pytest.raises(type(theirs.value), match=re.escape(words)):
+        ckptio.dump(sd, file_format="safetensors")
+    assert not (tmp_path / "ours.safetensors").exists()
+
+
+def test_dump_accepts_what_the_package_accepts_from_one_storage(tmp_path):
+    """Disjoint parts of one storage share no bytes: both write them, byte for byte the same."""
+    flat = torch.arange(12, dtype=torch.float32)
+    sd = {"lo": flat[:5], "hi": flat[5:], "rows": _BASE[1:3], "e1": torch.empty(0), "e2": torch.empty(0)}
+    assert ckptio.dump(sd, file_format="safetensors") == st.save(sd)
+    ckptio.dump(sd, tmp_path / "a.safetensors")
+    same(sd, ckptio.load(tmp_path / "a.safetensors"))
+
+
+@pytest.mark.parametrize("md", [[], 0, False, "", "x", {"k": 1}, {"k": None}, [["k", "v"]]])
+def test_load_refuses_metadata_that_is_not_a_str_to_str_object(tmp_path, md):
+    data = craft({"__metadata__": md, "a": T()}, bytes(8))
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(Exception, match="header"):  # the package refuses it (SafetensorError)
+        st.load(data)
+    for load in (lambda: ckptio.load(path), lambda: ckptio.load(path, mmap=False), lambda: ckptio.info(path)):
+        with pytest.raises(FormatError, match=r"m\.safetensors: __metadata__ must be"):
+            load()
+
+
+@pytest.mark.parametrize("md", [None, {}, {"k": "v"}])
+def test_load_accepts_metadata_the_package_accepts(tmp_path, md):
+    data = craft({"__metadata__": md, "a": T()}, bytes(8))
+    (tmp_path / "m.safetensors").write_bytes(data)
+    assert st.load(data).keys() == ckptio.load(tmp_path / "m.safetensors").keys() == {"a"}
 
 
 # ---- every storage -------------------------------------------------------------------------------
@@ -428,6 +489,10 @@ CRAFTED = {
     "truncated_data": (craft({"a": T(shape=(4,), offsets=(0, 16))}, bytes(8)), "truncated"),
     "trailing_bytes": (craft({"a": T()}, bytes(16)), "after the last tensor"),
     "metadata_not_str": (craft({"__metadata__": {"k": 1}, "a": T()}, bytes(8)), "__metadata__"),
+    "metadata_list": (craft({"__metadata__": [], "a": T()}, bytes(8)), "__metadata__"),
+    "metadata_zero": (craft({"__metadata__": 0, "a": T()}, bytes(8)), "__metadata__"),
+    "metadata_false": (craft({"__metadata__": False, "a": T()}, bytes(8)), "__metadata__"),
+    "metadata_str": (craft({"__metadata__": "", "a": T()}, bytes(8)), "__metadata__"),
     "entry_not_object": (craft({"a": [1, 2]}, bytes(8)), "'a'"),
     "f4_odd": (craft({"a": T(dtype="F4", shape=(3,), offsets=(0, 2))}, bytes(2)), "'a'"),
     "f4_odd_last": (craft({"a": T(dtype="F4", shape=(3, 1), offsets=(0, 2))}, bytes(2)), "'a'"),

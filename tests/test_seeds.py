@@ -307,11 +307,10 @@ def test_cosmos_pointer_alone(tmp_path):
     assert s is not None and s.kind == "cosmos" and s.steps() == [] and s.latest() is None
 
 
-@pytest.mark.xfail(strict=True, reason="integration: retention takes a seed's unpadded step dirs for debris")
 def test_checkpointer_in_a_dinov3_root_leaves_the_seed_steps_alone(tmp_path):
     """A Checkpointer saving into DINOv3's ckpt directory (no retention rule: 'nothing is deleted')
-    must not delete DINOv3's step directories; today its first commit discards them as uncommitted
-    debris (retention.cleanup: every all-digit directory below the latest without checkpoint.json)."""
+    must not delete DINOv3's step directories (it did: its first commit discarded every all-digit
+    directory below the latest without checkpoint.json as debris). More: tests/test_retention.py."""
     root = str(tmp_path / "ckpt")
     m, o, _, _ = trained(0)
     for it in (99, 199):

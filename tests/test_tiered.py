@@ -78,12 +78,12 @@ def test_round_trip_local_tier_and_s3(s3_uri, tmp_path, monkeypatch, async_save)
     assert ck.status() == {1: "replicating", 2: "replicating", 3: "replicating"}
     assert ck.latest(durable="local") == ck.latest() == 3 and ck.latest(durable="remote") is None
     assert Checkpointer(root).list() == []
-    assert sorted(os.listdir(local)) == ["000000000001", "000000000002", "000000000003", "latest.txt"]
+    assert sorted(os.listdir(local)) == ["000000000001", "000000000002", "000000000003", "latest.txt", "tier.json"]
     gate.open()
     ck.wait()
     assert ck.status() == {1: "remote", 2: "local+remote", 3: "local+remote"}
     assert ck.latest(durable="remote") == 3 and ck.list() == [1, 2, 3]
-    assert sorted(os.listdir(local)) == ["000000000002", "000000000003", "latest.txt"]
+    assert sorted(os.listdir(local)) == ["000000000002", "000000000003", "latest.txt", "tier.json"]
     remote = Checkpointer(root)
     assert remote.list() == [1, 2, 3] and remote.latest() == 3
     m = remote.manifest(3)
@@ -143,7 +143,7 @@ def test_settings_checkpointer_table(s3_uri, tmp_path):
         ck.save(2, state(2))
         ck.wait()
         assert ck.status() == {1: "remote", 2: "local+remote"}
-    assert sorted(os.listdir(tmp_path / "tier" / "s3" / bucket / "run7")) == ["000000000002", "latest.txt"]
+    assert sorted(os.listdir(tmp_path / "tier" / "s3" / bucket / "run7")) == ["000000000002", "latest.txt", "tier.json"]
     assert Checkpointer(str(tmp_path / "plain"))._tier is None  # a local root: no tier
     assert Checkpointer(s3_uri + "/x", local_tier=False)._tier is None
     assert Checkpointer(s3_uri + "/inc", format="dcp", incremental=True)._tier is None  # not combined yet

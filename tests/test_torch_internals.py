@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import re
 import subprocess
 import sys
 
@@ -53,3 +54,17 @@ def test_import_is_lazy():
     """Importing the module resolves nothing: a DCP-only symbol does not import torch.distributed."""
     code = "import sys, ckptio.torch_internals; assert 'torch.distributed.checkpoint' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("version, why", [("2.12.1", "older than 2.13"), ("9.0.0+cpu", "not been tested")])
+def test_a_release_outside_the_table_warns_saying_why(monkeypatch, version, why):
+    monkeypatch.setattr(ti, "_checked", False)
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.warns(RuntimeWarning, match=rf"not {re.escape(version)} \(.*{why}"):
+        ti.check_torch_version()
+
+
+def test_the_installed_torch_is_a_release_of_the_table(monkeypatch, recwarn):
+    monkeypatch.setattr(ti, "_checked", False)
+    ti.check_torch_version()
+    assert not [w for w in recwarn if "tested with torch" in str(w.message)]

@@ -433,10 +433,11 @@ class Backend(abc.ABC):
         Default: self (a storage whose reads cannot straddle versions, or that cannot tell them apart)."""
         return self
 
-    def verifies_reads(self, uri: str) -> bool:
-        """Capability: True when every byte this backend reads for ``uri`` has already been checked
-        against a content hash (an incremental step's recipe: each block against its 128-bit name), so a
-        format may skip its own payload checksums for it. Default False: formats verify."""
+    def assembled(self, uri: str) -> bool:
+        """Capability: True when ``uri``'s bytes are assembled from separately stored blocks (an
+        incremental step's recipe). Each block is checked against its own name, which proves its bytes
+        are *some* stored block's, not this object's: a format checks its own checksums over them, even
+        those it skips for a plain file (torch's zip CRC32). Default False."""
         return False
 
     def with_options(self, **options: Any) -> Backend:

@@ -17,7 +17,7 @@ from typing import Any
 
 import fsspec
 
-from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotFoundError, TransferError
+from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, NotDirectoryError, NotFoundError, TransferError
 from ..threads import exit_safe
 from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Backend, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
@@ -121,7 +121,7 @@ class FsspecBackend(Backend):
         with self._translate(uri):
             if not self.fs.isdir(root):
                 if self.fs.exists(root):
-                    raise NotADirectoryError(errno.ENOTDIR, f"not a directory: {uri}", uri)
+                    raise NotDirectoryError(errno.ENOTDIR, f"not a directory: {uri}", uri)
                 raise NotFoundError(uri, "no such directory")
             if recursive:
                 entries = self.fs.find(root, detail=True, withdirs=False).values()

@@ -29,7 +29,7 @@ class Impl:
     note: str = ""
 
 
-def _template(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def template(ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.empty_like(v) for k, v in ref.items()}
 
 
@@ -47,7 +47,7 @@ def ckptio_impls(has_fpk: bool, has_dcp: bool) -> list[Impl]:
                 dcp.save(s, u)
 
         def dload(r: dict, u: str) -> dict:
-            t = _template(r)
+            t = template(r)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 dcp.load(t, u)
@@ -89,7 +89,7 @@ def local_baselines() -> list[Impl]:
     def dload(r: dict, p: str) -> dict:
         import torch.distributed.checkpoint as tdcp
 
-        t = _template(r)
+        t = template(r)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tdcp.load(t, storage_reader=FileSystemReader(p))
@@ -201,7 +201,7 @@ def fsspec_baselines(fs: Any, protocol: str, storage_options: dict) -> list[Impl
 
         from ckptio.torch_internals import FsspecReader
 
-        t = _template(r)
+        t = template(r)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tdcp.load(t, storage_reader=FsspecReader(f"{protocol}://{path(u)}", **storage_options))

@@ -13,8 +13,31 @@ import torch
 from ckptio.progress import human_bytes
 
 
+def size_label(n: int) -> str:
+    """``8 MiB`` for exactly 8 MiB (binary units, no rounding shown); ``7.6 MiB`` otherwise."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k and n % (1 << k) == 0:
+            return f"{n >> k} {unit}"
+    return human_bytes(n)
+
+
+def _spread(base: dict[str, Any], mine: dict[str, Any]) -> tuple[float, float]:
+    """Min and max of the per-round ratios (rounds are interleaved, so round i of each ran together; a
+    cell measured once has one)."""
+    rs = [b / m for b, m in zip(base["seconds"], mine["seconds"], strict=False) if m > 0] or [
+        base["median_seconds"] / mine["median_seconds"]
+    ]
+    return min(rs), max(rs)
+
+
+def _ratio(base: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    lo, hi = _spread(base, mine)
+    return {"ratio": base["median_seconds"] / mine["median_seconds"], "ratio_min": lo, "ratio_max": hi}
+
+
 def ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For every ckptio figure, its speed relative to every baseline on the same backend, size and op."""
+    """For every ckptio figure, its speed relative to every baseline on the same backend, size and op:
+    the ratio of the medians, and the min-max of the per-round ratios."""
     out = []
     for r in records:
         if r["baseline"] or not r["median_seconds"]:
@@ -34,7 +57,7 @@ def ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "op": r["op"],
                         "impl": r["impl"],
                         "baseline": b["impl"],
-                        "ratio": b["median_seconds"] / r["median_seconds"],
+                        **_ratio(b, r),
                     }
                 )
     return out
@@ -63,10 +86,17 @@ def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "gb_per_s": mine["gb_per_s"],
                 "baseline": base["impl"],
                 "baseline_gb_per_s": base["gb_per_s"],
-                "ratio": base["median_seconds"] / mine["median_seconds"],
+                **_ratio(base, mine),
             }
         )
     return out
+
+
+def fmt_ratio(x: dict[str, Any]) -> str:
+    """``1.23x [1.10-1.40]``: the ratio of the medians and the min-max over rounds."""
+    if "ratio_min" not in x or x["ratio_min"] == x["ratio_max"]:
+        return f"{x['ratio']:.2f}x"
+    return f"{x['ratio']:.2f}x [{x['ratio_min']:.2f}-{x['ratio_max']:.2f}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +119,7 @@ def machine() -> dict[str, Any]:
         "gcp-storage-emulator",
         "xxhash",
         "matplotlib",
+        "s3torchconnector",
     ):
         with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
@@ -121,19 +152,24 @@ OP_COLUMNS = (("save", "save"), ("load", "load"), ("load_cold", "load cold"))
 
 
 def table(doc: dict[str, Any]) -> str:
+    """The first screen: the summary (one line per storage and size), then per size the GB/s of every
+    implementation and the ratio to every baseline, then what was not measured."""
     recs = doc["results"]
-    lines = []
+    lines = _summary_lines(doc.get("summary") or summary(recs))
+    for note in doc["settings"].get("profile_notes", []):
+        lines.append(f"  {note}")
     for size in sorted({r["size_bytes"] for r in recs}):
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         for r in recs:
             if r["size_bytes"] == size:
                 rows.setdefault((r["backend"], r["impl"]), {"baseline": r["baseline"]})[r["op"]] = r
         lines.append(
-            f"\n== {human_bytes(size)} of fp32 tensors; GB/s, median of {doc['settings']['repeats']}; "
+            f"\n== {size_label(size)} of fp32 tensors; GB/s, median of {doc['settings']['repeats']}; "
             f"* = baseline; RSS+ = extra peak memory (MiB) save/load =="
         )
         w = max([len(i) for _, i in rows] + [14]) + 2
-        lines.append(f"{'backend':<10}{'implementation':<{w}}{'save':>8}{'load':>8}{'load cold':>11}{'RSS+':>13}")
+        bw = max([len(b) for b, _ in rows] + [7]) + 2
+        lines.append(f"{'backend':<{bw}}{'implementation':<{w}}{'save':>8}{'load':>8}{'load cold':>11}{'RSS+':>13}")
         backends = list(dict.fromkeys(b for b, _ in rows))
         for b in backends:
             for (bb, impl), ops in rows.items():
@@ -146,56 +182,55 @@ def table(doc: dict[str, Any]) -> str:
                 rss = [ops.get(op, {}).get("median_rss_extra_bytes") for op in ("save", "load")]
                 rss_s = "/".join(f"{x / 2**20:.0f}" if x is not None else "-" for x in rss)
                 name = ("* " if ops["baseline"] else "  ") + impl
-                lines.append(f"{b:<10}{name:<{w}}{cells[0]:>8}{cells[1]:>8}{cells[2]:>11}{rss_s:>13}")
-        rs = [x for x in doc["ratios"] if x["size_bytes"] == size]
-        if rs:
-            lines.append("\nratio = baseline time / ckptio time (>1: ckptio faster); save/load/load cold")
-        for b in backends:
-            mine = list(dict.fromkeys(x["impl"] for x in rs if x["backend"] == b))
-            bases = list(dict.fromkeys(x["baseline"] for x in rs if x["backend"] == b))
-            if not mine:
-                continue
-            cw = [max(len(x), 16) + 2 for x in bases]
-            lines.append(f"{b[:28]:<30}" + "".join(f"{x:<{w}}" for x, w in zip(bases, cw, strict=True)))
-            for impl in mine:
-                cells = []
-                for base in bases:
-                    vals = [
-                        next(
-                            (
-                                f"{x['ratio']:.2f}"
-                                for x in rs
-                                if x["backend"] == b and x["impl"] == impl and x["baseline"] == base and x["op"] == op
-                            ),
-                            None,
-                        )
-                        for op, _ in OP_COLUMNS
-                    ]
-                    cells.append("/".join(v for v in vals if v is not None) or "-")
-                lines.append(f"  {impl:<28}" + "".join(f"{c:<{w}}" for c, w in zip(cells, cw, strict=True)))
-    lines += _summary_lines(doc.get("summary") or summary(recs))
+                lines.append(f"{b:<{bw}}{name:<{w}}{cells[0]:>8}{cells[1]:>8}{cells[2]:>11}{rss_s:>13}")
+        lines += _ratio_lines([x for x in doc["ratios"] if x["size_bytes"] == size], backends, bw, w)
     if doc["skipped"]:
         lines.append("\nnot measured:")
         for s in doc["skipped"]:
-            at = f" ({human_bytes(s['size_bytes'])})" if s["size_bytes"] else ""
+            at = f" ({size_label(s['size_bytes'])})" if s["size_bytes"] else ""
             lines.append(f"  {s['backend']} {s['impl']}{at}: {s['reason']}")
-    return "\n".join(ln.rstrip() for ln in lines)
+    return "\n".join(ln.rstrip() for ln in lines).lstrip("\n")
+
+
+def _ratio_lines(rs: list[dict[str, Any]], backends: list[str], bw: int, w: int) -> list[str]:
+    """One line per ckptio implementation and baseline: the ratio per op, median [min-max of the rounds]."""
+    if not rs:
+        return []
+    bases = max(len(x["baseline"]) for x in rs) + 2
+    lines = [
+        "\nratio = baseline time / ckptio time, median [min-max over rounds] (>1: ckptio faster)",
+        f"{'backend':<{bw}}{'ckptio':<{w}}{'vs baseline':<{bases}}" + "".join(f"{c:<20}" for _, c in OP_COLUMNS),
+    ]
+    for b in backends:
+        pairs = list(dict.fromkeys((x["impl"], x["baseline"]) for x in rs if x["backend"] == b))
+        for impl, base in pairs:
+            cells = []
+            for op, _ in OP_COLUMNS:
+                x = next(
+                    (x for x in rs if (x["backend"], x["impl"], x["baseline"], x["op"]) == (b, impl, base, op)), None
+                )
+                cells.append(fmt_ratio(x) if x else "-")
+            lines.append(f"{b:<{bw}}  {impl:<{w - 2}}{base:<{bases}}" + "".join(f"{c:<20}" for c in cells))
+    return lines
 
 
 def _summary_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per storage and size: ckptio's best vs the best baseline, save and load."""
+    """One line per storage and size: ckptio's best vs the best baseline (named), save and load."""
     if not rows:
         return []
-    lines = ["\n== ckptio's best vs the best baseline; ratio = baseline time / ckptio time (>1: ckptio faster) =="]
+    lines = [
+        "== ckptio's best vs the best baseline: baseline time / ckptio time, median [min-max over rounds]; "
+        ">1: ckptio faster =="
+    ]
     keys = list(dict.fromkeys((x["size_bytes"], x["backend"]) for x in sorted(rows, key=lambda x: x["size_bytes"])))
     table = []
     for size, b in keys:
-        cells = [human_bytes(size), b]
+        cells = [size_label(size), b]
         for op in ("save", "load"):
             x = next((x for x in rows if x["backend"] == b and x["size_bytes"] == size and x["op"] == op), None)
             cells.append(
-                f"{op} {x['ratio']:5.2f}x ({x['impl']} {x['gb_per_s']:.3f} vs {x['baseline']} "
-                f"{x['baseline_gb_per_s']:.3f} GB/s)"
+                f"{op} {fmt_ratio(x)} {x['impl']} {x['gb_per_s']:.3f} vs {x['baseline']} "
+                f"{x['baseline_gb_per_s']:.3f} GB/s"
                 if x
                 else f"{op} -"
             )
@@ -204,91 +239,3 @@ def _summary_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in table:
         lines.append(f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}   {r[3]}")
     return lines
-
-
-def chart(doc: dict[str, Any], path: str) -> str | None:
-    """Top: GB/s per backend x implementation (largest size), save and load, baselines hatched. Bottom:
-    ckptio's best over the best baseline (the summary ratio) per size and backend, save and load."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    recs = doc["results"]
-    if not recs:
-        return None
-    size = max(r["size_bytes"] for r in recs if r["size_bytes"] in {x["size_bytes"] for x in recs if x["op"] == "save"})
-    backends = list(dict.fromkeys(r["backend"] for r in recs if r["size_bytes"] == size))
-    fig, axes = plt.subplots(2, 2, figsize=(max(8, 2.6 * len(backends) + 4), 10), squeeze=False)
-    for ax, op in zip(axes[0], ("save", "load"), strict=True):
-        x = 0.0
-        ticks, labels = [], []
-        for b in backends:
-            rows = [r for r in recs if r["backend"] == b and r["size_bytes"] == size and r["op"] == op]
-            start = x
-            for r in rows:
-                color = "#b0b0b0" if r["baseline"] else "#1f77b4"
-                ax.bar(
-                    x,
-                    r["gb_per_s"] or 1e-4,
-                    width=0.8,
-                    color=color,
-                    edgecolor="black",
-                    hatch="//" if r["baseline"] else None,
-                )
-                ax.text(x, (r["gb_per_s"] or 1e-4) * 1.08, r["impl"], rotation=90, ha="center", va="bottom", fontsize=7)
-                x += 1
-            if rows:
-                ticks.append((start + x - 1) / 2)
-                labels.append(b)
-            x += 1
-        ax.set_xticks(ticks)
-        ax.set_xticklabels(labels)
-        ax.set_yscale("log")  # local/memory and loopback object stores differ by 10-100x
-        ax.set_ylabel("GB/s (median, log scale)")
-        ax.set_title(f"{op}, {human_bytes(size)}")
-        lo, hi = ax.get_ylim()
-        ax.set_ylim(lo, hi * 30)  # room for the labels above the bars
-    _ratio_panels(axes[1], doc.get("summary") or summary(recs))
-    from matplotlib.patches import Patch
-
-    fig.legend(
-        handles=[
-            Patch(facecolor="#1f77b4", edgecolor="black", label="ckptio"),
-            Patch(facecolor="#b0b0b0", edgecolor="black", hatch="//", label="baseline"),
-        ],
-        loc="upper right",
-    )
-    fig.suptitle("ckptio checkpoint throughput and ratio to the best baseline (higher is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _ratio_panels(axes: Any, rows: list[dict[str, Any]]) -> None:
-    """Grouped bars: per size, one bar per backend of ckptio's best over the best baseline; a line at 1."""
-    sizes = sorted({x["size_bytes"] for x in rows})
-    backends = list(dict.fromkeys(x["backend"] for x in rows))
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-    width = 0.8 / max(1, len(backends))
-    for ax, op in zip(axes, ("save", "load"), strict=True):
-        for j, b in enumerate(backends):
-            label: str | None = b
-            for i, size in enumerate(sizes):
-                x = next((x for x in rows if x["backend"] == b and x["size_bytes"] == size and x["op"] == op), None)
-                if x is None:
-                    continue
-                pos = i - 0.4 + width * (j + 0.5)
-                ax.bar(pos, x["ratio"], width=width, color=colors[j % len(colors)], edgecolor="black", label=label)
-                label = None
-                ax.text(pos, x["ratio"], f"{x['ratio']:.2f}", ha="center", va="bottom", fontsize=7)
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-        ax.set_xticks(range(len(sizes)))
-        ax.set_xticklabels([human_bytes(s) for s in sizes])
-        ax.set_ylabel("baseline time / ckptio time")
-        ax.set_title(f"{op}: ckptio's best / best baseline (>1: faster)")
-        if backends:
-            ax.legend(fontsize=8)

@@ -139,6 +139,73 @@ class GCSEmulator(Server):
         ]
 
 
+class TLSMotoServer(MotoServer):
+    """moto over https with a self-signed certificate for 127.0.0.1; ``ca_file`` is the certificate to
+    trust (``AWS_CA_BUNDLE``)."""
+
+    name = "moto_server (https)"
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.ca_file, self._key_file = _self_signed_certificate(directory)
+        import ssl
+
+        self.ssl_context = ssl.create_default_context(cafile=self.ca_file)
+
+    def command(self) -> list[str]:
+        return super().command() + ["-c", self.ca_file, "-k", self._key_file]
+
+
+def _self_signed_certificate(directory: str) -> tuple[str, str]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_file, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_file, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    return cert_file, key_file
+
+
+def s3_client(endpoint: str) -> Any:
+    """A boto3 S3 client for a :class:`MotoServer` at ``endpoint`` (moto's documented test credentials)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
 @atexit.register
 def _stop_all() -> None:
     for s in list(_running):

@@ -16,11 +16,14 @@ from ckptio.errors import MissingDependencyError
 
 from .impls import backend_raw_baseline, ckptio_impls, fsspec_baselines, local_baselines, memory_baselines
 from .measure import Target
-from .servers import GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket
+from .peers import s3_peers, s3fs_put_baseline
+from .proxy import LatencyProxy
+from .servers import GCSEmulator, MotoServer, Server, make_gcs_bucket, make_s3_bucket
 
 EMBEDDED = ("local", "memory", "s3", "gcs")
 S3_CREDS = {"access_key_id": "bench", "secret_access_key": "bench", "region": "us-east-1"}
 BENCH_HINT = "pip install 'ckptio[bench]'"
+Wan = tuple[float, float]  # (first-byte latency in s, bandwidth per connection in bytes/s)
 
 
 def _require(module: str, hint: str) -> None:
@@ -47,8 +50,10 @@ def has_dcp() -> bool:
 
 @contextlib.contextmanager
 def embedded_targets(
-    names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False
+    names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False, wan: Wan | None = None
 ) -> Iterator[list[Target]]:
+    """The embedded storages ``names``; with ``wan`` (latency s, bandwidth B/s), S3 and GCS are reached
+    through a :class:`~ckptio.bench.proxy.LatencyProxy` that adds them."""
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
@@ -69,7 +74,7 @@ def embedded_targets(
                 targets.append(Target("memory", f"memory://bench-{uuid.uuid4().hex[:8]}", mine + memory_baselines()))
             elif name in ("s3", "gcs"):
                 try:
-                    targets.append(stack.enter_context(_server_target(name, log, quick)))
+                    targets.append(stack.enter_context(_server_target(name, log, quick, wan)))
                 except Exception as e:  # noqa: BLE001 - a server that cannot start skips the column with a note
                     why = str(e) if isinstance(e, MissingDependencyError) else f"{type(e).__name__}: {e}"
                     log(f"skipping {name}: {why}")
@@ -80,24 +85,39 @@ def embedded_targets(
 
 
 @contextlib.contextmanager
-def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -> Iterator[Target]:
+def _endpoint(srv: Server, wan: Wan | None, log: Callable[[str], None]) -> Iterator[str]:
+    """The server's URL, or that of a latency proxy in front of it."""
+    if wan is None:
+        yield srv.url
+        return
+    with LatencyProxy(srv.url, *wan) as proxy:
+        log(f"  through a loopback proxy on {proxy.url}: {proxy.describe()}")
+        yield proxy.url
+
+
+@contextlib.contextmanager
+def _server_target(
+    name: str, log: Callable[[str], None], quick: bool = False, wan: Wan | None = None
+) -> Iterator[Target]:
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
     if name == "s3":
         _require("s3fs", "pip install 'ckptio[bench,s3]'")
         import s3fs
 
-        with MotoServer() as srv:
+        with MotoServer() as srv, _endpoint(srv, wan, log) as url:
             make_s3_bucket(srv.url, bucket)
             log(f"S3 API server (moto) on {srv.url}")
-            ckptio.configure(backends={"s3": {"endpoint_url": srv.url, **S3_CREDS}})
+            ckptio.configure(backends={"s3": {"endpoint_url": url, **S3_CREDS}})
             opts = {
                 "key": S3_CREDS["access_key_id"],
                 "secret": S3_CREDS["secret_access_key"],
-                "client_kwargs": {"endpoint_url": srv.url, "region_name": "us-east-1"},
+                "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"},
             }
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-            yield Target("s3", f"s3://{bucket}", mine + fsspec_baselines(fs, "s3", opts))
+            peers, notes = s3_peers(url, S3_CREDS["access_key_id"], S3_CREDS["secret_access_key"])
+            impls = mine + fsspec_baselines(fs, "s3", opts) + [s3fs_put_baseline(fs)] + peers
+            yield Target("s3", f"s3://{bucket}", impls, notes=notes)
     else:
         import logging
 
@@ -105,11 +125,11 @@ def _server_target(name: str, log: Callable[[str], None], quick: bool = False) -
         import gcsfs
 
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs tracebacks for the emulator's missing moveTo
-        with GCSEmulator() as srv:
+        with GCSEmulator() as srv, _endpoint(srv, wan, log) as url:
             make_gcs_bucket(srv.url, bucket)
             log(f"GCS emulator on {srv.url}")
-            ckptio.configure(backends={"gcs": {"endpoint_url": srv.url, "anon": True, "project": "bench"}})
-            opts = {"token": "anon", "project": "bench", "endpoint_url": srv.url}
+            ckptio.configure(backends={"gcs": {"endpoint_url": url, "anon": True, "project": "bench"}})
+            opts = {"token": "anon", "project": "bench", "endpoint_url": url}
             fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **opts)
             impls, notes = mine + fsspec_baselines(fs, "gs", opts), []
             if quick:  # the emulator has no moveTo API: gcsfs renames by copy + delete, ~30 s for 32 MiB here

@@ -5,14 +5,16 @@
     ckptio bench --uri s3://my-bucket/tmp --uri ckpt://scratch   # your storage (settings file, aliases)
     ckptio bench --backends local,memory --sizes 8MiB             # a subset
     ckptio bench --sizes 1MiB,32MiB,256MiB,1GiB                   # every size in one run (remote capped)
+    ckptio bench --backends s3 --profile realistic                # S3 as a remote store behaves
     python -m benchmarks.throughput   # the same, from a source checkout (results in benchmarks/results/)
 
-Prints a table that ends with one line per storage and size (ckptio's best against the best
-baseline, save and load), writes a JSON file with every raw figure and the machine description,
-and a PNG chart (GB/s, and those ratios per size), to --out (default ./ckptio-bench-results). Needs
-the bench extra for the embedded servers, the chart and some baselines (pip install
-'ckptio[bench]'); what is missing is listed
-under "not measured". The method is in benchmarks/README.md of the source repository.
+Prints a table that starts with one line per storage and size (ckptio's best against the best
+baseline, named, save and load), writes a JSON file with every raw figure and the machine
+description, and a PNG chart (GB/s, and those ratios per size), to --out (default
+./ckptio-bench-results). Needs the bench extra for the embedded servers, the chart and some
+baselines (pip install 'ckptio[bench]'), and the peers extra for s3torchconnector (pip install
+'ckptio[peers]'); what is missing is listed under "not measured". The method is in
+benchmarks/README.md of the source repository.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 from ckptio.config import parse_size
 from ckptio.progress import Bar, human_bytes
 
+from .chart import chart
 from .measure import run_matrix
-from .report import chart, machine, ratios, summary, table
+from .proxy import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
+from .report import machine, ratios, summary, table
 from .targets import BENCH_HINT, EMBEDDED, embedded_targets, has_dcp, has_format, user_targets
 
 QUICK_SIZES = ["32MiB"]
@@ -81,6 +85,22 @@ def parse_args(argv: list[str] | None, default_out: str = DEFAULT_OUT) -> argpar
         help="a cell whose first run takes longer than this "
         "many seconds is measured once (default: 10 with --quick, unlimited otherwise)",
     )
+    ap.add_argument(
+        "--profile",
+        choices=("loopback", "realistic"),
+        default="loopback",
+        help="realistic: reach the embedded S3/GCS servers through a loopback proxy that adds a first-byte "
+        "latency and a per-connection bandwidth cap, as a remote object store has (default loopback)",
+    )
+    ap.add_argument(
+        "--latency-ms", type=float, default=DEFAULT_LATENCY * 1e3, help="with --profile realistic (default %(default)g)"
+    )
+    ap.add_argument(
+        "--stream-mbps",
+        type=float,
+        default=DEFAULT_BANDWIDTH / 1e6,
+        help="MB/s per connection with --profile realistic (default %(default)g, one fsspec S3 stream)",
+    )
     ap.add_argument("--out", default=default_out, help=f"directory for JSON and PNG (default {default_out})")
     ap.add_argument("--name", help="file name stem (default throughput-<timestamp>)")
     ap.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
@@ -91,6 +111,8 @@ def parse_args(argv: list[str] | None, default_out: str = DEFAULT_OUT) -> argpar
         ap.error("--full and --sizes cannot be combined")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.latency_ms < 0 or args.stream_mbps <= 0:
+        ap.error("--latency-ms must be >= 0 and --stream-mbps > 0")
     return args
 
 
@@ -115,6 +137,15 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
         if not args.quiet:
             bar.write(msg)
 
+    wan = (args.latency_ms / 1e3, args.stream_mbps * 1e6) if args.profile == "realistic" else None
+    profile_notes = (
+        [
+            f"--profile realistic: S3 and GCS through a loopback proxy: {args.latency_ms:g} ms before each "
+            f"response's first byte, {args.stream_mbps:g} MB/s per connection"
+        ]
+        if wan
+        else []
+    )
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = args.name or f"throughput-{stamp}"
     os.makedirs(args.out, exist_ok=True)
@@ -122,7 +153,7 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="ckptio-bench-") as tmp,
         Bar(0, "bench", enabled=False if args.quiet else None) as bar,
-        embedded_targets(names, tmp, log, quick=quick) as targets,
+        embedded_targets(names, tmp, log, quick=quick, wan=wan) as targets,
     ):
         missing = [{"backend": t.name, "size_bytes": 0, **n} for t in targets for n in t.notes]
         targets = [t for t in targets if t.impls] + user_targets(args.uri)
@@ -157,6 +188,8 @@ def main(argv: list[str] | None = None, default_out: str = DEFAULT_OUT) -> int:
             "cell_budget_seconds": budget,
             "backends": names,
             "uris": args.uri,
+            "profile": args.profile,
+            "profile_notes": profile_notes,
             "wall_seconds": None,
             "method": "interleaved (every implementation once per repeat), median of repeats; every load "
             "faults in every page of every tensor; local saves include fsync for every "

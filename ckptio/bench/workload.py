@@ -1,5 +1,5 @@
 """The benchmark's workload: a seeded, transformer-shaped dict of fp32 tensors, and helpers to touch,
-compare, pack and unpack it (shared by ``ckptio bench`` and the scripts in ``benchmarks/``)."""
+compare, pack and unpack it (shared by the benchmarks in this package)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from typing import Any
 
 import torch
 
+# the directory that holds the ckptio package: child processes put it first on sys.path to import this copy
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def make_state(size: int) -> dict[str, torch.Tensor]:
-    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) of
-    ~``size`` bytes."""
+    """A flat dict of transformer-shaped fp32 tensors (qkv, out, mlp up/down, two norms per layer) and
+    an embedding row that brings the total to ``size`` bytes exactly (rounded down to 4 bytes), so a
+    run asked for 8 MiB moves 8 MiB."""
     layers = 8 if size >= 8 * 2**20 else 2
-    h = max(8, round((size / (4 * 12 * layers)) ** 0.5 / 8) * 8)
+    h = max(8, int((size / (4 * 12 * layers)) ** 0.5 / 8) * 8)
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
     for i in range(layers):
@@ -27,6 +31,9 @@ def make_state(size: int) -> dict[str, torch.Tensor]:
             ("norm2.weight", (h,)),
         ):
             state[p + name] = torch.randn(shape, generator=g)
+    rest = (size - nbytes(state)) // 4
+    if rest > 0:
+        state["embed.weight"] = torch.randn(rest, generator=g)
     return state
 
 

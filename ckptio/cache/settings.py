@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import values as _v
 from ..errors import SettingsError
 
 ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
@@ -42,6 +43,14 @@ TABLE_KEYS = {
     "lock_timeout": "lock_timeout",
 }
 _ARGUMENT_KEYS = ("cache_dir", "max_bytes", "verify", "fsync", "lock_timeout")
+# the ``[cache]`` table: key -> coercion (a ``cache=`` mapping's values are coerced the same way)
+CACHE_TABLE: dict[str, Any] = {
+    "dir": _v.string,
+    "max_bytes": _v.pos_size,
+    "verify": _v.boolean,
+    "fsync": _v.boolean,
+    "lock_timeout": _v.pos_float,
+}
 
 
 def cache_options(
@@ -69,11 +78,12 @@ def cache_options(
         bad = set(given_cache) - set(_ARGUMENT_KEYS)
         if bad:
             raise SettingsError(f"cache=: unknown key(s) {sorted(bad)}; expected {', '.join(_ARGUMENT_KEYS)}")
-        from ..config import coerce_options
-
-        names = {"verify": "cache_verify", "fsync": "cache_fsync"}  # coerced as the settings keys are
-        given = coerce_options({names.get(k, k): v for k, v in given_cache.items()}, "cache=")
-        opts.update({k.replace("cache_", "") if k in names.values() else k: v for k, v in given.items()})
+        table_key = {v: k for k, v in TABLE_KEYS.items()}
+        for k, v in given_cache.items():
+            try:
+                opts[k] = None if v is None else CACHE_TABLE[table_key[k]](v)
+            except (TypeError, ValueError) as e:
+                raise SettingsError(f"cache=.{k}: invalid value {v!r}: {e}") from None
     elif cache not in (None, True):
         raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")
     opts["cache_dir"] = os.path.abspath(os.path.expanduser(opts["cache_dir"] or default_cache_dir()))

@@ -58,7 +58,7 @@ from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..backends.base import Backend, ObjectInfo
-from ..errors import AccessDeniedError, CkptioError, IntegrityError
+from ..errors import AccessDeniedError, CkptioError, IntegrityError, IsDirectoryError
 from ..threads import Pool
 from .entries import BlockHasher, Damaged, Entry, block_size
 from .entries import usage as cache_usage  # also the CLI's `cache stats`: reads only
@@ -257,7 +257,7 @@ class CacheStore:
             return held
         info = inner.stat(uri)
         if info.is_dir:
-            raise IsADirectoryError(errno.EISDIR, f"is a directory: {uri}", uri)
+            raise IsDirectoryError(errno.EISDIR, f"is a directory: {uri}", uri)
         return info
 
     def _discard(self, data: str, meta: str) -> None:

@@ -16,7 +16,6 @@ recipe cannot be read stops the sweep (a warning): what it references is unknown
 
 from __future__ import annotations
 
-import logging
 import time
 import warnings
 from collections.abc import Mapping
@@ -24,12 +23,11 @@ from typing import Any
 
 from .. import uri as _uri
 from ..backends.base import Backend
-from ..context import resolve
-from ..errors import CkptioError, FormatError
+from ..errors import CkptioError, FormatError, logger
 from ..incremental import CONTENT_DIR, BlockStore, IncrementalBackend
 from .manifest import _DATA_FILE, _FILE_FORMAT, CheckpointWarning, Layout
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 CONTENT_KEY = "content"
 CONTENT_HASH = "xxh3_128"
@@ -85,7 +83,7 @@ class Content:
     def write_dcp(self, step: int, sd: dict[str, Any], pg: Any, options: Mapping[str, Any], rank: int) -> list[str]:
         """Every rank: write ``sd`` as the DCP checkpoint of ``step``, its data objects through the content
         store; ``last`` is the sum over ranks."""
-        from .formats import write_dcp
+        from .formats import write_dcp  # imports torch: only when a DCP step is saved
 
         self.store.settle(self._latest_hashes(rank))
         self._replacing(step)
@@ -221,12 +219,6 @@ def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[st
         if r is not None:
             out.update(r.hashes)
     return out
-
-
-def read_backend(d: str, cache: Any) -> tuple[IncrementalBackend, str]:
-    """The backend to read the incremental checkpoint directory ``d`` (a URI) through, and ``d`` resolved."""
-    backend, resolved = resolve(d, cache=cache)
-    return IncrementalBackend(backend, store_for(backend, _uri.parent(resolved.rstrip("/")))), resolved
 
 
 def usage(root_uri: str) -> dict[str, Any]:

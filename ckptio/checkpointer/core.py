@@ -30,28 +30,30 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import logging
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .. import uri as _uri
-from ..errors import AlreadyExistsError, CkptioError
+from ..errors import AlreadyExistsError, CkptioError, logger
 from . import formats
+from . import retention as _retention
 from .content import CONTENT_HASH, CONTENT_KEY, Content
 from .group import Group
 from .manifest import FORMATS, CheckpointWarning, Layout
-from .retention import STALE_AFTER, abort_stale_writes, check_rules, cleanup
+from .retention import STALE_AFTER, RetentionPolicy, abort_stale_writes, check_rules, cleanup
+from .sources import Target, seed_latest
+from .sources import resolve as resolve_uri
 from .staging import Background, _Stager
 from .state import LoadResult, SaveResult
 from .statedict import Parts
 from .tiered import Tier, open_layouts, tier_options
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 _UNKNOWN = object()
 
 
@@ -70,13 +72,22 @@ def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
+def _keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
+    def run(tree: Mapping[str, Any]) -> None:
+        wanted[:] = [k for k in wanted if k in tree]
+
+    return run
+
+
 class Checkpointer:
     """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
 
     ``format``: ``"dcp"`` (sharded, every rank writes; see :mod:`ckptio.dcp`), ``"fpk"`` or ``"pt"``
     (one file, written by rank 0). Retention keeps the union of: the ``keep_last`` newest steps, every
-    step divisible by ``keep_every``, the ``keep_best`` best by ``metrics[best_metric]`` (``best_mode``
-    ``"min"`` or ``"max"``), and always the latest; with no rule set nothing is deleted.
+    step with ``(step + keep_every_offset) % keep_every == 0``, the ``keep_best`` best by
+    ``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``), the kept steps (:meth:`keep`) and
+    always the latest; with no rule set nothing is deleted. ``retention``: a policy, ``"all"``,
+    ``"last"``, ``"best"``, ``"last_and_best"`` or ``"none"`` (:mod:`.retention`).
     ``process_group``: the group to coordinate over (default: a new gloo group when
     ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
     ``stale_after``: seconds after which an unfinished write under root is taken for the debris of a
@@ -105,6 +116,8 @@ class Checkpointer:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
+        keep_every_offset: int = 0,
+        retention: str | RetentionPolicy | None = None,
         async_save: bool = False,
         process_group: Any = None,
         timeout: float = 600.0,
@@ -122,7 +135,9 @@ class Checkpointer:
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        check_rules(keep_last, keep_every, keep_best, best_metric, best_mode)
+        policy, keep_last, keep_best = check_rules(
+            keep_last, keep_every, keep_best, best_metric, best_mode, keep_every_offset, retention
+        )
         if stale_after is not None and not float(stale_after) >= 0:
             raise ValueError(f"stale_after must be >= 0 seconds or None, got {stale_after!r}")
         if not float(content_grace) >= 0:
@@ -130,6 +145,7 @@ class Checkpointer:
         self.root_uri = os.fspath(root_uri).rstrip("/") or os.fspath(root_uri)
         self.format = format
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+        self.retention, self.keep_every_offset = policy, keep_every_offset
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = bool(async_save)
         self.background_nice = background_nice
@@ -160,15 +176,19 @@ class Checkpointer:
         return self._layout.uri(step) if self._tier is None else self._tier.remote.uri(step)
 
     def list(self) -> builtins.list[int]:
-        """Steps of the complete checkpoints under root (tiered: on either tier), ascending."""
-        return self._layout.list() if self._tier is None else self._group.on_rank0(self._tier.list)
+        """Steps of the complete checkpoints under root (tiered: on either tier), ascending. Under a process
+        group every rank calls it: rank 0 lists and tells the others."""
+        return self._group.on_rank0(self._layout.list if self._tier is None else self._tier.list)
 
     def latest(self, durable: str | None = None) -> int | None:
         """Step of the latest complete checkpoint: the pointer's, else (missing or incomplete) the newest complete
-        (tiered: on either tier, or ``durable="local"``/``"remote"``: on this node's tier/at root)."""
+        (tiered: on either tier, or ``durable="local"``/``"remote"``: on this node's tier/at root). Rank 0 reads
+        the pointer and tells the other ranks (every rank calls it)."""
         if self._tier is None and durable is not None:
             raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
-        return self._layout.latest() if self._tier is None else self._group.on_rank0(self._tier.latest, durable)
+        if self._tier is None:
+            return self._group.on_rank0(self._layout.latest)
+        return self._group.on_rank0(self._tier.latest, durable)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The commit marker's contents for ``step`` (format, files, metrics, time)."""
@@ -211,7 +231,7 @@ class Checkpointer:
             self._refuse_latest(step)
         if self._tier is not None and self._tier.replicator is not None:
             self._tier.replicator.admit()
-        sd = Parts(state, files=self.format != "dcp").state_dicts()
+        sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
         if not self.async_save:
             self._persist(step, sd, metrics, overwrite)
             return
@@ -251,6 +271,12 @@ class Checkpointer:
         self.close()
 
     def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float], overwrite: bool = False) -> None:
+        if self._tier is None:
+            return self._write(step, sd, metrics, overwrite)
+        with self._tier.writing(step):  # not evicted from the local tier meanwhile
+            return self._write(step, sd, metrics, overwrite)
+
+    def _write(self, step: int, sd: dict[str, Any], metrics: dict[str, float], overwrite: bool = False) -> None:
         t0 = time.perf_counter()
         self._group.on_rank0(self._prepare, step, overwrite)
         if self.format == "dcp" and self._content is not None:
@@ -298,6 +324,12 @@ class Checkpointer:
                 raise AlreadyExistsError(
                     self.uri(step), "this step is the latest checkpoint; pass overwrite=True or delete it first"
                 )
+            kept = [] if overwrite else _retention.names_of(self._durable, step)
+            if kept:
+                raise AlreadyExistsError(
+                    self.uri(step),
+                    f"this step is kept as {kept}; pass overwrite=True to replace it, or unkeep it first",
+                )
             if not overwrite:
                 warnings.warn(
                     f"replacing the existing checkpoint {self.uri(step)} (not the latest)",
@@ -315,13 +347,65 @@ class Checkpointer:
         if self._content is not None:
             self._content.sweep(kept)
 
-    # ---- delete ----------------------------------------------------------------------------------
+    # ---- delete, keep ----------------------------------------------------------------------------
     def delete(self, step: int) -> None:
-        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one."""
+        """Delete checkpoint ``step``; if it is the latest, the pointer moves to the newest remaining one.
+        A kept step (:meth:`keep`) is refused: ``unkeep`` its names first."""
         self._background.wait()
-        self._group.on_rank0(self._layout.delete if self._tier is None else self._tier.delete, step)
+        self._group.on_rank0(self._delete, step)
         self._latest_known = _UNKNOWN
         self._group.barrier()
+
+    def _delete(self, step: int) -> None:
+        names = _retention.names_of(self._durable, step)
+        if names:
+            raise ValueError(f"{self.uri(step)}: kept as {names}; unkeep({names[0]!r}) first to delete it")
+        (self._layout.delete if self._tier is None else self._tier.delete)(step)
+
+    @property
+    def _durable(self) -> Layout:
+        """The root that holds the kept names and the retention rules apply to (tiered: the remote one)."""
+        return self._layout if self._tier is None else self._tier.remote
+
+    def keep(self, step: int, name: str | None = None) -> str:
+        """Keep checkpoint ``step`` whatever the retention rules, under ``name`` (default ``"<step>_keep"``,
+        DINOv3's); a name already used moves to ``step`` (``"best"``, ``"final"``). Returns the name.
+        Every rank calls it (rank 0 writes ``kept.json`` at root)."""
+        name = _retention.check_name(f"{step}_keep" if name is None else name)
+        self._background.wait()
+
+        def run() -> None:
+            exists = step in (self._layout.list() if self._tier is None else self._tier.list())
+            _retention.keep(self._durable, step, name, exists)
+
+        self._group.on_rank0(run)
+        return name
+
+    def unkeep(self, name: str) -> int:
+        """Drop the kept name ``name`` (``KeyError`` if none); returns its step, which the next save's
+        retention (or :meth:`prune`) deletes unless a rule or another name keeps it."""
+        return self._group.on_rank0(_retention.unkeep, self._durable, name)
+
+    def kept(self) -> dict[str, int]:
+        """Name -> step of the kept checkpoints."""
+        return self._group.on_rank0(_retention.kept, self._durable)
+
+    def prune(self) -> builtins.list[int]:
+        """Apply retention now (after :meth:`unkeep`, or to a root saved with other rules); returns the steps
+        deleted (tiered: at the remote root; the local tier evicts as after a save)."""
+        self._background.wait()
+        return self._group.on_rank0(self._prune)
+
+    def _prune(self) -> builtins.list[int]:
+        if self._tier is not None:
+            return self._tier.prune()
+        latest = self._layout.latest()
+        if latest is None:
+            return []
+        kept, deleted = _retention.prune(self, self._layout, latest)
+        if self._content is not None:
+            self._content.sweep(kept)
+        return deleted
 
     # ---- load ------------------------------------------------------------------------------------
     def load(
@@ -341,7 +425,7 @@ class Checkpointer:
         ``step``: ``"latest"``, an int, or the URI of any checkpoint directory or file (another run's
         too; its step is the marker's, else the number its name ends with, else 0). ``keys``: the parts
         to restore (default: every part of ``state``); ``exclude``: parts not to restore (Cosmos's
-        ``keys_not_to_resume``); only the bytes of the parts restored are read (``dcp``, ``fpk``).
+        ``keys_not_to_resume``); only the bytes of the parts restored are read (every format).
         ``strict=True`` raises ``KeyError`` naming every missing and unexpected key before anything is
         restored; ``strict=False`` restores what matches and reports the rest (a warning and
         ``self.last_load``). ``cache`` (True, a directory or a mapping) reads the data through the
@@ -364,7 +448,8 @@ class Checkpointer:
             log.warning("no checkpoint under %s yet; nothing restored", self.root_uri)
             self.last_load = LoadResult(None, None)
             return None
-        s, d, parts, source, ckpt_parts = found
+        t, d, parts, source, ckpt_parts = found
+        s = t.step
         given = isinstance(step, (str, os.PathLike)) and step != "latest"
         res = LoadResult(s, os.fspath(step).rstrip("/") if given else d)  # a bare file: the file
         for k in names:
@@ -373,9 +458,9 @@ class Checkpointer:
             else:
                 state[k] = parts.restore(k, source[k], res)
         if not picked:
-            res.unexpected_keys += [k for k in ckpt_parts if k not in state]
+            res.unexpected_keys += [k for k in ckpt_parts if k not in state and k not in t.ignore]
         self.last_load = res
-        if step == "latest":
+        if step == "latest" and t.seed is None:  # a seed's step is not this root's latest
             self._latest_known = s
         if res.missing_keys or res.unexpected_keys:
             msg = (
@@ -418,15 +503,15 @@ class Checkpointer:
         strict: bool,
         cache: Any,
         allow_pickle: bool,
-    ) -> tuple[int, str, Parts, Mapping[str, Any], builtins.list[str]] | None:
+    ) -> tuple[Target, str, Parts, Mapping[str, Any], builtins.list[str]] | None:
         """Resolve ``step`` (tiered: the nearest verified copy) and read the parts ``names``."""
-        target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
-        s, d, fmt, name, content = self._group.on_rank0(target, step)
-        if s is None:
+        t = self._group.on_rank0(self._target, step)
+        if t is None:
             return None
+        s, d, fmt, name, content = t.step, t.uri, t.fmt, t.name, t.content
         if self._tier is not None and self._pg is not None:
             d = self._tier.agree(s, d, self._pg)  # the local copy only if every rank's node has it
-        parts = Parts(state, files=fmt != "dcp")
+        parts = Parts(state, files=fmt != "dcp", group=self._group)
 
         def check(tree: Mapping[str, Any]) -> None:
             """Strict: every mismatch raised before anything is restored."""
@@ -439,7 +524,7 @@ class Checkpointer:
                     m, u = parts.mismatch(k, tree[k])
                     missing, unexpected = missing + m, unexpected + u
             if not picked:
-                unexpected += [str(k) for k in tree if k not in state]
+                unexpected += [str(k) for k in tree if k not in state and k not in t.ignore]
             if missing or unexpected:
                 raise KeyError(
                     f"checkpoint {where} (step {s}) does not match the state: missing keys {missing}, unexpected "
@@ -450,14 +535,24 @@ class Checkpointer:
         where = d if name is None else _uri.join_path(d, name)
 
         def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
-            checked = check if strict else None
+            checked: Callable[[Mapping[str, Any]], None] | None = check if strict else None
+            if fmt == "pt-parts":
+                return formats.read_pt_parts(
+                    t.files, names, self.load_options, self.weights_only, cache, allow_pickle, checked
+                )
             if fmt == "dcp":
                 return formats.read_dcp(
                     d, parts, names, self.load_options, self._pg, cache, allow_pickle, content, checked
                 )
             opts = dict(self.load_options)
-            if picked and strict and fmt == "fpk":
-                opts.setdefault("keys", names)  # only these parts' bytes (the check saw every one of them)
+            if picked and fmt == "fpk":  # only these parts' bytes
+                wanted = list(names)
+                opts.setdefault("keys", wanted)
+                if not strict:  # those the file lacks are reported missing (its tree is seen before keys= is read)
+                    checked = _keep_present(wanted)
+                into = None
+            elif picked and fmt == "pt":
+                opts.setdefault("keys", names)  # only these parts' bytes (:mod:`ckptio.formats.torch_entries`)
                 into = None
             else:
                 into = parts.targets(names)  # tensors read in place where they match
@@ -470,4 +565,16 @@ class Checkpointer:
                 raise
             d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
             source, ckpt_parts = read(d)
-        return s, d, parts, source, ckpt_parts
+        return t, d, parts, source, ckpt_parts
+
+    def _target(self, step: Any) -> Target | None:
+        """Rank 0: what ``load(step=...)`` reads: a URI as :func:`.sources.resolve` finds it; ``"latest"``
+        or a step of this root (tiered: the nearest verified copy); with no checkpoint of its own yet, the
+        latest of a seed's layout under root (:mod:`.seeds`)."""
+        if isinstance(step, (str, os.PathLike)) and step != "latest":
+            return resolve_uri(step)
+        target = self._layout.resolve_target if self._tier is None else self._tier.resolve_target
+        s, d, fmt, name, content = target(step)
+        if s is None or d is None or fmt is None:
+            return seed_latest(self.root_uri) if self._tier is None else None
+        return Target(s, d, fmt, name, content)

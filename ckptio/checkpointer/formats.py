@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from .. import uri as _uri
+from ..context import resolve
 from ..errors import FormatError
+from ..incremental.direct import step_reader
 from .manifest import _DATA_FILE, _FILE_FORMAT, Layout
 from .state import _fill_empty, tree_has
 from .statedict import Parts
@@ -89,14 +91,18 @@ def read_file(
         kw.setdefault("weights_only", weights_only and not kw.get("allow_pickle", False))
         kw.setdefault("map_location", "cpu")
     data_uri = _uri.join_path(d, name)
+    entries = kw.pop("keys", None) if fmt == "pt" else None  # only these parts' bytes (.fpk: its own keys=)
     if incremental:
-        from .content import read_backend
-
-        backend, resolved = read_backend(d, kw.pop("cache", None))
+        backend, resolved = step_reader(d, kw.pop("cache", None))
         try:
-            source = fmt_obj.load(backend, _uri.join_path(resolved, name), **kw)
+            source = _load_pt_entries(backend, _uri.join_path(resolved, name), entries, kw) if entries else None
+            if source is None:
+                source = fmt_obj.load(backend, _uri.join_path(resolved, name), **kw)
         finally:
             backend.close()
+    elif entries is not None:
+        reads, resolved = resolve(data_uri, cache=kw.pop("cache", None))
+        source = _load_pt_entries(reads, resolved, entries, kw)
     else:
         source = _load(data_uri, file_format=_FILE_FORMAT[fmt], **kw)
     if not isinstance(source, Mapping):
@@ -104,6 +110,40 @@ def read_file(
     if check is not None:
         check(source)
     return source, list(source)
+
+
+def _load_pt_entries(backend: Any, uri: str, keys: list[str], kw: dict[str, Any]) -> Any:
+    from ..errors import note
+    from ..formats.torch_entries import load_entries
+
+    try:
+        return load_entries(backend, uri, keys, **kw)
+    except Exception as e:  # torch's own errors do not say which file
+        if uri not in str(e):
+            note(e, f"ckptio: loading {uri}")
+        raise
+
+
+def read_pt_parts(
+    files: Mapping[str, str],
+    names: list[str],
+    options: dict[str, Any],
+    weights_only: bool,
+    cache: Any,
+    allow_pickle: bool,
+    check: Callable[[Mapping[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The parts ``names`` of a checkpoint of one ``.pt`` file per part (a Cosmos step: ``files``, part ->
+    file URI), reading only those parts' files; ``check`` as for :func:`read_file`, before anything is
+    restored."""
+    source = {}
+    for k in names:
+        if k in files:
+            f = files[k]
+            source[k], _ = read_file("pt", _uri.parent(f), _uri.basename(f), options, weights_only, cache, allow_pickle)
+    if check is not None:
+        check(source)
+    return source, list(files)
 
 
 def _parts_checked(check: Callable[[Mapping[str, Any]], None], d: str) -> Callable[[Any], None]:
@@ -133,9 +173,7 @@ def read_dcp(
     checkpoint's parts (keys only) before anything is read."""
     if not incremental:
         return _read_dcp(d, parts, names, options, process_group, cache, allow_pickle, check)
-    from .content import read_backend
-
-    backend, _ = read_backend(d, cache)
+    backend, _ = step_reader(d, cache)
     try:
         return _read_dcp(d, parts, names, {**options, "backend": backend}, process_group, cache, allow_pickle, check)
     finally:

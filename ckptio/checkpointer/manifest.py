@@ -8,7 +8,10 @@ Layout under ``root`` (any URI: local path, ``s3://``, ``gs://``, ``memory://``,
         __*.distcp .metadata        format "dcp": a ckptio.dcp checkpoint (its .metadata written last)
         checkpoint.json             the commit marker, written last, create-only
 
-Any all-digit directory name is read as a step (so unpadded names written by hand also work).
+A directory whose name is the step padded to 12 digits is ckptio's (committed or the debris of a
+killed save); another all-digit name (``199``, written by hand or by another program: DINOv3 writes
+unpadded step directories) is a step only once it holds ``checkpoint.json``. Without one it is not
+ckptio's: it is neither listed, written into nor deleted (logged once at INFO).
 
 A step directory is a checkpoint once its ``checkpoint.json`` exists (``list()`` shows only those); it is
 deleted marker first, so a crash mid-delete leaves an uncommitted directory, never a committed one with
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import logging
 import os
 import re
 import warnings
@@ -33,10 +35,10 @@ from typing import Any
 
 from .. import uri as _uri
 from ..context import resolve
-from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError
+from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError, Redacting, logger
 from ..threads import Pool
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 MARKER_NAME = "checkpoint.json"
 POINTER_NAME = "latest.txt"
@@ -51,7 +53,12 @@ def _is_step_name(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
-class CheckpointWarning(RuntimeWarning):
+def _is_own_name(name: str) -> bool:
+    """The name ckptio gives a step directory: the step zero-padded to :data:`STEP_DIGITS` digits."""
+    return _is_step_name(name) and name == f"{int(name):0{STEP_DIGITS}d}"
+
+
+class CheckpointWarning(Redacting, RuntimeWarning):
     """A checkpoint choice the caller should know about (fallback, partial restore, replaced step)."""
 
 
@@ -117,6 +124,29 @@ def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
     return step, fmt, name
 
 
+_BARE_FILES = {".pt": "pt", ".pth": "pt", ".fpk": "fpk"}  # a bare data file, by extension
+
+
+def target_of_uri(u: str) -> tuple[int, str, str, str | None, bool]:
+    """(step, directory URI, format, data file name, incremental) of the checkpoint directory or bare
+    ``.pt``/``.pth``/``.fpk`` file ``u`` (another run's too; its step is the marker's, else the number its
+    name ends with, else 0); ``IncompleteCheckpointError`` if ``u`` is neither."""
+    backend, d = resolve(u)
+    fmt = _BARE_FILES.get(os.path.splitext(d)[1])
+    if fmt is not None and backend.isfile(d):
+        return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
+    if backend.isfile(_uri.join_path(d, MARKER_NAME)):
+        marker = _uri.join_path(u, MARKER_NAME)
+        m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
+        s, fmt, name = _check_manifest(m, marker)
+        return s, u, fmt, name, m.get("content") is not None
+    if backend.isfile(_uri.join_path(d, ".metadata")):
+        return step_of_name(u), u, "dcp", None, False
+    raise IncompleteCheckpointError(
+        f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.pth/.fpk file)"
+    )
+
+
 class Layout:
     """The step directories, commit markers and latest pointer under one root (the user's ``root_uri``).
 
@@ -128,6 +158,7 @@ class Layout:
         self.backend, self.root = resolve(root_uri)
         self.names: dict[int, str] = {}
         self.manifests: dict[int, dict[str, Any]] = {}
+        self.foreign: set[str] = set()  # all-digit directories without a marker: not ckptio's (step_dirs)
 
     # ---- paths -----------------------------------------------------------------------------
     def name(self, step: int) -> str:
@@ -145,35 +176,58 @@ class Layout:
         return _uri.join_path(self.uri(step), *names)
 
     # ---- queries -----------------------------------------------------------------------------
-    def committed(self, step: int) -> bool:
-        return self.backend.isfile(_uri.join_path(self.dir(step), MARKER_NAME))
+    def committed(self, step: int, names: dict[int, str] | None = None) -> bool:
+        name = (names or {}).get(step) or self.name(step)
+        return self.backend.isfile(_uri.join_path(self.root, name, MARKER_NAME))
 
-    def committed_among(self, steps: Iterable[int]) -> builtins.list[int]:
-        """Those of ``steps`` that are committed, ascending; an object store is asked about several at
-        once (one request each, in parallel)."""
+    def committed_among(self, steps: Iterable[int], names: dict[int, str] | None = None) -> builtins.list[int]:
+        """Those of ``steps`` that are committed (in the directories ``names`` gives, else their own),
+        ascending; an object store is asked about several at once (one request each, in parallel)."""
         steps = sorted(steps)
+
+        def committed(s: int) -> bool:
+            return self.committed(s, names)
+
         if len(steps) <= 1 or self.backend.reads_local:
-            return [s for s in steps if self.committed(s)]
+            return [s for s in steps if committed(s)]
         with Pool(min(len(steps), self.backend.concurrency), thread_name_prefix="ckptio-ls") as ex:
-            return [s for s, ok in zip(steps, ex.map(self.committed, steps), strict=True) if ok]
+            return [s for s, ok in zip(steps, ex.map(committed, steps), strict=True) if ok]
 
     def step_dirs(self) -> dict[int, str]:
-        """Step -> directory name of every step directory directly under root (complete or not)."""
+        """Step -> directory name of every step directory of ckptio's directly under root (complete or
+        not): padded names, and other all-digit names that hold a marker (the rest: :attr:`foreign`)."""
         root = self.root.rstrip("/")
         out: dict[int, str] = {}
         try:
             entries = builtins.list(self.backend.list(self.root, recursive=False))
         except (FileNotFoundError, NotADirectoryError):
             return out
+        others: dict[int, str] = {}
         for info in entries:
             u = info.uri.rstrip("/")
             name = _uri.basename(u)
             # only direct children of this root: "root-2/..." or "root/x/5" never match
             if not info.is_dir or not _is_step_name(name) or u != _uri.join_path(root, name).rstrip("/"):
                 continue
-            step = int(name)
-            if step not in out or name == f"{step:0{STEP_DIGITS}d}":
-                out[step] = name
+            if _is_own_name(name):
+                out[int(name)] = name
+            elif name not in self.foreign and int(name) not in others:
+                others[int(name)] = name
+        others = {s: n for s, n in others.items() if s not in out}
+        marked = self.committed_among(others, others)
+        found = [others[s] for s in sorted(others) if s not in marked]
+        if found:
+            self.foreign.update(found)
+            log.info(
+                "%s: ignoring %d director%s that ckptio did not write (all-digit names without %s, e.g. "
+                "another program's steps): %s; ckptio neither lists nor deletes them",
+                self.root_uri,
+                len(found),
+                "y" if len(found) == 1 else "ies",
+                MARKER_NAME,
+                ", ".join(found[:10]) + (", ..." if len(found) > 10 else ""),
+            )
+        out.update({s: others[s] for s in marked})
         self.names = dict(out)
         return out
 
@@ -253,21 +307,7 @@ class Layout:
             _, fmt, name = _check_manifest(m, self.user_uri(step, MARKER_NAME))
             return step, self.uri(step), fmt, name, m.get("content") is not None
         if isinstance(step, (str, os.PathLike)):
-            u = os.fspath(step).rstrip("/")
-            backend, d = resolve(u)
-            for fmt, name in _DATA_FILE.items():  # a bare .pt/.fpk file
-                if d.endswith(name[5:]) and backend.isfile(d):
-                    return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
-            if backend.isfile(_uri.join_path(d, MARKER_NAME)):
-                marker = _uri.join_path(u, MARKER_NAME)
-                m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
-                s, fmt, name = _check_manifest(m, marker)
-                return s, u, fmt, name, m.get("content") is not None
-            if backend.isfile(_uri.join_path(d, ".metadata")):
-                return step_of_name(u), u, "dcp", None, False
-            raise IncompleteCheckpointError(
-                f"{u} is not a complete checkpoint (no {MARKER_NAME}, no DCP .metadata, not a .pt/.fpk file)"
-            )
+            return target_of_uri(os.fspath(step).rstrip("/"))
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
     # ---- changes -------------------------------------------------------------------------------

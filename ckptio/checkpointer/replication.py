@@ -19,17 +19,16 @@ bounded: once ``max_pending`` steps are queued or replicating, :meth:`Replicator
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
 
-from ..errors import CkptioError
+from ..errors import CkptioError, logger
+from ..threads import lower_priority
 from .manifest import CheckpointWarning
-from .staging import _lower_priority
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 BACKLOG_POLICIES = ("block", "raise")
 RETRY_AFTER = 30.0
@@ -158,7 +157,7 @@ class Replicator:
 
     # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_priority(self._nice)
+        lower_priority(self._nice)
         steps = []
         try:
             if self._scanning:

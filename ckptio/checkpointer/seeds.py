@@ -213,7 +213,7 @@ class CosmosSteps(SeedSteps):
     def intact(self, step: int) -> bool:
         if self.layout == "dcp":
             return True
-        return all(_map(self.backend, lambda p: _zip_whole(self.backend, p), list(self._parts[step].values())))
+        return all(_map(self.backend, lambda p: zip_whole(self.backend, p), list(self._parts[step].values())))
 
     def target(self, step: int) -> SeedTarget:
         name = f"iter_{step:09d}"
@@ -266,7 +266,7 @@ def _find_cosmos(uri: str, backend: Backend, root: str, entries: Sequence[Object
     return None
 
 
-def _zip_whole(backend: Backend, path: str) -> bool:
+def zip_whole(backend: Backend, path: str) -> bool:
     """False for a zip (torch.save's format) without its end record: a torn write. A legacy
     (non-zip) torch file cannot be checked this way and counts as whole."""
     size = backend.stat(path).size

@@ -20,9 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import functools
-import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,9 +28,10 @@ from typing import Any
 import torch
 
 from .. import osio
-from ..threads import Pool
+from ..errors import logger
+from ..threads import Pool, lower_priority
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 _CHUNK = 16 << 20  # the unit of work the copy threads take, one at a time
 _PARALLEL_MIN = 64 << 20  # below this, the calling thread copies alone
@@ -146,15 +145,6 @@ class _Stager:
         return copy.deepcopy(obj)
 
 
-def _lower_priority(nice: int | None) -> None:
-    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it creates)."""
-    if nice and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except OSError as e:
-            log.debug("could not lower the persist thread's priority: %s", e)
-
-
 def _report_background_failure(uri: str, fut: cf.Future) -> None:
     """Log a failed background save at once: if the program ends without another call, the error
     would otherwise vanish. It is still raised by the next ``save``/``wait``/``close``."""
@@ -177,7 +167,7 @@ class Background:
             self._pool = Pool(
                 1,
                 thread_name_prefix="ckptio-checkpointer",
-                initializer=_lower_priority,
+                initializer=lower_priority,
                 initargs=(nice,),
                 inline_at_exit=True,  # a save started while the interpreter exits completes before save() returns
             )

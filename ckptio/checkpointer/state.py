@@ -59,8 +59,12 @@ def state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
 class RNGState:
     """A ``Stateful`` holding the process's RNG states (torch CPU and CUDA, Python ``random``, NumPy).
 
-    Put ``RNGState()`` in the state given to ``save``/``load`` to checkpoint and restore them.
+    Put ``RNGState()`` in the state given to ``save``/``load`` to checkpoint and restore them. Under
+    ``torch.distributed`` a Checkpointer saves every rank's states and restores each rank's own
+    (``ckptio_per_rank``: :mod:`.statedict`).
     """
+
+    ckptio_per_rank = True
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(_py_rng_flat())}

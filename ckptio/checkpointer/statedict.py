@@ -15,6 +15,12 @@
 * Any other ``Stateful`` (``state_dict``/``load_state_dict``: a ``GradScaler``, an LR scheduler,
   :class:`~ckptio.RNGState`) is saved and restored through its own methods, at any depth: a scaler
   inside a dict part is treated like a top-level one.
+* A ``Stateful`` with ``ckptio_per_rank = True`` (:class:`~ckptio.RNGState`) holds its process's own
+  state: with more than one rank it is saved as ``{"rank<r>": state_dict}`` for every rank (``dcp``: each
+  rank writes its entry; ``pt``/``fpk``: gathered onto rank 0) and each rank restores its own entry. A
+  checkpoint of fewer ranks lacks some: a strict load names them all on every rank; ``strict=False``
+  leaves those ranks' objects as they are. A single process saves the state dict as it is, and a
+  checkpoint saved so restores the same state on every rank.
 * Checkpoints written before (optimizer state keyed by index, a DDP model's keys with ``module.``)
   restore through ``load_state_dict`` as before.
 
@@ -24,6 +30,7 @@ anything, so a strict load can refuse before restoring any part.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -32,6 +39,22 @@ import torch
 from ..restore import LoadResult, apply, is_stateful
 
 __all__ = ["Parts"]
+
+_RANK_KEY = re.compile(r"rank\d+")
+
+
+def _per_rank(obj: Any) -> bool:
+    """A ``Stateful`` whose state is its process's own (``ckptio_per_rank = True``)."""
+    return bool(getattr(obj, "ckptio_per_rank", False)) and is_stateful(obj)
+
+
+def _by_rank(source: Any) -> bool:
+    """``source`` is a per-rank entry as saved (``{"rank<r>": ...}``), not one rank's state dict."""
+    return (
+        isinstance(source, Mapping)
+        and bool(source)
+        and all(isinstance(k, str) and _RANK_KEY.fullmatch(k) for k in source)
+    )
 
 
 def _dtensor_type() -> type | None:
@@ -90,11 +113,15 @@ def _walk(obj: Any) -> Iterable[Any]:
 
 class Parts:
     """The parts of one ``save``/``load`` call; ``files``: the checkpoint is one ``pt``/``fpk`` file
-    (full tensors), else ``dcp`` (DTensor shards)."""
+    (full tensors), else ``dcp`` (DTensor shards); ``group``: the Checkpointer's ranks (:class:`.group.Group`;
+    None: one process)."""
 
-    def __init__(self, state: Mapping[str, Any], files: bool) -> None:
+    def __init__(self, state: Mapping[str, Any], files: bool, group: Any = None) -> None:
         self.state = state
         self.files = files
+        self._group = group
+        self.rank: int = 0 if group is None else group.rank
+        self.world: int = 1 if group is None else group.world
         self._modules = [m for m in _walk(state) if isinstance(m, torch.nn.Module)]
 
     # ---- pairing and options -------------------------------------------------------------------
@@ -134,6 +161,8 @@ class Parts:
             if m is None or not v.state:
                 return v.state_dict()
             return get_optimizer_state_dict(m, v, options=self._options(m))
+        if _per_rank(v) and self.world > 1:
+            return self._every_rank(self._saved(v.state_dict()))
         if is_stateful(v):
             return self._saved(v.state_dict())
         if isinstance(v, Mapping):
@@ -145,6 +174,25 @@ class Parts:
                 return v
             return seq if isinstance(v, list) else tuple(seq)
         return v
+
+    def _every_rank(self, sd: Any) -> dict[str, Any]:
+        """``{"rank<r>": sd}``: with ``dcp`` each rank writes its own entry; for a file rank 0 gathers all."""
+        if not self.files:
+            return {f"rank{self.rank}": sd}
+        import torch.distributed as dist
+
+        pg = self._group.pg
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(sd, gathered, dst=dist.get_global_rank(pg, 0), group=pg)
+        return {f"rank{r}": x for r, x in enumerate(gathered)} if gathered is not None else {f"rank{self.rank}": sd}
+
+    def _own(self, source: Mapping[str, Any], prefix: str, res: LoadResult) -> Any:
+        """This rank's entry of a per-rank ``source``; None (recorded as missing) when it has none."""
+        key = f"rank{self.rank}"
+        if key not in source:
+            res.missing_keys.append(prefix + key)
+            return None
+        return source[key]
 
     def targets(self, names: Iterable[str]) -> dict[str, Any]:
         """The tensors a ``pt``/``fpk`` load may read straight into (:func:`ckptio.restore.load_into`), by
@@ -162,6 +210,8 @@ class Parts:
             if m is None or not v.state or _holds_dtensors(m):
                 return None
             return get_optimizer_state_dict(m, v)
+        if _per_rank(v):
+            return None  # the file holds every rank's entry
         if is_stateful(v):
             return self._target(v.state_dict())
         if isinstance(v, Mapping):
@@ -190,6 +240,9 @@ class Parts:
             if m is None or not named or not _child(stored, "state"):
                 return v.state_dict()
             return get_optimizer_state_dict(m, v, options=self._options(m))  # initializes a fresh one
+        if _per_rank(v) and _by_rank(stored):  # only this rank's entry is read
+            key = f"rank{self.rank}"
+            return {key: self._template(v.state_dict(), stored[key])} if key in stored else {}
         if is_stateful(v):
             return self._template(v.state_dict(), stored)
         if isinstance(v, Mapping):
@@ -232,6 +285,10 @@ class Parts:
                     f"state given to load() holds all of this optimizer's parameters; pass the model in the same state"
                 )
             set_optimizer_state_dict(m, target, dict(source), options=self._options(m, loading=True))
+        elif _per_rank(target) and (_by_rank(source) or source == {}):  # {}: dcp read no entry for this rank
+            own = self._own(source, prefix, res)
+            if own is not None:
+                target.load_state_dict(own)
         else:
             target.load_state_dict(source)
 
@@ -251,6 +308,8 @@ class Parts:
             have = set(target.state_dict() if _ddp_prefixed(target, source) else get_model_state_dict(target))
             missing += [prefix + x for x in have if x not in source]
             unexpected += [prefix + str(x) for x in source if x not in have]
+        elif _per_rank(target) and _by_rank(source):  # the same answer on every rank: all raise or none
+            missing += [f"{prefix}rank{r}" for r in range(self.world) if f"rank{r}" not in source]
         elif isinstance(target, torch.optim.Optimizer) or is_stateful(target):
             return  # their own load_state_dict decides
         elif isinstance(target, dict) and isinstance(source, Mapping):

@@ -49,7 +49,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-import logging
 import os
 import threading
 import time
@@ -60,13 +59,14 @@ from typing import Any, Protocol
 from .. import uri as _uri
 from ..backends.base import ObjectInfo
 from ..context import resolve
-from ..errors import CkptioError, NotFoundError
+from ..errors import CkptioError, NotFoundError, logger
 from ..transfer import copy_objects
+from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
-from .retention import _Rules, cleanup
+from .retention import _Rules, cleanup, prune
 
-log = logging.getLogger("ckptio.checkpointer")
+log = logger("ckptio.checkpointer")
 
 SIZES_KEY = "sizes"
 STATES = ("local", "replicating", "remote", "local+remote")
@@ -162,6 +162,7 @@ class Tier:
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
         self._readers, self._deferred = 0, False  # loads in progress; an eviction they held back
+        self._writing: set[int] = set()  # steps a save of this Checkpointer is writing (never evicted)
         self.rank, self.per_rank, self.timeout = rank, owner.format == "dcp" and world > 1, owner.timeout
         self.owned: dict[int, dict[str, int]] = {}  # step -> every rank's files (DCP, ranks but 0)
         if rank == 0 or self.per_rank:  # the thread starts by scheduling every local step (a restart's)
@@ -262,10 +263,21 @@ class Tier:
                 _uri.join_path(remote.root, POINTER_NAME), (remote.name(step) + "\n").encode(), mode="overwrite"
             )
             ptr = step
-        cleanup(self.rules, remote, ptr)
+        cleanup(self.rules, remote, ptr, self._busy() - {step})
         self.replicated.add(step)
         log.info("replicated checkpoint %s", remote.uri(step))
         self.evict()
+
+    def _busy(self) -> set[int]:
+        """Steps queued for replication or being replicated."""
+        return self.replicator.pending() if self.replicator is not None else set()
+
+    def prune(self) -> builtins.list[int]:
+        """Apply retention to the remote root now, then evict; returns the steps deleted remotely."""
+        ptr = self.remote.latest()
+        deleted = [] if ptr is None else prune(self.rules, self.remote, ptr, self._busy())[1]
+        self.evict()
+        return deleted
 
     def evict(self) -> None:
         """Delete local steps past the newest ``keep_local`` that are committed remotely, and local debris
@@ -277,6 +289,17 @@ class Tier:
                 self._evict_sent()
             else:
                 self._evict()
+
+    @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[None]:
+        """While a save writes ``step`` on this node: its directory is not evicted (nor taken for debris)."""
+        with self._evicting:
+            self._writing.add(step)
+        try:
+            yield
+        finally:
+            with self._evicting:
+                self._writing.discard(step)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -300,18 +323,18 @@ class Tier:
             return
         if self.replicator is not None and self.replicator.scanning:
             return  # the steps found at start are not scheduled yet
-        busy = self.replicator.pending() if self.replicator is not None else set()
+        busy = self._busy() | self._writing
         for s in complete[: -self.keep_local]:
             if s in self.replicated and s not in busy:
                 local.discard(s)
         for s in sorted(dirs):
-            if s < complete[-1] and s not in complete:
+            if s < complete[-1] and s not in complete and s not in self._writing:
                 local.discard(s)  # an uncommitted directory older than the newest: a killed save's
 
     def _evict_sent(self) -> None:
         """Ranks but 0 (``per_rank``): delete this node's step directories that have no marker here (another
         node's tier holds it), past the newest ``keep_local``, once committed remotely."""
-        local, busy = self.local, self.replicator.pending() if self.replicator is not None else set()
+        local, busy = self.local, self._busy() | self._writing
         for s in sorted(local.step_dirs())[: -self.keep_local]:
             if s not in busy and not local.committed(s) and self.remote.committed(s):
                 local.rmtree(local.dir(s))
@@ -351,7 +374,7 @@ class Tier:
         """Step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"``, ascending."""
         remote = self._remote_steps() or set()
         local = set(self.local.list())
-        busy = self.replicator.pending() if self.replicator is not None else set()
+        busy = self._busy()
         return {s: state_of(s in local, s in remote, s in busy) for s in sorted(local | remote)}
 
     def list(self) -> builtins.list[int]:
@@ -509,8 +532,12 @@ def state_of(local: bool, remote: bool, busy: bool) -> str:
 def status(root_uri: str, local_tier: str | None = None) -> dict[int, str]:
     """Step -> state of a Checkpointer root and (optionally) a node's local tier, as another process sees
     them (a step the owning process is replicating shows ``"local"``)."""
-    remote = set(Layout(root_uri.rstrip("/") or root_uri).list())
-    local = set(Layout(local_tier.rstrip("/") or local_tier).list()) if local_tier else set()
+    root = Layout(root_uri.rstrip("/") or root_uri)
+    tier = Layout(local_tier.rstrip("/") or local_tier) if local_tier else None
+    if tier is not None:
+        check(tier, root)  # TierInUseError: that tier's steps are another root's
+    remote = set(root.list())
+    local = set(tier.list()) if tier is not None else set()
     return {s: state_of(s in local, s in remote, False) for s in sorted(local | remote)}
 
 
@@ -554,4 +581,6 @@ def open_layouts(root_uri: str, local_tier: Any) -> tuple[Layout, Layout]:
     """(remote, local) layouts of a tiered Checkpointer."""
     local = os.fspath(local_tier)
     resolve(local)  # fails early on an unknown scheme
-    return Layout(root_uri), Layout(local.rstrip("/") or local)
+    layouts = Layout(root_uri), Layout(local.rstrip("/") or local)
+    bind(layouts[1], layouts[0])  # TierInUseError when the tier serves another root
+    return layouts

@@ -1,7 +1,9 @@
 """Inspecting and verifying a committed DCP checkpoint as a whole: what ``ckptio info`` and ``ckptio verify`` show.
 
 :func:`inspect` lists the tensors and other values ``.metadata`` describes and the bytes of each data
-object; :func:`verify` checks every stored checksum: xxh3-64 per block for items ckptio wrote, the
+object; :func:`verify` checks what a load reads: xxh3-64 per block of the data of items ckptio
+wrote, and the ``torch.save`` frame around a tensor item's data (torch's ``FileSystemReader`` unpickles
+it; it must be the frame ckptio writes for that dtype, shape and size, its random id aside), the
 zip CRC32s for items torch's own writers wrote (items with torch's stream transforms are counted as
 unchecked). Both read ``.metadata`` as :class:`~ckptio.dcp.StorageReader` does (restricted
 unpickler, data object names checked) and check each storage entry before sizing anything from it.
@@ -15,6 +17,7 @@ import os
 import zipfile
 from typing import Any
 
+import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -25,6 +28,7 @@ from ..formats.base import dtype_size
 from .checks import entry_problem
 from .layout import CHECKSUM_BLOCK, INFO_ATTR
 from .reader import StorageReader
+from .zipframe import ZipFraming
 
 __all__ = ["inspect", "verify"]
 
@@ -102,11 +106,13 @@ def verify(uri: str | os.PathLike, **backend_options: Any) -> dict[str, Any]:
             _check_zip(backend, obj, idx.fqn, sinfo.offset, sinfo.length)
         else:
             _check_blocks(backend, obj, idx.fqn, sinfo, info)
+            if "data" in info:
+                _check_frame(backend, obj, idx.fqn, sinfo, info)
         checked += 1
     return {
         "checked": checked,
         "unchecked": unchecked,
-        "what": "xxh3-64 per block (ckptio items), zip CRC32 (items written by torch)",
+        "what": "xxh3-64 per block and torch.save frames (ckptio items), zip CRC32 (items written by torch)",
     }
 
 
@@ -119,6 +125,28 @@ def _check_zip(backend: Backend, obj: str, fqn: str, offset: int, length: int) -
         raise IntegrityError(f"{obj}: item {fqn!r} is not a readable archive: the checkpoint is corrupt") from None
     if bad is not None:
         raise IntegrityError(f"{obj}: CRC mismatch in item {fqn!r} ({bad}): the checkpoint is corrupt")
+
+
+def _check_frame(backend: Backend, obj: str, fqn: str, sinfo: Any, info: dict[str, Any]) -> None:
+    """The ``torch.save`` frame around a ckptio tensor item's data: the bytes :class:`ZipFraming` writes
+    for its dtype, shape and size, but for the 40-byte serialization id (random or named by the key)."""
+    try:
+        want = ZipFraming(getattr(torch, info["dtype"]), tuple(info["shape"]), info["nbytes"])
+    except (AttributeError, TypeError, ValueError) as e:
+        raise FormatError(f"{obj}: item {fqn!r} has an unusable dtype or shape ({e})") from None
+    start, end = sinfo.offset, sinfo.offset + sinfo.length
+    head = backend.read_range(obj, start, start + len(want.head))
+    tail = bytearray(backend.read_range(obj, end - len(want.tail), end))
+    sid = want.tail.find(b"archive/.data/serialization_id")
+    sid = want.tail.find(b"PK", sid) if sid >= 0 else -1  # the id's bytes: right after its local header
+    at = sid - 40 if sid >= 40 else -1
+    if at >= 0 and len(tail) == len(want.tail):
+        tail[at : at + 40] = want.tail[at : at + 40]
+    if info["data"] != len(want.head) or sinfo.length != want.total or head != want.head or bytes(tail) != want.tail:
+        raise IntegrityError(
+            f"{obj}: item {fqn!r}: its torch.save frame (the zip records and pickle around the tensor's "
+            f"bytes, read by torch's FileSystemReader) is damaged: the checkpoint is corrupt"
+        )
 
 
 def _check_blocks(backend: Backend, obj: str, fqn: str, sinfo: Any, info: dict[str, Any]) -> None:

@@ -27,10 +27,10 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend
 from ..context import resolve
+from ..dcp_names import DATA_SUFFIX as DATA_SUFFIX
+from ..dcp_names import METADATA_NAME as METADATA_NAME
 from ..errors import note  # noqa: F401  # re-exported: the dcp modules import it from here
 
-METADATA_NAME = ".metadata"
-DATA_SUFFIX = ".distcp"
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
 CHECKSUM_BLOCK = 8 * 1024 * 1024  # bytes per xxh3-64 checksum inside a tensor
 FORMAT_VERSION = 1

@@ -443,8 +443,8 @@ class StorageReader(AtURI, _storage.StorageReader):
         what = f"item {req.storage_index.fqn!r} (offset {list(req.storage_index.offset or [])})"
         if info is None or getattr(sinfo, "transform_descriptors", None):
             return _plan_foreign(req, planner, sinfo, obj, fetch, self._load_bytes)
-        # bytes the backend checks against a content hash as it reads them are not checked twice
-        hashes = info.get("xxh3") if self.verify and not self.data_backend.verifies_reads(obj) else None
+        # an incremental step's too: a block's name proves its bytes are some stored block's, not this item's
+        hashes = info.get("xxh3") if self.verify else None
         block = info.get("block", CHECKSUM_BLOCK)
 
         check = _block_check(hashes, block, obj, what)

@@ -33,6 +33,7 @@ import pickle
 import re
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import IO, Any
 
@@ -40,7 +41,7 @@ from .. import torch_internals as _ti
 from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, copy_to_file
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
-from ..threads import Pool
+from ..threads import Pool, executor
 from . import pickle_scan
 from .base import StreamFormat, dtype_size, flatten, jsonable
 from .pickle_guard import guard
@@ -170,7 +171,13 @@ class TorchFormat(StreamFormat):
         if backend.reads_local:  # memory://, an incremental step's local blocks: no temporary file
             size = backend.stat(uri).size
             if size <= IN_MEMORY_MAX:
-                return _load_checked(io.BytesIO(backend.read(uri)), size, uri, kw)
+                data = backend.read(uri)
+                if backend.assembled(uri):
+                    check_members(data, uri)
+                return _load_checked(io.BytesIO(data), size, uri, kw)
+            if backend.assembled(uri):  # read twice: once for the CRCs, once into the tensors
+                with backend.open_reader(uri) as f:
+                    check_members(f, uri)
             return _load_through_reader(backend, uri, size, kw)
         return _load_remote(backend, uri, kw)
 
@@ -254,17 +261,76 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
                 raise IntegrityError(f"{uri}: truncated: bytes [{n}, {size}) returned only {got} (changed while read?)")
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # nothing reads on after this returns or raises
+    assembled = backend.assembled(uri)
     if n >= size:
+        if assembled:
+            check_members(head[:size], uri)
         return _load_checked(BytesReader(head[:size], uri), size, uri, kw)
     if rest:
-        return _load_checked(PiecesReader([head, rest[0][0]], uri), size, uri, kw)
+        pieces = PiecesReader([head, rest[0][0]], uri)
+        if assembled:
+            check_members(pieces, uri)
+        return _load_checked(pieces, size, uri, kw)
     with tempfile.TemporaryDirectory(prefix="ckptio-") as tmp:  # over IN_MEMORY_MAX
         path = os.path.join(tmp, "object.pt")
         with open(path, "wb") as f:
             f.write(head[:n])
             del head
             copy_to_file(backend, uri, f, start=n, size=size)
+        if assembled:
+            with open(path, "rb") as saved:
+                check_members(saved, uri)
         return _load_checked(path, size, uri, kw)
+
+
+def check_members(data: Any, uri: str, names: set[str] | None = None) -> None:
+    """The zip CRC32 of every member (or those in ``names``) of the torch archive ``data`` (a buffer:
+    without a copy, members hashed in parallel; else a seekable binary file, left at 0), which
+    ``torch.load`` never checks; IntegrityError naming the member. For bytes assembled from blocks
+    (``Backend.assembled``)."""
+    whole = not hasattr(data, "seek")
+    f = io.BytesIO(data) if whole else data
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = [i for i in z.infolist() if names is None or i.filename in names]
+            if whole and all(i.compress_type == zipfile.ZIP_STORED for i in infos):
+                bad = _crc_stored(memoryview(data).cast("B"), infos)
+            else:
+                bad = next((i.filename for i in infos if not _crc_ok(z, i)), None)
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise IntegrityError(f"{uri}: not a readable torch archive ({e}): the checkpoint is corrupt") from None
+    if not whole:
+        f.seek(0)
+    if bad is not None:
+        raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
+
+
+def _crc_ok(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
+    """Whether member ``info`` reads back with its CRC32 (zipfile checks it at the member's end)."""
+    try:
+        with z.open(info) as m:
+            while m.read(1 << 20):
+                pass
+    except zipfile.BadZipFile:
+        return False
+    return True
+
+
+def _crc_stored(mv: memoryview, infos: list[zipfile.ZipInfo]) -> str | None:
+    """The name of the first stored member of the archive ``mv`` whose CRC32 is wrong, or None."""
+    spans = []
+    for i in infos:
+        h = i.header_offset
+        if h + 30 > len(mv) or mv[h : h + 4] != b"PK\x03\x04":  # a local file header
+            return i.filename
+        start = h + 30 + int.from_bytes(mv[h + 26 : h + 28], "little") + int.from_bytes(mv[h + 28 : h + 30], "little")
+        if start + i.compress_size > len(mv):
+            return i.filename
+        spans.append((i.filename, mv[start : start + i.compress_size], i.CRC))
+    total = sum(len(s) for _, s, _ in spans)
+    with executor(os.cpu_count() or 1, "pt-crc", total) as pool:  # zlib.crc32 lets go of the GIL
+        crcs = list(pool.map(lambda s: zlib.crc32(s[1]), spans))
+    return next((name for (name, _, crc), got in zip(spans, crcs, strict=True) if got != crc), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,6 +453,11 @@ def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
     except zipfile.BadZipFile:
         f.close()
         raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
+    except (ValueError, EOFError) as e:  # offsets past either end: a seek before 0, a short read
+        f.close()
+        raise IntegrityError(
+            f"{uri}: its zip records point outside the file ({e}): the checkpoint is corrupt"
+        ) from None
     if why is not None:
         z.close()
         raise FormatError(f"{uri}: {why}; refusing to read it (the file is corrupt or crafted)")
@@ -423,7 +494,10 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
     """The CRC32 of every zip member, then the pickle (as :func:`inspect_torch`)."""
     z, _ = _open_zip(backend, uri)
     with z:
-        bad = z.testzip()  # reads every member and checks its CRC32
+        try:
+            bad = z.testzip()  # reads every member and checks its CRC32
+        except (zipfile.BadZipFile, ValueError, EOFError) as e:
+            raise IntegrityError(f"{uri}: a zip member cannot be read ({e}): the checkpoint is corrupt") from None
         if bad is not None:
             raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
         members = len(z.namelist())

@@ -21,8 +21,8 @@ blocks are read in the caller's thread: readers already read ranges from several
 threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
-a recipe; ``verifies_reads`` True for a recipe (formats skip their payload checksums: the blocks'
-128-bit names already checked every byte); ``reads_local`` the wrapped backend's;
+a recipe; ``assembled`` True for a recipe (formats keep their own checksums: a block's name proves
+its bytes are some stored block's, not that a recipe names the right one); ``reads_local`` the wrapped backend's;
 ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options`` declines any
 change; ``node_cache`` is None (a cache under the wrapper caches content objects);
 ``writes_in_place`` True (a large write is hashed where it lies and, through ``write_borrowed``,
@@ -169,8 +169,7 @@ class IncrementalBackend(ForwardingBackend):
         data = fut.result()
         out[:] = data[skip : skip + len(out)]
 
-    def verifies_reads(self, uri: str) -> bool:
-        """A recipe's bytes are: each block is checked against its xxh3-128 name as it is read."""
+    def assembled(self, uri: str) -> bool:
         return self.recipe(uri) is not None
 
     @contextlib.contextmanager

@@ -7,8 +7,12 @@ that ``.content`` is ever used, and the recipe's block names cannot leave it (:m
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import uri as _uri
 from ..backends.base import Backend
+from ..context import resolve
+from ..dcp_names import DATA_SUFFIX
 from .backend import IncrementalBackend
 from .recipe import MAGIC
 from .store import CONTENT_DIR, BlockStore
@@ -28,6 +32,12 @@ def reader_for(backend: Backend, step_dir: str) -> IncrementalBackend:
     return IncrementalBackend(backend, BlockStore(backend, _uri.join_path(root, CONTENT_DIR)))
 
 
+def step_reader(d: str, cache: Any) -> tuple[IncrementalBackend, str]:
+    """The backend to read the incremental step directory ``d`` (a URI) through, and ``d`` resolved."""
+    backend, resolved = resolve(d, cache=cache)
+    return reader_for(backend, resolved), resolved
+
+
 def file_reader(backend: Backend, uri: str) -> IncrementalBackend | None:
     """For the data file ``uri`` of an incremental step, a backend that reads its logical bytes; else None."""
     return reader_for(backend, _uri.parent(uri)) if is_recipe(backend, uri) else None
@@ -36,8 +46,6 @@ def file_reader(backend: Backend, uri: str) -> IncrementalBackend | None:
 def dcp_reader(backend: Backend, d: str) -> IncrementalBackend | None:
     """For the DCP directory ``d`` of an incremental step (its data objects are recipes), a backend that
     reads their logical bytes; else None."""
-    from ..dcp import DATA_SUFFIX
-
     try:
         first = next((i.uri for i in backend.list(d) if i.uri.endswith(DATA_SUFFIX) and not i.is_dir), None)
     except (FileNotFoundError, NotADirectoryError):

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..backends.base import Buffer, Writer
 from ..threads import exit_safe
+from ..values import parse_size
 from .ranged import run
 
 DEFAULT_MAX_BUFFER_BYTES = 48 * 1024 * 1024  # with the overhead of sending: < 64 MiB extra RSS
@@ -30,8 +31,6 @@ def constructor_options(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 def size_option(name: str, value: Any) -> int:
     """A byte-size backend option: an int, or a string such as ``"64MiB"`` (from a settings file)."""
-    from ..config import parse_size
-
     n = parse_size(value) if isinstance(value, str) else int(value)
     if n <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")

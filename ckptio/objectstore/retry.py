@@ -27,7 +27,6 @@ import asyncio
 import errno
 import http.client
 import importlib
-import logging
 import random
 import socket
 import time
@@ -35,9 +34,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CkptioError, SettingsError, TransferError
+from ..errors import CkptioError, SettingsError, TransferError, logger
 
-log = logging.getLogger("ckptio.retry")
+log = logger("ckptio.retry")
 
 TRANSIENT, EXPIRED, PERMANENT = "transient", "expired", "permanent"
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -234,7 +233,7 @@ class RetryPolicy:
                     )
                     code = errno.ETIMEDOUT if isinstance(e, TimeoutError) or out_of_time else errno.EIO
                     err = TransferError(code, f"{what} of {uri} failed: {why}; last error: {describe(e)}", uri)
-                    err.attempts = attempt  # type: ignore[attr-defined]
+                    err.attempts = attempt
                     raise err from e
                 delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
                 log.warning(

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from botocore.exceptions import ClientError
 
@@ -27,12 +27,32 @@ from . import body as _body
 from . import multipart as _multipart
 from .s3_support import EXISTS, NOT_FOUND, PREHASHED_SIGNER, error_code
 
-if TYPE_CHECKING:
-    from ..backends.s3 import S3Backend
-
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
 _INLINE_HASH_MAX = 64 * 1024  # smaller upload bodies are hashed on the IO loop itself
+
+
+class S3Requests(Protocol):
+    """What :class:`S3Writer` asks of the backend it writes for (:class:`ckptio.backends.s3.S3Backend`)."""
+
+    concurrency: int
+    max_buffer_bytes: int | None
+    endpoint_url: str | None
+    checksum: str
+    anon: bool
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def translate(self, e: BaseException, uri: str) -> BaseException: ...
+
+    async def _op(
+        self,
+        uri: str,
+        what: str,
+        fn: Callable[[Any], Awaitable[Any]],
+        on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+    ) -> Any: ...
 
 
 class S3Writer(_multipart.MultipartWriter):
@@ -42,7 +62,7 @@ class S3Writer(_multipart.MultipartWriter):
     part_align = 1024 * 1024
     max_parts = MAX_PARTS
 
-    def __init__(self, backend: S3Backend, uri: str, bucket: str, key: str, mode: WriteMode, part_size: int) -> None:
+    def __init__(self, backend: S3Requests, uri: str, bucket: str, key: str, mode: WriteMode, part_size: int) -> None:
         super().__init__(uri, backend._loop, part_size, backend.concurrency, backend.max_buffer_bytes)
         self._b, self._bucket, self._key = backend, bucket, key
         self._cond = {"IfNoneMatch": "*"} if mode == "create" else {}

@@ -111,8 +111,8 @@ class CountingBackend(ForwardingBackend):
             if path is not None:  # the caller read the file itself: count the object as read
                 self._add(os.path.getsize(path))  # the file holds exactly the object's bytes
 
-    def verifies_reads(self, uri: str) -> bool:
-        return self.inner.verifies_reads(uri)
+    def assembled(self, uri: str) -> bool:
+        return self.inner.assembled(uri)
 
     def with_options(self, **options: Any) -> Backend:
         inner = self.inner.with_options(**options)

@@ -7,8 +7,8 @@ with one madvise first), each payload verified right after its read, or a privat
 step's blocks) is read the same way, straight into the buffers. Remote full load: the first and last
 ``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
 in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
-Payload checksums are skipped for a backend that checked every byte against a content hash already
-(``Backend.verifies_reads``); the metadata checksum never is.
+Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
+block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's).
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 import xxhash
 
 from ...backends.base import Backend, start_sized
@@ -48,6 +47,9 @@ from .layout import (
     validate,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
 
@@ -68,7 +70,6 @@ class Source:
     concurrency = 1
     prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
     fd: int | None = None
-    verified = False  # the backend checked every byte against a content hash (Backend.verifies_reads)
     local = False  # no request latency: no read-ahead, runs read straight into their buffers
     mappable = False  # a file ckptio opened by path: mapped by default (never rewritten in place by ckptio)
 
@@ -148,7 +149,6 @@ class BackendSource(Source):
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend.pin_version(uri), uri  # every read from one version of it
         self._size: int | None = None  # looked up on first use (a full load asks for it with its first read)
-        self.verified = backend.verifies_reads(uri)
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
         self.local = backend.reads_local
@@ -448,6 +448,8 @@ def read_payloads(
     ``share``: a payload that lies wholly inside a range a remote source read ahead (the first and
     last ``part_size`` bytes; a small object whole) is returned as a view of that buffer instead of a
     copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
+    import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
+
     into = into or {}
     shared: dict[int, torch.Tensor] = {}
     if share and isinstance(src, BackendSource):
@@ -537,6 +539,8 @@ def _verify(meta: Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
 
 def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
     """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    import torch
+
     if src.fd is None:
         raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
     mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)

@@ -118,9 +118,14 @@ def parse_header(raw: bytes, name: str, file_size: int) -> tuple[dict[str, str],
     doc = parse_json(raw, name, "safetensors header")
     if type(doc) is not dict:
         raise FormatError(f"{name}: the safetensors header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
-    if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
-        raise FormatError(f"{name}: __metadata__ must map strings to strings")
+    metadata = doc.pop("__metadata__", None)  # null is absent, as for the package; [], 0, "" are not
+    if metadata is None:
+        metadata = {}
+    elif type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+        raise FormatError(
+            f"{name}: __metadata__ must be a JSON object of strings to strings, got {json.dumps(metadata)[:80]} "
+            f"(not a valid safetensors file)"
+        )
     data_start = 8 + len(raw)
     entries: list[TensorEntry] = []
     for key, info in doc.items():

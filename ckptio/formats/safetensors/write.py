@@ -7,6 +7,7 @@ written); :func:`write_tensors` sends the header, then each tensor's bytes strai
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import struct
 import sys
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ...errors import UnsupportedTensorError, UnsupportedValueError
+
 # fastpickle's writer sink: one implementation of gathered writes for both formats
 from ..fastpickle.layout import MAX_IOV
 from ..fastpickle.write import GATHER, WRITE_CHUNK, Sink, write_device
@@ -22,34 +25,57 @@ from .layout import CODE_OF, RANK
 
 
 def prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[torch.Tensor]]:
-    """The padded header (with its length) and the tensors in file order. TypeError before any write."""
+    """The padded header (with its length) and the tensors in file order.
+
+    Refuses, before any write, what ``safetensors.torch.save_file`` refuses, with a subclass of its
+    error type (:class:`~ckptio.errors.UnsupportedValueError`: TypeError and ValueError): anything but
+    a dict of str to dense tensors, non-contiguous tensors, and (:class:`UnsupportedTensorError`,
+    a RuntimeError) tensors sharing memory, which a load would give back as separate copies.
+    """
     if not isinstance(obj, Mapping):
-        raise TypeError(f"safetensors stores a flat dict[str, Tensor], got {type(obj).__name__}")
+        raise UnsupportedValueError(
+            f"Expected a dict of [str, torch.Tensor] but received {type(obj)} (safetensors stores a flat dict)"
+        )
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
-    items = []
-    for key, t in obj.items():
+    for key, t in obj.items():  # the package's order of checks: types, then sparse, memory, contiguity
         if type(key) is not str:
-            raise TypeError(f"key {key!r}: safetensors keys must be str, got {type(key).__name__}")
+            raise UnsupportedValueError(f"key {key!r}: safetensors keys must be str, got {type(key).__name__}")
         if key == "__metadata__":
-            raise TypeError("key '__metadata__' is reserved by safetensors; pass metadata=... instead")
+            raise UnsupportedValueError("key '__metadata__' is reserved by safetensors; pass metadata=... instead")
         if not isinstance(t, torch.Tensor):
             hint = " (flatten nested dicts first, e.g. {'a.b': tensor})" if isinstance(t, Mapping) else ""
-            raise TypeError(f"key {key!r}: safetensors stores tensors only, got {type(t).__name__}{hint}")
-        if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested or isinstance(t, dtensor):
-            raise TypeError(
-                f"key {key!r}: safetensors stores dense tensors with data, got a {t.layout} "
-                f"{'quantized ' if t.is_quantized else ''}{'meta ' if t.is_meta else ''}"
-                f"{type(t).__name__} (convert it first, e.g. .to_dense() / .full_tensor())"
+            raise UnsupportedValueError(f"Key `{key}` is invalid, expected torch.Tensor but received {type(t)}{hint}")
+    sparse = [key for key, t in obj.items() if t.layout != torch.strided]
+    if sparse:
+        raise UnsupportedValueError(
+            f"You are trying to save a sparse tensors: `{sparse}`, which safetensors does not store: make them "
+            f"dense first with .to_dense() (the file may be much larger)"
+        )
+    items = []
+    for key, t in obj.items():
+        if t.is_quantized or t.is_nested or isinstance(t, dtensor):
+            raise UnsupportedValueError(
+                f"key {key!r}: safetensors stores dense tensors, got a {'quantized ' if t.is_quantized else ''}"
+                f"{type(t).__name__} (convert it first, e.g. .dequantize() / .full_tensor())"
             )
+        if t.is_meta:
+            raise UnsupportedTensorError(f"Cannot copy out of meta tensor {key!r}: it has no data to save")
         code = CODE_OF.get(t.dtype)
         if code is None:
-            raise TypeError(f"key {key!r}: dtype {t.dtype} has no safetensors equivalent")
+            raise UnsupportedValueError(f"key {key!r}: dtype {t.dtype} has no safetensors equivalent")
         try:
             key.encode("utf-8")
         except UnicodeEncodeError:
-            raise TypeError(f"key {key!r} is not valid Unicode text") from None
-        t = t.detach().resolve_conj().resolve_neg()
-        items.append((key, code, t if t.is_contiguous() else t.contiguous()))
+            raise UnsupportedValueError(f"key {key!r} is not valid Unicode text") from None
+        items.append((key, code, t))
+    _refuse_shared(items)
+    for i, (key, code, t) in enumerate(items):
+        if not t.is_contiguous():
+            raise UnsupportedValueError(
+                f"You are trying to save a non contiguous tensor: `{key}`, which safetensors does not store (a "
+                f"strided view): save the full tensor and slice it after loading, or pass .contiguous()"
+            )
+        items[i] = (key, code, t.detach().resolve_conj().resolve_neg())
     if metadata is not None:
         if not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict of str to str, got {type(metadata).__name__}")
@@ -73,6 +99,24 @@ def prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[t
         raise TypeError(f"metadata is not valid Unicode text ({e})") from None
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, [t for _, _, t in items]
+
+
+def _refuse_shared(items: list[tuple[str, str, torch.Tensor]]) -> None:
+    """Tensors whose bytes overlap in one storage (tied weights, views): one file entry each would
+    de-alias them on load. Disjoint parts of one storage are fine, as for the package."""
+    spans = []
+    for key, _, t in items:
+        if t.numel() and t.untyped_storage().nbytes():
+            start = t.data_ptr()
+            end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+            spans.append((t.device, start, end, key))
+    spans.sort(key=lambda s: (str(s[0]), s[1], s[2]))
+    for (dev_a, _, end_a, key_a), (dev_b, start_b, _, key_b) in itertools.pairwise(spans):
+        if dev_a == dev_b and start_b < end_a:
+            raise UnsupportedTensorError(
+                f"Some tensors share memory: {key_a!r} and {key_b!r}; safetensors cannot represent that (a load "
+                f"would give them back as separate copies): save one of them, or .clone() the other"
+            )
 
 
 def write_tensors(header: bytes, tensors: list[torch.Tensor], out: Sink) -> None:
