@@ -53,7 +53,7 @@ from typing import Any
 from . import registry as _registry
 from . import uri as _uri
 from .cache.settings import CACHE_OPTIONS, CACHE_TABLE
-from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError
+from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError, logger
 from .errors import redact as _redact_text
 from .values import boolean as _bool
 from .values import nonneg_int as _nonneg_int
@@ -454,4 +454,20 @@ def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None =
     env = os.environ if env is None else env
     path = default_file(env)
     base = load_file(path) if path else Settings()
+    if path and path not in _announced:  # a ./ckptio.toml can remap buckets: never silently
+        _announced.add(path)
+        n, m = len(base.path_mapping), len(base.aliases)
+        _log.info(
+            "ckptio settings from %s: %d path mapping%s, %d alias%s, options for backends %s",
+            path,
+            n,
+            "" if n == 1 else "s",
+            m,
+            "" if m == 1 else "es",
+            sorted(base.backends) or "none",
+        )
     return base.merged(from_env(env, backend_names or []))
+
+
+_announced: set[str] = set()  # settings files already logged in this process
+_log = logger("ckptio.settings")

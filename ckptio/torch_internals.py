@@ -49,6 +49,7 @@ __all__ = [
     "LAYOUT_GLOBAL",
     "REBUILD_MODULE",
     "REBUILD_PARAMETER",
+    "REBUILD_QTENSOR",
     "REBUILD_TENSOR",
     "SYMBOLS",
     "TESTED_TORCH",
@@ -60,6 +61,7 @@ __all__ = [
 # major.minor -> how ckptio's support of it is backed (the oldest is pyproject.toml's floor)
 TORCH_RELEASES: dict[str, str] = {
     "2.13": "tested: the whole suite, in CI (requirements/dev.txt pins 2.13.0)",
+    "2.14": "tested by hand, not in CI: test_torch_internals.py and the DCP, Checkpointer, remote .pt tests (2.14.1)",
 }
 TESTED_TORCH = tuple(TORCH_RELEASES)  # every release the table claims has been run
 
@@ -67,6 +69,7 @@ TESTED_TORCH = tuple(TORCH_RELEASES)  # every release the table claims has been 
 REBUILD_MODULE = "torch._utils"
 REBUILD_TENSOR = "_rebuild_tensor_v2"
 REBUILD_PARAMETER = "_rebuild_parameter"
+REBUILD_QTENSOR = "_rebuild_qtensor"  # allocates its size argument before it sets the storage
 LAYOUT_GLOBAL = ("torch.serialization", "_get_layout")  # how a torch.layout pickles
 
 # public name here -> (torch module, attribute path in it)

@@ -113,3 +113,12 @@ def test_verify_of_a_recipe_with_shortened_lengths_is_a_clear_error(fmt, tmp_pat
     assert cli_main(["verify", target]) == 1
     err = capsys.readouterr().err
     assert f"state.{fmt}" in err and "ValueError" not in err
+
+
+def test_a_swapped_block_fails_a_partial_pt_load(tmp_path):
+    """A load of some parts (keys=) of an incremental pt reads only their records: those are checked too."""
+    ck = Checkpointer(str(tmp_path / "run"), format="pt", incremental=True)
+    ck.save(1, make_state())
+    swap_one_block(ck.uri(1))
+    with pytest.raises(IntegrityError, match="CRC mismatch"):
+        ck.load({"model": {}}, step=1, keys=["model"], strict=False)

@@ -22,8 +22,9 @@ EPOCHS, STOP = 4, 2  # the interrupted run stops after STOP epochs and resumes t
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, lr: float = 0.01) -> None:
         super().__init__()
+        self.save_hyperparameters()  # in the checkpoint as Lightning writes it
         torch.manual_seed(seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
@@ -32,7 +33,7 @@ class Tiny(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
 
 

@@ -23,10 +23,9 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 import xxhash
 
 from ...backends.base import Backend, start_sized
@@ -47,6 +46,9 @@ from .layout import (
     reason,
     validate,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
@@ -446,6 +448,8 @@ def read_payloads(
     ``share``: a payload that lies wholly inside a range a remote source read ahead (the first and
     last ``part_size`` bytes; a small object whole) is returned as a view of that buffer instead of a
     copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
+    import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
+
     into = into or {}
     shared: dict[int, torch.Tensor] = {}
     if share and isinstance(src, BackendSource):
@@ -535,6 +539,8 @@ def _verify(meta: Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
 
 def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
     """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    import torch
+
     if src.fd is None:
         raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
     mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)

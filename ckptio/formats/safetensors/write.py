@@ -33,27 +33,33 @@ def prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[t
     a RuntimeError) tensors sharing memory, which a load would give back as separate copies.
     """
     if not isinstance(obj, Mapping):
-        raise UnsupportedValueError(f"safetensors stores a flat dict[str, Tensor], got {type(obj).__name__}")
+        raise UnsupportedValueError(
+            f"Expected a dict of [str, torch.Tensor] but received {type(obj)} (safetensors stores a flat dict)"
+        )
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
-    items = []
-    for key, t in obj.items():
+    for key, t in obj.items():  # the package's order of checks: types, then sparse, memory, contiguity
         if type(key) is not str:
             raise UnsupportedValueError(f"key {key!r}: safetensors keys must be str, got {type(key).__name__}")
         if key == "__metadata__":
             raise UnsupportedValueError("key '__metadata__' is reserved by safetensors; pass metadata=... instead")
         if not isinstance(t, torch.Tensor):
             hint = " (flatten nested dicts first, e.g. {'a.b': tensor})" if isinstance(t, Mapping) else ""
+            raise UnsupportedValueError(f"Key `{key}` is invalid, expected torch.Tensor but received {type(t)}{hint}")
+    sparse = [key for key, t in obj.items() if t.layout != torch.strided]
+    if sparse:
+        raise UnsupportedValueError(
+            f"You are trying to save a sparse tensors: `{sparse}`, which safetensors does not store: make them "
+            f"dense first with .to_dense() (the file may be much larger)"
+        )
+    items = []
+    for key, t in obj.items():
+        if t.is_quantized or t.is_nested or isinstance(t, dtensor):
             raise UnsupportedValueError(
-                f"key {key!r} is invalid: safetensors stores tensors only, got {type(t).__name__}{hint}"
-            )
-        if t.layout != torch.strided or t.is_quantized or t.is_nested or isinstance(t, dtensor):
-            raise UnsupportedValueError(
-                f"key {key!r}: safetensors stores dense tensors, got a {t.layout} "
-                f"{'quantized ' if t.is_quantized else ''}{type(t).__name__} "
-                f"(convert it first, e.g. .to_dense() / .full_tensor())"
+                f"key {key!r}: safetensors stores dense tensors, got a {'quantized ' if t.is_quantized else ''}"
+                f"{type(t).__name__} (convert it first, e.g. .dequantize() / .full_tensor())"
             )
         if t.is_meta:
-            raise UnsupportedTensorError(f"key {key!r}: a meta tensor has no data to save")
+            raise UnsupportedTensorError(f"Cannot copy out of meta tensor {key!r}: it has no data to save")
         code = CODE_OF.get(t.dtype)
         if code is None:
             raise UnsupportedValueError(f"key {key!r}: dtype {t.dtype} has no safetensors equivalent")
@@ -66,8 +72,8 @@ def prepare(obj: Any, metadata: Mapping[str, str] | None) -> tuple[bytes, list[t
     for i, (key, code, t) in enumerate(items):
         if not t.is_contiguous():
             raise UnsupportedValueError(
-                f"key {key!r}: safetensors stores contiguous tensors only (this one is a strided view); "
-                f"save the full tensor and slice it after loading, or pass .contiguous()"
+                f"You are trying to save a non contiguous tensor: `{key}`, which safetensors does not store (a "
+                f"strided view): save the full tensor and slice it after loading, or pass .contiguous()"
             )
         items[i] = (key, code, t.detach().resolve_conj().resolve_neg())
     if metadata is not None:
@@ -108,8 +114,8 @@ def _refuse_shared(items: list[tuple[str, str, torch.Tensor]]) -> None:
     for (dev_a, _, end_a, key_a), (dev_b, start_b, _, key_b) in itertools.pairwise(spans):
         if dev_a == dev_b and start_b < end_a:
             raise UnsupportedTensorError(
-                f"keys {key_a!r} and {key_b!r} share memory, which safetensors cannot represent (a load would "
-                f"give them back as separate copies); save one of them, or .clone() the other"
+                f"Some tensors share memory: {key_a!r} and {key_b!r}; safetensors cannot represent that (a load "
+                f"would give them back as separate copies): save one of them, or .clone() the other"
             )
 
 
