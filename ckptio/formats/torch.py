@@ -478,7 +478,15 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
             raise FormatError(f"{uri}: {pkl} {why}; refusing to read it (the file is corrupt or crafted)")
         try:
             tree = _TorchInspector(io.BytesIO(data)).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            LookupError,
+            zipfile.BadZipFile,
+        ) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
     tensors: list[dict[str, Any]] = []
     storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it

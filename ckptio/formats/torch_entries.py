@@ -146,7 +146,15 @@ def _ranges(raw: RangeReader, uri: str, size: int, keys: list[str]) -> list[tupl
         inspector = _Recording(io.BytesIO(data))
         try:
             tree = inspector.load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            LookupError,
+            zipfile.BadZipFile,
+        ) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl.filename}: {e}") from None
         if not isinstance(tree, dict) or not inspector.seen <= _storages([tree]):
             return None  # not a mapping, or a storage the walk cannot place: load whole, never a hole
