@@ -49,8 +49,8 @@ from ckptio.errors import AlreadyExistsError, NotFoundError  # noqa: E402
 from servers import CountingProxy, GCSEmulator, MotoServer, make_gcs_bucket, make_s3_bucket  # noqa: E402
 
 # fixtures defined next to their helpers, for every test module: faults, s3_faults, gcs_faults
-# (faultproxy.py) and loader (fpk_crafting.py)
-pytest_plugins = ["faultproxy", "fpk_crafting"]
+# (faultproxy.py), loader (fpk_crafting.py); per-file progress lines (progress.py)
+pytest_plugins = ["faultproxy", "fpk_crafting", "progress"]
 
 S3_TEST_OPTIONS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 
