@@ -297,6 +297,7 @@ def race(sync: str, args: dict) -> None:
     if args["role"] != "free":
         _interleave(sync, args["role"], "second" if args["role"] == "first" else "first")
     _touch(os.path.join(sync, f"ready-{seed}"))
+    _wait_for(os.path.join(sync, f"ready-{3 - seed}"))  # sleeping: a spin here slows the other's start-up
     _wait_for(os.path.join(sync, "go"), pause=0)  # spin: both racers leave the start line together
     try:
         if args["kind"] == "checkpointer":
