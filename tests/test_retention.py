@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from ckptio.checkpointer import Checkpointer
+from ckptio.checkpointer import Checkpointer, CheckpointWarning
 from test_seeds import dino_save, trained
 
 pytestmark = [
@@ -90,6 +90,20 @@ def test_policies(tmp_path, rules, left):
     if isinstance(rules.get("retention"), str):  # the enum says the same
         enum_rules = dict(rules, retention=RetentionPolicy(rules["retention"].lower()))
         assert _run(str(tmp_path / "b"), **enum_rules) == left
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_nan_metric_never_displaces_the_best(tmp_path, mode):
+    """A diverged step (loss NaN) is not comparable: it never counts as best, so the true best stays
+    (NaN first in the sort kept the NaN step and deleted the best one)."""
+    best = 0.5 if mode == "min" else 9.0
+    losses = {1: float("nan"), 2: best, 3: 3.0, 4: 4.0}
+    with Checkpointer(str(tmp_path), format="pt", retention="best", best_metric="loss", best_mode=mode) as ck:
+        with pytest.warns(CheckpointWarning, match="or it is NaN"):
+            ck.save(1, state(1), metrics={"loss": losses.pop(1)})
+        for s, loss in losses.items():
+            ck.save(s, state(s), metrics={"loss": loss})
+        assert ck.list() == [2, 4]
 
 
 @pytest.mark.parametrize(

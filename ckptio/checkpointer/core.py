@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -220,9 +221,10 @@ class Checkpointer:
         if not isinstance(state, Mapping) or not state:
             raise TypeError("state must be a non-empty mapping of part name -> state")
         metrics = _numbers(metrics)
-        if self.keep_best is not None and self.best_metric not in metrics:
+        score = metrics.get(self.best_metric) if self.best_metric else None
+        if self.keep_best is not None and (score is None or math.isnan(score)):
             warnings.warn(
-                f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
+                f"save({step}): metrics lack {self.best_metric!r} (or it is NaN); this checkpoint never counts as best",
                 CheckpointWarning,
                 stacklevel=2,
             )
