@@ -296,3 +296,26 @@ def test_local_eviction_spares_a_step_being_written(tmp_path, monkeypatch):
         st = state(0)
         assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 11}
     assert Checkpointer(root).list() == [1, 2, 3]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="overwrite=True uncommits the latest step before rewriting it in place; with keep_last=1 retention "
+    "already deleted every other step, so a save failing meanwhile leaves no complete checkpoint",
+)
+def test_a_failed_overwrite_of_the_latest_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """save()'s promise: overwrite=True of the latest step, failing meanwhile, leaves a complete step to resume."""
+    from ckptio.checkpointer import formats
+
+    root = str(tmp_path)
+    with Checkpointer(root, format="pt", keep_last=1) as ck:
+        ck.save(1, state(1))
+        ck.save(2, state(2))
+
+        def disk_full(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(formats, "write_file", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            ck.save(2, state(2), overwrite=True)
+    assert Checkpointer(root).latest() is not None

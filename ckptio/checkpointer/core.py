@@ -214,8 +214,8 @@ class Checkpointer:
         objects at any depth: :mod:`.statedict`) as checkpoint ``step``: the state after training step
         ``step``, so a resume runs ``step + 1`` next (:meth:`resume`). ``metrics``: numbers (tensors are
         read with ``.item()``) kept in the marker, for ``keep_best``. Saving the latest step again raises
-        :class:`AlreadyExistsError` here, at the call; ``overwrite=True`` replaces it (as DINOv3 does; a
-        crash meanwhile leaves the previous complete step as the latest)."""
+        :class:`AlreadyExistsError` here, at the call; ``overwrite=True`` replaces it in place (as DINOv3 does; a
+        crash meanwhile leaves the previous complete step, if retention kept one, as the latest)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not isinstance(state, Mapping) or not state:
