@@ -560,13 +560,18 @@ class Checkpointer:
                 into = parts.targets(names)  # tensors read in place where they match
             return formats.read_file(fmt, d, name, opts, self.weights_only, cache, allow_pickle, content, into, checked)
 
+        err = None
         try:
-            source, ckpt_parts = read(d)
-        except (OSError, CkptioError) as e:
-            if self._tier is None or self._world > 1 or not self._tier.is_local(d):
-                raise
-            d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
-            source, ckpt_parts = read(d)
+            try:
+                source, ckpt_parts = read(d)
+            except (OSError, CkptioError) as e:
+                if self._tier is None or self._world > 1 or not self._tier.is_local(d):
+                    raise
+                d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
+                source, ckpt_parts = read(d)
+        except Exception as e:  # noqa: BLE001 - raised below on every rank (one rank's read may fail alone)
+            err = e
+        self._group.agree(err)
         return t, d, parts, source, ckpt_parts
 
     def _target(self, step: Any) -> Target | None:

@@ -1,6 +1,7 @@
 """The ranks a Checkpointer coordinates: its process group (by default a gloo group of its own when
 ``torch.distributed`` is initialized), running a step on rank 0 and handing every rank its result or
-its error, and a barrier; every collective has the Checkpointer's timeout."""
+its error, agreeing on the outcome of a step every rank ran, and a barrier; every collective has the
+Checkpointer's timeout."""
 
 from __future__ import annotations
 
@@ -47,6 +48,20 @@ class Group:
         if err is not None:
             raise err
         return result
+
+    def agree(self, err: Exception | None) -> None:
+        """Every rank's outcome of a step each ran on its own (a read): raise ``err``, or on a rank that
+        succeeded a :class:`CkptioError` naming the ranks that failed, so no rank goes on alone."""
+        if self.pg is not None:
+            import torch.distributed as dist
+
+            msgs: list[Any] = [None] * self.world
+            dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=self.pg)
+            failed = [f"rank {r} failed: {m}" for r, m in enumerate(msgs) if m is not None]
+            if err is None and failed:
+                raise CkptioError("; ".join(failed))
+        if err is not None:
+            raise err
 
     def barrier(self) -> None:
         if self.pg is not None:

@@ -1,0 +1,58 @@
+"""Ranks agree on a load's outcome: a read failing on one rank fails the load on every rank (a rank that
+restored and went on would wait at the training's next collective for a peer that raised)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptio.checkpointer import Checkpointer
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*single process:UserWarning")]
+
+
+def _load_failing_on_rank1(rank: int, world: int, port: int, root: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptio.checkpointer import formats
+    from ckptio.errors import CkptioError
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ck = Checkpointer(root, format="pt", timeout=60)
+    ck.save(1, {"model": {"w": torch.ones(4)}})
+    if rank == 1:
+
+        def unreadable(*a, **k):
+            raise OSError(5, "Input/output error")
+
+        formats.read_file = unreadable  # this rank only: a flaky mount on its node
+    st = {"model": {"w": torch.zeros(4)}}
+    try:
+        ck.load(st)
+    except OSError as e:
+        assert rank == 1, e
+    except CkptioError as e:
+        assert rank == 0 and "rank 1 failed: OSError" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: the load returned though rank 1's failed")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ranks(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from multiproc import record
+
+    record(out, rank, _load_failing_on_rank1, rank, world, port, root)
+
+
+def test_a_read_failing_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    from multiproc import results, run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_ranks, 2, str(tmp_path / "root"), str(out))
+    assert results(str(out), 2) == ["ok", "ok"]
