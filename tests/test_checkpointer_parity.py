@@ -125,6 +125,17 @@ def test_load_model_from_any_uri_reads_the_model_only(tmp_path, s3_uri):
         load_model(_net(1), str(tmp_path / "nothing"))
 
 
+def test_load_model_writes_nothing_even_with_a_default_local_tier(s3_uri, tmp_path):
+    src = _net(3)
+    Checkpointer(f"{s3_uri}/run", format="pt", local_tier=False).save(2, {"model": src})
+    toml = tmp_path / "ckptio.toml"
+    toml.write_text(f'[checkpointer]\nlocal_tier = "{tmp_path / "tier"}"\n')
+    ckptio.configure(settings_file=str(toml))  # remote roots get a node-local tier by default
+    fresh = _net(4)
+    assert load_model(fresh, f"{s3_uri}/run") == 2 and same_weights(fresh, src)
+    assert not (tmp_path / "tier").exists()  # no tier directory, no tier.json: an init reads only
+
+
 def _fsdp2_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     record(out, rank, _fsdp2_body, rank, world, port, root)
 
