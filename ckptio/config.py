@@ -19,7 +19,8 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
 
     [cache]                       # the node-local read cache (ckptio.cache), when a call uses it
     dir = "/local/nvme/ckptio-cache"
-    max_bytes = "500GiB"          # least recently used entries go first; unset: no limit
+    max_bytes = "500GiB"          # least recently used entries go first; default min(50GiB, 25% of the
+                                  # cache's filesystem); "unlimited": no limit
     verify = true                 # accepted for compatibility: every read is verified anyway
 
     [checkpointer]                # tiered checkpoints (ckptio.checkpointer.tiered) for remote roots
@@ -110,7 +111,7 @@ OPTION_TYPES: dict[str, Any] = {
     "part_size": _pos_size,
     "upload_part_size": _pos_size,
     "max_buffer_bytes": _pos_size,
-    "max_bytes": _pos_size,
+    "max_bytes": CACHE_TABLE["max_bytes"],
     "concurrency": _pos_int,
     "retries": _nonneg_int,
     "max_attempts": _pos_int,

@@ -44,6 +44,7 @@ def tree(tmp_path_factory) -> str:
     ckptio.put(b"y" * 10, str(d / "files" / "sub" / "b.bin"))
     ckptio.dump({"w": torch.ones(2, 3), "b": torch.zeros(2, dtype=torch.bfloat16), "step": 7}, str(d / "m.fpk"))
     ckptio.dump({"w": torch.ones(2, 3)}, str(d / "m.pt"))
+    ckptio.dump({"w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, str(d / "m.safetensors"))
     ck = Checkpointer(str(d / "root"), format="fpk")
     ck.save(1, {"w": torch.ones(2)}, metrics={"loss": 1.0})
     ck.close()
@@ -66,6 +67,8 @@ COMMANDS = [
     ["info", "{d}/root"],
     ["info", "{d}/inc"],
     ["info", "{d}/m.fpk"],
+    ["info", "{d}/m.safetensors"],
+    ["verify", "{d}/m.safetensors"],
     ["info", "{d}/root", "--step", "1"],
     ["info", "{d}/inc/000000000001"],
 ]
@@ -97,13 +100,14 @@ def test_commands_that_read_tensors_still_do(tree):
         assert imported, argv
 
 
-def test_info_of_an_fpk_file_is_the_same_without_torch(tree):
+@pytest.mark.parametrize("name", ["m.fpk", "m.safetensors"])
+def test_info_of_a_file_is_the_same_without_torch(tree, name):
     """What the torch-free path prints equals what it printed with torch loaded."""
     r = subprocess.run(
-        [sys.executable, "-m", "ckptio.cli", "info", "--json", f"{tree}/m.fpk"], capture_output=True, text=True
+        [sys.executable, "-m", "ckptio.cli", "info", "--json", f"{tree}/{name}"], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == json.loads(json.dumps(ckptio.info(f"{tree}/m.fpk")))
+    assert json.loads(r.stdout) == json.loads(json.dumps(ckptio.info(f"{tree}/{name}")))
 
 
 def test_the_fpk_dtype_table_is_torchs():

@@ -53,6 +53,27 @@ def test_foreign_step_dirs_survive_retention_and_a_save_of_the_same_step(backend
     assert len(ignored) == 1 and "99, 199" in ignored[0].getMessage()
 
 
+def test_stale_uploads_under_foreign_step_dirs_are_left(s3_uri, s3_endpoint):
+    """A killed save's upload under ckptio's step directory is aborted; one under another program's
+    unpadded step directory is not (nor under an unpadded directory that a ckptio marker makes ckptio's)."""
+    from servers import s3_client
+
+    root, bucket = s3_uri + "/ckpt", s3_uri.removeprefix("s3://")
+    client = s3_client(s3_endpoint)
+    Checkpointer(root, format="pt").save(7, state(7))
+    client.copy_object(
+        Bucket=bucket, Key="ckpt/9/checkpoint.json", CopySource=f"{bucket}/ckpt/000000000007/checkpoint.json"
+    )
+    client.put_object(Bucket=bucket, Key="ckpt/199/.metadata", Body=b"x")  # DINOv3's step 199
+    ours = ["ckpt/000000000005/state.pt", "ckpt/9/state.pt"]
+    theirs = ["ckpt/199/__0_0.distcp", "ckpt/299/__0_0.distcp"]
+    for key in ours + theirs:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    Checkpointer(root, format="pt", stale_after=0).save(8, state(8))  # moto dates uploads 2010
+    left = sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+    assert left == theirs
+
+
 # ---- policies and keep_every (DINOv3 parity) ----------------------------------------------------------
 
 LOSS = [5.0, 1.0, 4.0, 2.0, 3.0, 6.0]  # steps 0..5: step 1 is the best (min), step 5 the best by max

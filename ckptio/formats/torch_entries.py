@@ -24,10 +24,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..backends.base import Backend, RangeReader
-from ..errors import IntegrityError
+from ..errors import FormatError, IntegrityError
 from ..osio import anonymous
 from ..threads import Pool
-from .torch import TensorInfo, TorchFormat, _TorchInspector, check_members
+from .torch import (
+    TensorInfo,
+    TorchFormat,
+    _load_checked,
+    _TorchInspector,
+    archive_problem,
+    check_members,
+    pickle_problem,
+)
 
 _CHUNK = 16 << 20  # the most bytes one ranged read puts in memory before they are written out
 _STORAGE_REF = {"dtype", "key", "numel"}  # what _TorchInspector.persistent_load returns for a storage
@@ -38,14 +46,12 @@ _GAP = 64 << 10  # ranges closer than this are read as one (and the zip's own re
 
 def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> dict[str, Any]:
     """``{k: torch.load(uri)[k] for k in keys if present}``, reading only those entries' bytes."""
-    import torch
-
     keys = list(keys)
     kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
     kw.pop("mmap", None)
     with backend.local_file(uri) as path:
         if path is not None:
-            return _pick(torch.load(path, mmap=True, **kw), keys)
+            return _pick(_load_checked(path, os.path.getsize(path), uri, {**kw, "mmap": True}), keys)
     reads = backend.pin_version(uri)  # directory, pickle and records from one version of the object
     size = reads.stat(uri).size
     raw = _Ends(reads, uri, size)
@@ -67,7 +73,7 @@ def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> 
         if backend.assembled(uri):  # an incremental step's blocks: the records read are checked (torch does not)
             with open(path, "rb") as f:
                 check_members(f, uri, names=_fetched(f, ranges))
-        return _pick(torch.load(path, mmap=True, **kw), keys)  # the mapping outlives the file
+        return _pick(_load_checked(path, size, uri, {**kw, "mmap": True}), keys)  # the mapping outlives the file
 
 
 class _Ends(RangeReader):
@@ -132,10 +138,23 @@ def _ranges(raw: RangeReader, uri: str, size: int, keys: list[str]) -> list[tupl
         pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
         if pkl is None:
             return None
-        inspector = _Recording(io.BytesIO(z.read(pkl)))
+        why = archive_problem(z, size)
+        data = z.read(pkl) if why is None else b""
+        why = why or pickle_problem(data, size)
+        if why is not None:
+            raise FormatError(f"{uri}: {why}; refusing to read it (the file is corrupt or crafted)")
+        inspector = _Recording(io.BytesIO(data))
         try:
             tree = inspector.load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            LookupError,
+            zipfile.BadZipFile,
+        ) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl.filename}: {e}") from None
         if not isinstance(tree, dict) or not inspector.seen <= _storages([tree]):
             return None  # not a mapping, or a storage the walk cannot place: load whole, never a hole

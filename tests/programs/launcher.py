@@ -77,14 +77,21 @@ def run_job(job: dict) -> dict:
                 os.kill(p, signal.SIGKILL)
                 ended.append(r)
 
+    def reap() -> bool:
+        """Record every rank that has ended; whether one failed."""
+        failed = False
+        while None in codes and (got := os.waitpid(-1, os.WNOHANG))[0]:
+            codes[pids[got[0]]] = _status(got[1])
+            failed = failed or codes[pids[got[0]]] != 0
+        return failed
+
     deadline = t0 + job["timeout"]
     timed_out = False
     while None in codes:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[pids[pid]] = _status(status)
-            if codes[pids[pid]] != 0:  # the job lost a rank: end the others
-                end_the_rest()
+        if reap():  # the job lost a rank: end the others, once a peer that died first is reaped too
+            time.sleep(0.05)
+            reap()
+            end_the_rest()
             continue
         if time.monotonic() > deadline and not timed_out:
             timed_out = True
