@@ -340,3 +340,32 @@ def test_a_failed_overwrite_of_the_latest_leaves_a_complete_checkpoint(tmp_path,
         with pytest.raises(OSError, match="No space"):
             ck.save(2, state(2), overwrite=True)
     assert Checkpointer(root).latest() is not None
+
+
+def test_a_step_kept_while_retention_runs_is_never_deleted(tmp_path):
+    """keep() checks that the step exists and names it in one hold of the retention lock: a prune running
+    meanwhile (another thread; tiered: the replicator) either deletes the step before (keep raises) or
+    sees the name (the step stays). It checked before taking the lock: the name pointed at a deleted step."""
+    import threading
+
+    root = str(tmp_path)
+    with Checkpointer(root, format="pt") as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state(s))
+    ck = Checkpointer(root, format="pt", keep_last=1)
+    listed = ck._layout.list
+    pruning: list[threading.Thread] = []
+
+    def list_then_prune() -> list[int]:  # a prune starts right after keep() has listed the steps
+        out = listed()
+        if not pruning:
+            pruning.append(threading.Thread(target=ck.prune))
+            pruning[0].start()
+            pruning[0].join(1.0)
+        return out
+
+    ck._layout.list = list_then_prune  # type: ignore[method-assign]
+    ck.keep(1, name="best")
+    pruning[0].join(10)
+    ck._layout.list = listed  # type: ignore[method-assign]
+    assert ck.kept() == {"best": 1} and Checkpointer(root).list() == [1, 3]

@@ -377,7 +377,9 @@ class Checkpointer:
         self._background.wait()
 
         def run() -> None:
-            exists = step in (self._layout.list() if self._tier is None else self._tier.list())
+            def exists() -> bool:
+                return step in (self._layout.list() if self._tier is None else self._tier.list())
+
             _retention.keep(self._durable, step, name, exists)
 
         self._group.on_rank0(run)

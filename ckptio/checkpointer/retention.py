@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from .. import uri as _uri
@@ -209,11 +209,11 @@ def check_name(name: str) -> str:
     return name
 
 
-def keep(layout: Layout, step: int, name: str, exists: bool) -> None:
-    """Keep ``step`` under ``name`` (moved there if it named another step); ``exists``: the step is
-    committed (tiered: on either tier)."""
+def keep(layout: Layout, step: int, name: str, exists: Callable[[], bool]) -> None:
+    """Keep ``step`` under ``name`` (moved there if it named another step); ``exists()``: the step is
+    committed (tiered: on either tier), asked under the lock retention holds, so no prune deletes it between."""
     with _lock(layout):
-        if not exists:
+        if not exists():
             raise NotFoundError(layout.uri(step), "no checkpoint for this step to keep")
         names = kept(layout)
         was = names.get(name)
