@@ -56,3 +56,42 @@ def test_a_read_failing_on_one_rank_fails_the_load_on_every_rank(tmp_path):
     out.mkdir()
     run_ranks(_ranks, 2, str(tmp_path / "root"), str(out))
     assert results(str(out), 2) == ["ok", "ok"]
+
+
+def _kept_on_rank0_only(rank: int, world: int, port: int, root: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptio.errors import CkptioError
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ck = Checkpointer(root, format="pt", timeout=5)
+    ck.save(1, {"model": {"w": torch.ones(4)}})
+    if rank == 0:
+        ck.kept()  # a misuse: on rank 0 only
+        with pytest.raises(Exception):  # noqa: B017 - its peer never calls a matching list(): a timeout
+            ck.list()
+    else:
+        with pytest.raises(CkptioError, match="kept.*list|list.*kept"):  # not {} (kept's answer) taken for list()
+            ck.list()
+    dist.destroy_process_group()
+
+
+def _ranks_kept(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from multiproc import record
+
+    record(out, rank, _kept_on_rank0_only, rank, world, port, root)
+
+
+def test_a_method_called_on_rank0_only_is_not_answered_to_another_method(tmp_path):
+    """Every rank calls a Checkpointer's methods; one called on rank 0 alone must not hand its answer to the
+    next method the other ranks call (their collectives would stay shifted by one: list() returned kept's {})."""
+    from multiproc import results, run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_ranks_kept, 2, str(tmp_path / "root"), str(out))
+    assert results(str(out), 2) == ["ok", "ok"]

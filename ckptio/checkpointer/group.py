@@ -40,9 +40,15 @@ class Group:
         if self.pg is not None:
             import torch.distributed as dist
 
-            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
+            op = _name(fn)  # a method called on some ranks only must not answer another one
+            box = [(op, result, None if err is None else f"{type(err).__name__}: {err}")]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-            result, msg = box[0]
+            theirs, result, msg = box[0]
+            if theirs != op:
+                raise CkptioError(
+                    f"rank 0 ran {theirs} while rank {self.rank} called {op}: every rank calls each of the "
+                    f"Checkpointer's methods, in the same order (a call on rank 0 only shifts them)"
+                )
             if err is None and msg is not None:
                 raise CkptioError(f"rank 0 failed: {msg}")
         if err is not None:
@@ -68,3 +74,7 @@ class Group:
             import torch.distributed as dist
 
             dist.monitored_barrier(group=self.pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__qualname__))
