@@ -11,17 +11,23 @@ from ckptio.checkpointer import Checkpointer
 pytestmark = [pytest.mark.filterwarnings("ignore:.*single process:UserWarning")]
 
 
-def _load_failing_on_rank1(rank: int, world: int, port: int, root: str) -> None:
+def _init(rank: int, world: int, port: int) -> None:
     from datetime import timedelta
 
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+
+
+def _load_failing_on_rank1(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from ckptio.checkpointer import formats
     from ckptio.errors import CkptioError
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    _init(rank, world, port)
     ck = Checkpointer(root, format="pt", timeout=60)
     ck.save(1, {"model": {"w": torch.ones(4)}})
     if rank == 1:
@@ -59,15 +65,11 @@ def test_a_read_failing_on_one_rank_fails_the_load_on_every_rank(tmp_path):
 
 
 def _kept_on_rank0_only(rank: int, world: int, port: int, root: str) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from ckptio.errors import CkptioError
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    _init(rank, world, port)
     ck = Checkpointer(root, format="pt", timeout=5)
     ck.save(1, {"model": {"w": torch.ones(4)}})
     if rank == 0:
