@@ -97,3 +97,34 @@ def test_a_method_called_on_rank0_only_is_not_answered_to_another_method(tmp_pat
     out.mkdir()
     run_ranks(_ranks_kept, 2, str(tmp_path / "root"), str(out))
     assert results(str(out), 2) == ["ok", "ok"]
+
+
+def _latest_during_async_saves(rank: int, world: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+
+    _init(rank, world, port)
+    ck = Checkpointer(root, format="pt", async_save=True, timeout=20)
+    for s in range(1, 6):
+        ck.save(s, {"model": {"w": torch.full((256, 256), float(s))}})
+        got = ck.latest()  # while the background persist runs its own collectives on the same group
+        assert got is None or isinstance(got, int), got
+    ck.close()
+    assert ck.latest() == 5
+    dist.destroy_process_group()
+
+
+def _ranks_async(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from multiproc import record
+
+    record(out, rank, _latest_during_async_saves, rank, world, port, root)
+
+
+def test_latest_during_an_async_save_on_two_ranks(tmp_path):
+    """A query (latest, list, kept, status) while an async save persists: both run collectives on the
+    Checkpointer's group, from two threads, in an order each rank picks on its own."""
+    from multiproc import results, run_ranks
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_ranks_async, 2, str(tmp_path / "root"), str(out), timeout=90)
+    assert results(str(out), 2) == ["ok", "ok"]

@@ -179,6 +179,7 @@ class Checkpointer:
     def list(self) -> builtins.list[int]:
         """Steps of the complete checkpoints under root (tiered: on either tier), ascending. Under a process
         group every rank calls it: rank 0 lists and tells the others."""
+        self._settle()
         return self._group.on_rank0(self._layout.list if self._tier is None else self._tier.list)
 
     def latest(self, durable: str | None = None) -> int | None:
@@ -187,6 +188,7 @@ class Checkpointer:
         the pointer and tells the other ranks (every rank calls it)."""
         if self._tier is None and durable is not None:
             raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
+        self._settle()
         if self._tier is None:
             return self._group.on_rank0(self._layout.latest)
         return self._group.on_rank0(self._tier.latest, durable)
@@ -199,6 +201,7 @@ class Checkpointer:
         """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
         if self._tier is None:
             raise ValueError("status() needs a tiered Checkpointer (local_tier=)")
+        self._settle()
         return self._group.on_rank0(self._tier.status)
 
     # ---- save --------------------------------------------------------------------------------
@@ -251,6 +254,12 @@ class Checkpointer:
                 "this step is the latest checkpoint: resume at the step after it (resume() returns it), "
                 "pass overwrite=True to replace it, or delete it first",
             )
+
+    def _settle(self) -> None:
+        """Under a process group, wait for the background save first: its collectives and a query's share
+        the group, and each rank would order the two on its own."""
+        if self._pg is not None:
+            self._background.wait()
 
     def wait(self) -> None:
         """Wait for the background save, if any; re-raise its exception if it failed (tiered: and replication)."""
@@ -388,10 +397,12 @@ class Checkpointer:
     def unkeep(self, name: str) -> int:
         """Drop the kept name ``name`` (``KeyError`` if none); returns its step, which the next save's
         retention (or :meth:`prune`) deletes unless a rule or another name keeps it."""
+        self._settle()
         return self._group.on_rank0(_retention.unkeep, self._durable, name)
 
     def kept(self) -> dict[str, int]:
         """Name -> step of the kept checkpoints."""
+        self._settle()
         return self._group.on_rank0(_retention.kept, self._durable)
 
     def prune(self) -> builtins.list[int]:
