@@ -39,6 +39,7 @@ from . import config as _config
 from . import uri as _uri
 from .context import default_context, resolve
 from .errors import (
+    CkptioError,
     FormatError,
     IncompleteCheckpointError,
     IntegrityError,
@@ -257,6 +258,8 @@ def _steps_table(data: dict[str, Any]) -> str:
             if r.get("incremental"):
                 state += ", incremental"
         metrics = " ".join(f"{k}={v}" for k, v in (r.get("metrics") or {}).items())
+        if r.get("kept"):
+            metrics = f"[kept: {', '.join(r['kept'])}] {metrics}"
         lines.append(
             f"  {r['step']:>12}  {r.get('format') or '-':<6} {human_bytes(r['size']):>10}  {state:<28} {metrics}"[
                 :200
@@ -264,6 +267,8 @@ def _steps_table(data: dict[str, Any]) -> str:
         )
         if r.get("problem"):
             lines.append(f"  {'':>12}  {r['problem']}"[:200])
+    if data.get("kept_problem"):
+        lines.append(f"kept steps unknown: {data['kept_problem']}")
     return "\n".join(lines)
 
 
@@ -437,7 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("cp", parents=[common], help="copy between any backends (resumable, parallel)")
     a.add_argument("src")
     a.add_argument("dst")
-    a.add_argument("-r", "--recursive", action="store_true")
+    a.add_argument(
+        "-r",
+        "--recursive",
+        action="store_true",
+        help="copy a directory/prefix; symlinks in a local source tree (to files or directories) are "
+        "not followed: each is skipped with a warning",
+    )
     a.add_argument("-j", "--jobs", type=int, default=4, help="files copied in parallel (default 4)")
     a.add_argument(
         "--resume",
@@ -515,6 +526,21 @@ _HINTS: list[tuple[type, int, str]] = [
 ]
 
 
+def _remapped(args: argparse.Namespace) -> list[str]:
+    """For each URI argument that settings rewrite (path mapping, alias): what to and by which file."""
+    try:
+        s = default_context().settings
+        out = []
+        for given in (getattr(args, name, None) for name in ("uri", "src", "dst")):
+            if isinstance(given, str):
+                to, _ = s.resolve_alias(s.map_path(given))
+                if to != given:
+                    out.append(redact(f"{given} was remapped to {to} by {', '.join(s.sources) or 'configure()'}"))
+        return out
+    except CkptioError:  # the settings themselves are what failed: the error above says so
+        return []
+
+
 def _classify(e: BaseException) -> tuple[int, str]:
     for cls, code, hint in _HINTS:
         if isinstance(e, cls):
@@ -536,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(redact(traceback.format_exc()), end="", file=sys.stderr)
         print(f"ckptio {args.command}: error: {msg}", file=sys.stderr)
         print(f"  hint: {hint}", file=sys.stderr)
+        for line in _remapped(args):
+            print(f"  hint: {line}", file=sys.stderr)
         if out.json:
             print(json.dumps({"error": msg, "type": type(e).__name__, "exit_code": code}))
     finally:

@@ -19,7 +19,8 @@ The file is ``$CKPTIO_CONFIG``, else ``./ckptio.toml``, else ``$XDG_CONFIG_HOME/
 
     [cache]                       # the node-local read cache (ckptio.cache), when a call uses it
     dir = "/local/nvme/ckptio-cache"
-    max_bytes = "500GiB"          # least recently used entries go first; unset: no limit
+    max_bytes = "500GiB"          # least recently used entries go first; default min(50GiB, 25% of the
+                                  # cache's filesystem); "unlimited": no limit
     verify = true                 # accepted for compatibility: every read is verified anyway
 
     [checkpointer]                # tiered checkpoints (ckptio.checkpointer.tiered) for remote roots
@@ -52,7 +53,7 @@ from typing import Any
 from . import registry as _registry
 from . import uri as _uri
 from .cache.settings import CACHE_OPTIONS, CACHE_TABLE
-from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError
+from .errors import REDACTED, MissingDependencyError, SettingsError, UnknownSchemeError, logger
 from .errors import redact as _redact_text
 from .values import boolean as _bool
 from .values import nonneg_int as _nonneg_int
@@ -110,7 +111,7 @@ OPTION_TYPES: dict[str, Any] = {
     "part_size": _pos_size,
     "upload_part_size": _pos_size,
     "max_buffer_bytes": _pos_size,
-    "max_bytes": _pos_size,
+    "max_bytes": CACHE_TABLE["max_bytes"],
     "concurrency": _pos_int,
     "retries": _nonneg_int,
     "max_attempts": _pos_int,
@@ -453,4 +454,20 @@ def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None =
     env = os.environ if env is None else env
     path = default_file(env)
     base = load_file(path) if path else Settings()
+    if path and path not in _announced:  # a ./ckptio.toml can remap buckets: never silently
+        _announced.add(path)
+        n, m = len(base.path_mapping), len(base.aliases)
+        _log.info(
+            "ckptio settings from %s: %d path mapping%s, %d alias%s, options for backends %s",
+            path,
+            n,
+            "" if n == 1 else "s",
+            m,
+            "" if m == 1 else "es",
+            sorted(base.backends) or "none",
+        )
     return base.merged(from_env(env, backend_names or []))
+
+
+_announced: set[str] = set()  # settings files already logged in this process
+_log = logger("ckptio.settings")

@@ -1,7 +1,9 @@
 """``ckptio.fastpickle``: the public face of the ``.fpk`` format, kept at its original import path.
 
-A re-export shim: the implementation lives in the package :mod:`ckptio.formats.fastpickle` (byte
-layout and its constants in :mod:`ckptio.formats.fastpickle.layout`).
+A re-export, no code: the implementation lives in the package :mod:`ckptio.formats.fastpickle` (byte
+layout and its constants in :mod:`ckptio.formats.fastpickle.layout`). It stays because docs/formats.md
+documents ``ckptio.fastpickle.inspect/load/save`` and programs that craft or check ``.fpk`` bytes
+import the layout constants from here; new code inside ckptio imports from ``formats.fastpickle``.
 """
 
 from .errors import FormatError, IntegrityError

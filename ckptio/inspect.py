@@ -17,8 +17,6 @@ from typing import Any
 from . import registry as _registry
 from . import uri as _uri
 from .backends.base import Backend
-from .checkpointer.catalog import catalog, is_root
-from .checkpointer.manifest import _FILE_FORMAT, MARKER_NAME, Layout, _check_manifest, _parse_manifest
 from .context import resolve
 from .dcp_names import DATA_SUFFIX, METADATA_NAME
 from .errors import FormatError, IncompleteCheckpointError, NotFoundError, UnknownFormatError
@@ -37,6 +35,10 @@ def _detect(backend: Backend, uri: str) -> tuple[str, Format | None, str, dict[s
             return "file", _registry.formats.find(uri).instance(), uri, {}
         except UnknownFormatError:
             return "file", None, uri, {}
+    # not at module level: `import ckptio` does not pay for the Checkpointer's modules
+    from .checkpointer.catalog import is_root
+    from .checkpointer.manifest import _FILE_FORMAT, MARKER_NAME, Layout, _check_manifest, _parse_manifest
+
     marker, m = _uri.join_path(uri, MARKER_NAME), {}
     if backend.isfile(marker):  # a Checkpointer step: its marker names the format and the data file
         m = _parse_manifest(backend.read(marker), marker)
@@ -82,6 +84,9 @@ def info(uri: str, *, step: int | None = None, local_tier: str | None = None) ->
     step directory: its data, with ``step`` and ``metrics`` from its marker. A Checkpointer root: its
     steps (:func:`ckptio.checkpointer.catalog.catalog`; ``local_tier``: a node's local tier), or with
     ``step``, that step's data."""
+    from .checkpointer.catalog import catalog
+    from .checkpointer.manifest import Layout
+
     if step is not None:
         layout = Layout(uri.rstrip("/") or uri)
         if step not in layout.step_dirs():

@@ -2,7 +2,7 @@
 
 Signatures follow NVIDIA Cosmos's ``easy_io`` and OpenMMLab's ``mmengine.fileio`` so their callers
 move over with an import change: every function accepts ``backend_args`` and ``backend_key``.
-Differences are listed in the README ("Coming from easy_io").
+Differences are listed in docs/migrating.md.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ __all__ = [
     "LAYOUT_GLOBAL",
     "REBUILD_MODULE",
     "REBUILD_PARAMETER",
+    "REBUILD_QTENSOR",
     "REBUILD_TENSOR",
     "SYMBOLS",
     "TESTED_TORCH",
@@ -68,6 +69,7 @@ TESTED_TORCH = tuple(TORCH_RELEASES)  # every release the table claims has been 
 REBUILD_MODULE = "torch._utils"
 REBUILD_TENSOR = "_rebuild_tensor_v2"
 REBUILD_PARAMETER = "_rebuild_parameter"
+REBUILD_QTENSOR = "_rebuild_qtensor"  # allocates its size argument before it sets the storage
 LAYOUT_GLOBAL = ("torch.serialization", "_get_layout")  # how a torch.layout pickles
 
 # public name here -> (torch module, attribute path in it)

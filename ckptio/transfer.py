@@ -73,6 +73,17 @@ def tree_targets(
     return pairs
 
 
+def _discard_pending(backend: Backend, under: str, pairs: Sequence[tuple[ObjectInfo, str]]) -> None:
+    """Abort the pending writes (a killed copy's debris) to the destinations of ``pairs`` under ``under``."""
+    targets = {t for _, t in pairs}
+    try:
+        pending = [w for w in backend.list_pending_writes(under) if w.uri in targets]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for w in pending:
+        backend.abort_pending_write(w)
+
+
 def up_to_date(src: ObjectInfo, dst_backend: Backend, dst: str) -> bool:
     """Whether ``dst`` has ``src``'s size and an equal version or an mtime at least as new."""
     try:
@@ -172,13 +183,15 @@ def copy(
     ``skip_existing`` (``cp --resume``) continues an interrupted copy: destination objects with the
     source's size and an equal version, or an mtime at least as new, are left alone. It is opt-in
     because a same-size, newer but different destination would be skipped too (checkpoints of one
-    model all have the same size). ``jobs`` files move in parallel. A directory without
-    ``recursive`` raises IsADirectoryError.
+    model all have the same size). It also discards what a killed copy left of writes to the
+    targets (local temporary files, S3 multipart uploads). ``jobs`` files move in parallel. A
+    directory without ``recursive`` raises IsADirectoryError.
     """
     t0 = time.perf_counter()
     sb, s = resolve(src)
     db, d = resolve(dst)
-    if path_kind(sb, s) == "file":
+    single = path_kind(sb, s) == "file"
+    if single:
         if dst.endswith("/") or db.isdir(d):
             d = _uri.join_path(d, _uri.basename(s))
         ensure_inside(db, d, d)
@@ -187,6 +200,8 @@ def copy(
         raise IsDirectoryError(f"{src} is a directory; pass -r (recursive=True) to copy it recursively")
     else:
         pairs = tree_targets(sb.list(s, recursive=True), s, db, d)
+    if skip_existing:
+        _discard_pending(db, _uri.parent(d) if single else d, pairs)
     todo, skipped = [], []
     for info, target in pairs:
         if skip_existing and up_to_date(info, db, target):

@@ -34,6 +34,10 @@ def bucket_key(uri: str) -> tuple[str, str]:
     bucket, _, key = rest.partition("/")
     if not bucket:
         raise InvalidURIError(f"URI has no bucket: {uri!r} (expected {scheme or 's3'}://BUCKET/KEY)")
+    if "@" in bucket:  # no bucket name holds one: credentials (the error masks them), never sent as a name
+        raise InvalidURIError(
+            f"URI holds credentials before its bucket: {uri!r}; give them in settings or the environment"
+        )
     return bucket, key
 
 

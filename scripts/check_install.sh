@@ -3,7 +3,7 @@
 # first, as install guides do; CHECK_INSTALL_PIP=bundled keeps the venv's own), with no constraints
 # but the machine's pip config, `pip install --dry-run -e .[EXTRA]` must pick one
 # version of every package (pip prints "looking at multiple versions" when it backtracks) within
-# CHECK_INSTALL_TIMEOUT seconds (default 120; a cold pip cache spends most of it fetching index pages).
+# CHECK_INSTALL_TIMEOUT seconds (default 240; a cold pip cache spends most of it fetching index pages).
 # Nothing is installed. Prints the time and the chosen s3fs/aiobotocore/botocore/boto3/gcsfs versions.
 # CHECK_INSTALL_TORCH=2.13.0 holds torch to that release (CI: the CPU wheel on local disk), the only
 # constraint it adds.
@@ -11,7 +11,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-LIMIT="${CHECK_INSTALL_TIMEOUT:-120}"
+LIMIT="${CHECK_INSTALL_TIMEOUT:-240}"
 [ $# -gt 0 ] || set -- all bench
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT

@@ -17,7 +17,7 @@ import ckptio
 from ckptio.checkpointer import Checkpointer, CheckpointWarning, is_complete, load_model
 from ckptio.checkpointer.seeds import KEYS, find
 from ckptio.errors import IncompleteCheckpointError
-from multiproc import record, results, run_ranks
+from multiproc import forked, record, results, run_ranks
 from test_seeds import assert_same_tree, cosmos_save, dino_keep, dino_save, same_weights, trained
 
 pytestmark = [
@@ -78,6 +78,17 @@ def test_is_complete_for_steps_dcp_dirs_files_and_roots(tmp_path):
     assert not is_complete(str(tmp_path / "cosmos"))
 
 
+def test_is_complete_on_s3(s3_uri):
+    ck = Checkpointer(f"{s3_uri}/run", format="pt")
+    assert not is_complete(f"{s3_uri}/run")
+    ck.save(1, {"model": _net(0)})
+    assert is_complete(f"{s3_uri}/run") and is_complete(ck.uri(1)) and is_complete(f"{ck.uri(1)}/state.pt")
+    ckptio.remove(f"{ck.uri(1)}/state.pt")  # the marker names a file that is gone
+    assert not is_complete(ck.uri(1))
+    cosmos_save(f"{s3_uri}/checkpoints", 10)
+    assert is_complete(f"{s3_uri}/checkpoints") and is_complete(f"{s3_uri}/checkpoints/iter_000000010_model.pt")
+
+
 # ---- load_model: init from a checkpoint ---------------------------------------------------------------
 def test_load_model_from_any_uri_reads_the_model_only(tmp_path, s3_uri):
     src, optim, _, _ = trained(3)
@@ -112,6 +123,17 @@ def test_load_model_from_any_uri_reads_the_model_only(tmp_path, s3_uri):
         load_model(torch.nn.Linear(4, 2), str(tmp_path / "plain.pt"), key=None)
     with pytest.raises(IncompleteCheckpointError, match="not a complete checkpoint"):
         load_model(_net(1), str(tmp_path / "nothing"))
+
+
+def test_load_model_writes_nothing_even_with_a_default_local_tier(s3_uri, tmp_path):
+    src = _net(3)
+    Checkpointer(f"{s3_uri}/run", format="pt", local_tier=False).save(2, {"model": src})
+    toml = tmp_path / "ckptio.toml"
+    toml.write_text(f'[checkpointer]\nlocal_tier = "{tmp_path / "tier"}"\n')
+    ckptio.configure(settings_file=str(toml))  # remote roots get a node-local tier by default
+    fresh = _net(4)
+    assert load_model(fresh, f"{s3_uri}/run") == 2 and same_weights(fresh, src)
+    assert not (tmp_path / "tier").exists()  # no tier directory, no tier.json: an init reads only
 
 
 def _fsdp2_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -217,18 +239,19 @@ def test_resume_from_a_dinov3_root_then_save_beside_it(backend, request):
         assert same_weights(model, models[199][0])
         _adamw_state_equal(optim, models[199][1])
 
-    model, optim, _, _ = trained(5)
-    ck = Checkpointer(job, format="dcp", keep_last=1)
-    ck.resume({"model": model, "optimizer": optim})
-    for it in (299, 399):
-        ck.save(it, {"model": model, "optimizer": optim})
-    assert ck.list() == [399]
-    if before is not None:
-        assert _files(seed_root) == before  # the seed's files: only read
-    assert find(seed_root).steps() == [99, 199]
-    fresh, fresh_optim, _, _ = trained(6)
-    assert Checkpointer(job).resume({"model": fresh, "optimizer": fresh_optim}) == 400  # its own step now
-    assert same_weights(fresh, model)
+    for root in (job, seed_root):  # its own steps beside ckpt/, or inside it beside DINOv3's
+        model, optim, _, _ = trained(5)
+        ck = Checkpointer(root, format="dcp", keep_last=1)
+        ck.resume({"model": model, "optimizer": optim})
+        for it in (299, 399):
+            ck.save(it, {"model": model, "optimizer": optim})
+        assert ck.list() == [399]
+        if before is not None:
+            assert {k: v for k, v in _files(seed_root).items() if k in before} == before  # only read
+        assert find(seed_root).steps() == [99, 199]
+        fresh, fresh_optim, _, _ = trained(6)
+        assert Checkpointer(root).resume({"model": fresh, "optimizer": fresh_optim}) == 400  # its own step now
+        assert same_weights(fresh, model)
 
 
 def _cosmos_state(seed: int) -> dict:
@@ -262,8 +285,13 @@ def test_resume_from_a_cosmos_root_then_save_beside_it(backend, layout, request)
     with zipfile.ZipFile(junk, "w") as z:  # whole as a zip (the seed's torn-write check passes), no torch file
         z.writestr("junk", b"x")
     ckptio.put(junk.getvalue(), optim_file)
-    with pytest.raises(Exception, match="iter_000000020"):
-        Checkpointer(root, format="pt").load(dict(part_state := _cosmos_state(1)))
+
+    def load_all() -> None:  # a crafted file: read in a child process
+        with pytest.raises(Exception, match=r"optim/iter_000000020|iter_000000020_optim"):
+            Checkpointer(root, format="pt").load(_cosmos_state(1))
+
+    assert not forked(load_all, timeout=120)
+    part_state = _cosmos_state(1)
     keys = [k for k in KEYS if k not in ("optim",)]
     assert Checkpointer(root, format="pt").load(part_state, keys=keys) == 20
     assert same_weights(part_state["model"], trained(20)[0])

@@ -104,6 +104,25 @@ def test_info_of_a_root_with_a_local_tier_says_which_steps_are_durable(capsys, t
     assert "local only" in next(ln for ln in out.splitlines() if ln.split()[:1] == ["20"])
 
 
+def test_kept_steps_show_their_names(capsys, s3_uri):
+    root = s3_uri + "/run"
+    ck = Checkpointer(root, format="fpk", keep_last=1)
+    for s in (10, 20, 30):
+        ck.save(s, state(s), metrics={"loss": 1.0 / s})
+        if s == 10:
+            ck.keep(10, name="best")
+            ck.keep(10, name="first")
+    ck.close()
+    rows = {r["step"]: r for r in run_json(capsys, "info", root)["steps"]}
+    assert sorted(rows) == [10, 30] and rows[10]["kept"] == ["best", "first"] and rows[30]["kept"] == []
+    code, out, _ = run(capsys, "info", root)
+    assert "[kept: best, first]" in next(ln for ln in out.splitlines() if ln.split()[:1] == ["10"])
+    ckptio.put(b"not json", f"{root}/kept.json")
+    code, out, err = run(capsys, "info", root)
+    assert code == 0, err
+    assert "kept steps unknown" in out and "kept.json" in out
+
+
 def test_incremental_steps_show_as_such(capsys, tmp_path):
     root = str(tmp_path / "inc")
     ck = Checkpointer(root, format="fpk", incremental=True)

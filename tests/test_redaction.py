@@ -101,6 +101,14 @@ def test_cli_never_shows_the_secret(cmd, uris, tmp_path, capsys, caplog):
     assert SECRET not in ours(caplog) and SIG not in ours(caplog)
 
 
+def test_credentials_before_a_bucket_are_refused_unsent(s3_uri):
+    from ckptio.errors import InvalidURIError
+
+    with pytest.raises(InvalidURIError, match="credentials") as e:
+        ckptio.load(f"s3://key:{SECRET}@{s3_uri[len('s3://') :]}/x.json")
+    assert SECRET not in shown(e.value)
+
+
 def test_one_redaction_for_errors_notes_logs_and_settings(caplog):
     uri = f"https://u:{SECRET}@host/p/x.pt?sig={SIG}"
     assert redact(f"cannot read {uri}: gone") == "cannot read https://***@host/p/x.pt?*** gone"

@@ -53,6 +53,27 @@ def test_foreign_step_dirs_survive_retention_and_a_save_of_the_same_step(backend
     assert len(ignored) == 1 and "99, 199" in ignored[0].getMessage()
 
 
+def test_stale_uploads_under_foreign_step_dirs_are_left(s3_uri, s3_endpoint):
+    """A killed save's upload under ckptio's step directory is aborted; one under another program's
+    unpadded step directory is not (nor under an unpadded directory that a ckptio marker makes ckptio's)."""
+    from servers import s3_client
+
+    root, bucket = s3_uri + "/ckpt", s3_uri.removeprefix("s3://")
+    client = s3_client(s3_endpoint)
+    Checkpointer(root, format="pt").save(7, state(7))
+    client.copy_object(
+        Bucket=bucket, Key="ckpt/9/checkpoint.json", CopySource=f"{bucket}/ckpt/000000000007/checkpoint.json"
+    )
+    client.put_object(Bucket=bucket, Key="ckpt/199/.metadata", Body=b"x")  # DINOv3's step 199
+    ours = ["ckpt/000000000005/state.pt", "ckpt/9/state.pt"]
+    theirs = ["ckpt/199/__0_0.distcp", "ckpt/299/__0_0.distcp"]
+    for key in ours + theirs:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    Checkpointer(root, format="pt", stale_after=0).save(8, state(8))  # moto dates uploads 2010
+    left = sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+    assert left == theirs
+
+
 # ---- policies and keep_every (DINOv3 parity) ----------------------------------------------------------
 
 LOSS = [5.0, 1.0, 4.0, 2.0, 3.0, 6.0]  # steps 0..5: step 1 is the best (min), step 5 the best by max
@@ -157,6 +178,21 @@ def test_kept_steps_survive_every_rule_until_unkept(backend, tiered, request, tm
         assert ck.load(st, step=2) == 2 and st["trainer"] == {"step": 2}
 
 
+def test_saving_a_kept_step_again_needs_overwrite(tmp_path):
+    from ckptio.errors import AlreadyExistsError
+
+    with Checkpointer(str(tmp_path), format="pt", retention="none") as ck:
+        ck.save(1, state(1))
+        ck.keep(1, name="best")
+        ck.save(2, state(2))
+        with pytest.raises(AlreadyExistsError, match=r"kept as \['best'\]"):
+            ck.save(1, state(7))
+        ck.save(1, state(8), overwrite=True)
+        assert ck.kept() == {"best": 1} and ck.list() == [1]  # the pointer moved to 1: step 2 went
+        st = state(0)
+        assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 8}
+
+
 # ---- tiered: retention at the remote root -------------------------------------------------------------
 
 
@@ -184,3 +220,86 @@ def test_tiered_best_policy_and_a_step_being_replicated(tmp_path, monkeypatch):
         ck.wait()
         assert Checkpointer(root).list() == [3, 4]
         assert ck.manifest(3)["metrics"] == {"loss": 0.5}
+
+
+# ---- under torch.distributed ----------------------------------------------------------------------------
+
+
+def _ranks_keep(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from multiproc import record
+
+    record(out, rank, _keep_on_every_rank, rank, world, port, root)
+
+
+def _keep_on_every_rank(rank: int, world: int, port: int, root: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ck = Checkpointer(root, format="dcp", retention="last_and_best", best_metric="loss", timeout=60)
+    for s, loss in ((1, 1.0), (2, 3.0), (3, 2.0)):
+        ck.save(s, state(s), metrics={"loss": loss})
+        if s == 2:
+            assert ck.keep(2, name="final") == "final"
+    assert ck.list() == [1, 2, 3] and ck.kept() == {"final": 2}  # best 1, kept 2, latest 3
+    from ckptio.errors import CkptioError
+
+    with pytest.raises(ValueError if rank == 0 else CkptioError, match="kept as"):  # others: "rank 0 failed: ..."
+        ck.delete(2)
+    assert ck.unkeep("final") == 2
+    assert ck.prune() == [2] and ck.list() == [1, 3]
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_keep_unkeep_prune_on_two_gloo_ranks(tmp_path):
+    from multiproc import results, run_ranks
+
+    out = str(tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    run_ranks(_ranks_keep, 2, str(tmp_path / "root"), out)
+    assert results(out, 2) == ["ok", "ok"]
+
+
+def test_local_eviction_spares_a_step_being_written(tmp_path, monkeypatch):
+    """Saving an older step again (evicted locally, at the remote root) while the replicator finishes a newer
+    one: the eviction after that replication used to take the step's half-written local directory for debris
+    and delete it, and the save then committed a marker with no data, locally and at the remote root."""
+    import threading
+
+    from ckptio.checkpointer import formats
+    from test_tiered import Gate
+
+    root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    with Checkpointer(root, format="pt", local_tier=tier, keep_local=1, async_save=True) as ck:
+        for s in (1, 2):
+            ck.save(s, state(s))
+            ck.wait()
+        gate = Gate(monkeypatch)
+        ck.save(3, state(3))
+        ck._background.wait()  # committed locally; its replication is held
+        wrote, release = threading.Event(), threading.Event()
+        real = formats.write_file
+
+        def held(fmt, uri, *a, **kw):
+            out = real(fmt, uri, *a, **kw)
+            if uri.endswith("000000000001"):
+                wrote.set()
+                assert release.wait(30)
+            return out
+
+        monkeypatch.setattr(formats, "write_file", held)
+        ck.save(1, state(11))
+        try:
+            assert wrote.wait(30)
+            gate.open()
+            ck._tier.replicator.wait()  # step 3 replicated, then the local tier evicted
+        finally:
+            release.set()
+        ck.wait()
+        st = state(0)
+        assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 11}
+    assert Checkpointer(root).list() == [1, 2, 3]

@@ -12,7 +12,9 @@ import time
 import pytest
 import torch
 
-from ckptio.checkpointer import Checkpointer
+import ckptio
+from ckptio.checkpointer import Checkpointer, tiered
+from ckptio.checkpointer.catalog import catalog
 from ckptio.errors import FormatError, TierInUseError
 from multiproc import run_ranks
 
@@ -40,6 +42,13 @@ def test_a_second_run_is_refused_a_tier_that_serves_another_root(backend, reques
     assert root_a in msg and root_b in msg and "local_tier=" in msg and os.path.join(tier, "tier.json") in msg
     assert str(pickle.loads(pickle.dumps(e.value))) == msg
     assert Checkpointer(root_b).list() == [] and Checkpointer(root_a).list() == [1, 2]
+    with pytest.raises(TierInUseError):  # ckptio ls --steps rootB --local-tier T: not rootB's steps
+        tiered.status(root_b, tier)
+    ckptio.put_text("1\n", root_b + "/latest.txt")  # something for ckptio info to show
+    with pytest.raises(TierInUseError):  # ckptio info rootB --local-tier T
+        catalog(root_b, tier)
+    assert [r["where"] for r in catalog(root_a, tier)["steps"]] == ["local+remote", "local+remote"]
+    assert tiered.status(root_a, tier) == {1: "local+remote", 2: "local+remote"}
     with Checkpointer(root_a + "/", format="fpk", local_tier=tier) as again:  # same root: resumes
         st = state(0)
         assert again.resume(st) == 3 and st["trainer"] == {"step": 2}

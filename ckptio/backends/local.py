@@ -5,6 +5,10 @@ renamed (``overwrite``) or hard-linked (``create``, which fails if the name exis
 then the directory is fsynced. A crash never leaves a torn file under the final name; a killed
 writer leaves its temporary file, ``.<name>.ckptio-tmp-<random>``, which listings hide and
 ``list_pending_writes`` reports (its ``since`` is the file's mtime, the last write).
+
+A recursive listing does not follow symlinks, to files or directories alike: each is skipped with a
+warning naming it (one pointing outside the tree would hand outside content to a tree copy, a dangling
+one would fail it). A listing of one directory shows them as what they point to.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import errno
 import os
 import shutil
 import stat as _stat
+import sys
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
@@ -254,11 +260,19 @@ class LocalBackend(Backend):
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames.sort()
                 rel = os.path.relpath(dirpath, root)
-                for fn in sorted(filenames):
+                for fn in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
                     if TMP_MARKER in fn:
                         continue
                     child = fn if rel == "." else f"{rel}/{fn}".replace(os.sep, "/")
-                    yield self._info(f"{prefix}/{child}", os.path.join(dirpath, fn))
+                    path = os.path.join(dirpath, fn)
+                    if os.path.islink(path):
+                        warnings.warn(
+                            f"{prefix}/{child}: a symlink (to {os.readlink(path)}), not followed by a recursive "
+                            "listing or tree copy: skipped",
+                            stacklevel=2,
+                        )
+                        continue
+                    yield self._info(f"{prefix}/{child}", path)
         else:
             with os.scandir(root) as it:
                 for entry in sorted(it, key=lambda e: e.name):
@@ -282,11 +296,16 @@ class LocalBackend(Backend):
         return os.path.exists(local_path(uri))
 
     def rmtree(self, uri: str) -> None:
+        """Delete the tree; what another process deletes meanwhile (ranks sharing a node's tier) is gone too."""
         path = local_path(uri)
         if os.path.isdir(path):
-            shutil.rmtree(path)
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=lambda fn, p, e: _raise_unless_gone(e))
+            else:
+                shutil.rmtree(path, onerror=lambda fn, p, info: _raise_unless_gone(info[1]))
         elif os.path.lexists(path):
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def list_pending_writes(self, uri: str) -> Iterator[PendingWrite]:
         root = local_path(uri)
@@ -339,3 +358,9 @@ class LocalBackend(Backend):
         derived = LocalBackend(**{**opts, **options})
         derived.name = self.name
         return derived
+
+
+def _raise_unless_gone(e: BaseException) -> None:
+    """For ``shutil.rmtree``: an entry already deleted is fine, any other error raises."""
+    if not isinstance(e, FileNotFoundError):
+        raise e

@@ -8,11 +8,16 @@ mapping), the settings file's ``[cache]`` table (``dir``, ``max_bytes``, ``verif
 ``cache_fsync``), which win over the table for that backend. The table configures the cache; it
 does not turn it on: a call turns it on with ``cache=True`` (or a directory or a mapping), and a
 backend's settings with ``cache_dir`` (then every read of that backend goes through it).
+
+The size limit: unless one is given, ``max_bytes`` defaults to min(50 GiB, 25% of the size of the
+filesystem holding the cache directory) (:func:`default_max_bytes`); ``"unlimited"`` (any source)
+or ``None`` (a ``cache=`` mapping) lifts it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +26,24 @@ from ..errors import SettingsError
 
 ENV_CACHE_DIR = "CKPTIO_CACHE_DIR"
 DEFAULT_LOCK_TIMEOUT = 1800.0
+DEFAULT_MAX_BYTES_CAP = 50 * 2**30  # the default limit: at most 50 GiB...
+DEFAULT_MAX_BYTES_SHARE = 4  # ...and at most a quarter of the cache's filesystem
+UNLIMITED = "unlimited"
+
+
+def default_max_bytes(cache_dir: str) -> int:
+    """min(50 GiB, 25% of the size of the filesystem holding ``cache_dir``, or of its nearest existing parent)."""
+    path = os.path.abspath(cache_dir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return min(DEFAULT_MAX_BYTES_CAP, shutil.disk_usage(path).total // DEFAULT_MAX_BYTES_SHARE)
+
+
+def cache_limit(value: Any) -> int | None:
+    """A ``max_bytes`` setting: a positive size (``"500GiB"``), or ``"unlimited"`` (None: no eviction)."""
+    if isinstance(value, str) and value.strip().lower() == UNLIMITED:
+        return None
+    return _v.pos_size(value)
 
 
 def default_cache_dir() -> str:
@@ -31,6 +54,8 @@ def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "ckptio")
 
+
+_DEFAULT: Any = object()  # max_bytes given by no source
 
 # the old spelling: cache options inside a backend's (or an alias's) options
 CACHE_OPTIONS = ("cache_dir", "max_bytes", "cache_verify", "cache_fsync")
@@ -46,7 +71,7 @@ _ARGUMENT_KEYS = ("cache_dir", "max_bytes", "verify", "fsync", "lock_timeout")
 # the ``[cache]`` table: key -> coercion (a ``cache=`` mapping's values are coerced the same way)
 CACHE_TABLE: dict[str, Any] = {
     "dir": _v.string,
-    "max_bytes": _v.pos_size,
+    "max_bytes": cache_limit,
     "verify": _v.boolean,
     "fsync": _v.boolean,
     "lock_timeout": _v.pos_float,
@@ -61,13 +86,14 @@ def cache_options(
 
     ``cache``: None (use the cache when the backend's settings give ``cache_dir``), False (never),
     True (the settings' directory, else the default one), a path (the directory), or a mapping with ``cache_dir``,
-    ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``.
+    ``max_bytes``, ``verify``, ``fsync``, ``lock_timeout``. ``max_bytes`` no source gives is
+    :func:`default_max_bytes`; None in the mapping, or ``"unlimited"``, means no limit.
     """
     found = {k: backend_options.pop(k) for k in CACHE_OPTIONS if k in backend_options} if backend_options else {}
     if cache is False or (cache is None and "cache_dir" not in found):
         return None
     table = table or {}
-    opts: dict[str, Any] = {"cache_dir": None, "max_bytes": None, "verify": False, "fsync": False}
+    opts: dict[str, Any] = {"cache_dir": None, "max_bytes": _DEFAULT, "verify": False, "fsync": False}
     opts.update({TABLE_KEYS[k]: v for k, v in table.items()})
     renamed = {"cache_verify": "verify", "cache_fsync": "fsync"}
     opts.update({renamed.get(k, k): v for k, v in found.items()})
@@ -87,4 +113,6 @@ def cache_options(
     elif cache not in (None, True):
         raise SettingsError(f"cache= must be True, False, a directory or a mapping, got {type(cache).__name__}")
     opts["cache_dir"] = os.path.abspath(os.path.expanduser(opts["cache_dir"] or default_cache_dir()))
+    if opts["max_bytes"] is _DEFAULT:
+        opts["max_bytes"] = default_max_bytes(opts["cache_dir"])
     return opts

@@ -6,7 +6,8 @@ tiered Checkpointer to open a directory writes ``tier.json`` there (create-only:
 to bind an empty tier exactly one wins), naming its root: ``{"root": <root URI>, "identity":
 <canonical root>}``; the identity is the resolved URI (local paths absolute, symlinks resolved), so
 two spellings of one root match. A Checkpointer whose root has another identity gets
-:class:`~ckptio.errors.TierInUseError` when it opens the tier, before it reads or writes a step there.
+:class:`~ckptio.errors.TierInUseError` when it opens the tier, before it reads or writes a step there;
+so does ``ckptio ls --steps ROOT --local-tier DIR`` (:func:`.tiered.status`), which binds nothing.
 
 A tier without ``tier.json`` (a plain Checkpointer root, or a tier written before ckptio bound
 tiers) is bound to the first root that opens it as a tier, and its steps are that root's (logged).
@@ -38,34 +39,49 @@ def identity(layout: Layout) -> str:
 
 def bind(local: Layout, remote: Layout) -> None:
     """Bind the tier ``local`` to ``remote`` (first use), or check that it is bound to it."""
-    path = _uri.join_path(local.root, BINDING_NAME)
-    shown = _uri.join_path(local.root_uri, BINDING_NAME)
-    mine = identity(remote)
-    record = {"root": remote.root_uri, "identity": mine, "time": time.time()}
+    record = {"root": remote.root_uri, "identity": identity(remote), "time": time.time()}
     try:
-        local.backend.write(path, json.dumps(record, indent=1, sort_keys=True).encode(), mode="create")
+        local.backend.write(_path(local), json.dumps(record, indent=1, sort_keys=True).encode(), mode="create")
     except FileExistsError:  # bound before, or by a process racing this one: which root?
-        pass
-    else:
-        steps = local.list()
-        if steps:
-            log.info("%s: bound to %s; the steps it held are taken as that root's: %s", shown, remote.root_uri, steps)
+        check(local, remote)
+        return
+    steps = local.list()
+    if steps:
+        log.info(
+            "%s: bound to %s; the steps it held are taken as that root's: %s", _shown(local), remote.root_uri, steps
+        )
+
+
+def check(local: Layout, remote: Layout) -> None:
+    """Raise :class:`TierInUseError` if the tier ``local`` is bound to another root than ``remote``
+    (an unbound tier passes)."""
+    try:
+        data = local.backend.read(_path(local))
+    except FileNotFoundError:
         return
     try:
-        theirs = json.loads(local.backend.read(path))
+        theirs = json.loads(data)
         bound, root = theirs["identity"], theirs["root"]
         if not isinstance(bound, str) or not isinstance(root, str):
             raise TypeError
     except (ValueError, KeyError, TypeError):
         raise FormatError(
-            f"{shown}: damaged (not the JSON ckptio writes: root and identity); it names the root this local "
-            f"tier serves: if you know that root is {remote.root_uri!r}, delete the file to bind the tier again"
+            f"{_shown(local)}: damaged (not the JSON ckptio writes: root and identity); it names the root this "
+            f"local tier serves: if you know that root is {remote.root_uri!r}, delete the file to bind the tier again"
         ) from None
-    if bound != mine:
+    if bound != identity(remote):
         raise TierInUseError(
-            shown,
+            _shown(local),
             f"local tier {local.root_uri!r} serves the checkpoints of {root!r}, not of {remote.root_uri!r}; "
             f"sharing a tier would mix the two runs (resume from the other's step, replicate its steps, "
             f"delete them by retention). Give this run its own local_tier= (a directory per run), or reuse "
             f"this one only once {root!r} no longer runs and its steps are at its root, after emptying it",
         )
+
+
+def _path(local: Layout) -> str:
+    return _uri.join_path(local.root, BINDING_NAME)
+
+
+def _shown(local: Layout) -> str:
+    return _uri.join_path(local.root_uri, BINDING_NAME)

@@ -2,11 +2,12 @@
 
 :func:`catalog` reads the root's listing and each step's commit marker (checked as a load checks it,
 :func:`~ckptio.checkpointer.manifest._check_manifest`) and returns one row per step directory: step,
-format, bytes, state, where its copies are (``root``; with a node's local tier: ``local``,
-``local+remote``, ``remote``), whether it is durable (committed at root), incremental, metrics, save
-time. A directory without a marker is ``incomplete`` (a save that was
-killed or is running); a marker that fails its check is ``damaged``, with the reason. Nothing here
-imports torch.
+format, bytes stored in its directory (an incremental step's content is counted by ``ckptio du``),
+state, where its copies are (``root``; with a node's local tier: ``local``, ``local+remote``,
+``remote``), whether it is durable (committed at root), incremental, metrics, save time, the names it
+is kept under (``kept.json``, :func:`~ckptio.checkpointer.retention.kept`). A directory without a
+marker is ``incomplete`` (a save that was killed or is running); a marker that fails its check is
+``damaged``, with the reason. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any
 
 from .. import uri as _uri
 from ..errors import CkptioError, FormatError
+from ..threads import Pool
+from .binding import check
 from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
+from .retention import kept
 
 __all__ = ["catalog", "is_root"]
 
@@ -26,19 +30,21 @@ def is_root(layout: Layout) -> bool:
     return bool(layout.step_dirs()) or layout.backend.isfile(_uri.join_path(layout.root, POINTER_NAME))
 
 
-def _sizes(layout: Layout) -> dict[int, int]:
-    """Step -> bytes of the files in its directory, every step directory (committed or not) included:
-    one recursive listing of the root."""
-    root = layout.root.rstrip("/") + "/"
-    by_name = {name: step for step, name in layout.step_dirs().items()}
-    out = dict.fromkeys(by_name.values(), 0)
-    for i in layout.backend.list(layout.root, recursive=True):
-        if i.is_dir or not i.uri.startswith(root):
-            continue
-        step = by_name.get(i.uri[len(root) :].split("/", 1)[0])
-        if step is not None:
-            out[step] += i.size
-    return out
+def _rows(layout: Layout) -> dict[int, dict[str, Any]]:
+    """Step -> row of every step directory (committed or not): its marker and a listing of it (not of
+    the whole root: an incremental root's ``.content`` may hold many objects); an object store is
+    asked about several steps at once."""
+    steps = sorted(layout.step_dirs())
+
+    def row(step: int) -> dict[str, Any]:
+        d = layout.dir(step).rstrip("/") + "/"
+        size = sum(i.size for i in layout.backend.list(d, recursive=True) if not i.is_dir and i.uri.startswith(d))
+        return _row(layout, step, size)
+
+    if len(steps) <= 1 or layout.backend.reads_local:
+        return {s: row(s) for s in steps}
+    with Pool(min(len(steps), layout.backend.concurrency), thread_name_prefix="ckptio-info") as ex:
+        return dict(zip(steps, ex.map(row, steps), strict=True))
 
 
 def _row(layout: Layout, step: int, size: int) -> dict[str, Any]:
@@ -77,20 +83,28 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         )
     if local_tier is None:
         local_tier = _settings_tier(root_uri)
-    rows = {s: _row(layout, s, n) for s, n in _sizes(layout).items()}
+    rows = _rows(layout)
     for r in rows.values():
         r["where"] = "root"
         r["durable"] = r["state"] == "committed"
+        r["kept"] = []
+    extra: dict[str, Any] = {}
+    try:
+        for name, step in sorted(kept(layout).items()):
+            if step in rows:
+                rows[step]["kept"].append(name)
+    except FormatError as e:  # shown with the steps: the listing is still worth having
+        extra["kept_problem"] = str(e)
     if local_tier is not None:
         local = Layout(local_tier.rstrip("/") or local_tier)
-        for s, n in _sizes(local).items():
-            lr = _row(local, s, n)
+        check(local, layout)  # TierInUseError: that tier's steps are another root's
+        for s, lr in _rows(local).items():
             if lr["state"] != "committed":
                 continue
             if s in rows and rows[s]["state"] == "committed":
                 rows[s]["where"] = "local+remote"
             else:
-                rows[s] = {**lr, "where": "local", "durable": False}
+                rows[s] = {**lr, "where": "local", "durable": False, "kept": []}
         for row in rows.values():
             if row["where"] == "root":
                 row["where"] = "remote"
@@ -104,6 +118,7 @@ def catalog(root_uri: str, local_tier: str | None = None) -> dict[str, Any]:
         "latest": latest,
         "local_tier": local_tier,
         "steps": [rows[s] for s in sorted(rows)],
+        **extra,
     }
 
 

@@ -286,6 +286,12 @@ class Checkpointer:
         self.close()
 
     def _persist(self, step: int, sd: dict[str, Any], metrics: dict[str, float], overwrite: bool = False) -> None:
+        if self._tier is None:
+            return self._write(step, sd, metrics, overwrite)
+        with self._tier.writing(step):  # not evicted from the local tier meanwhile
+            return self._write(step, sd, metrics, overwrite)
+
+    def _write(self, step: int, sd: dict[str, Any], metrics: dict[str, float], overwrite: bool = False) -> None:
         t0 = time.perf_counter()
         self._group.on_rank0(self._prepare, step, overwrite)
         if self.format == "dcp" and self._content is not None:
@@ -332,6 +338,12 @@ class Checkpointer:
             if self._layout.pointer() == step and not overwrite:
                 raise AlreadyExistsError(
                     self.uri(step), "this step is the latest checkpoint; pass overwrite=True or delete it first"
+                )
+            kept = [] if overwrite else _retention.names_of(self._durable, step)
+            if kept:
+                raise AlreadyExistsError(
+                    self.uri(step),
+                    f"this step is kept as {kept}; pass overwrite=True to replace it, or unkeep it first",
                 )
             if not overwrite:
                 warnings.warn(

@@ -213,7 +213,6 @@ class Layout:
                 out[int(name)] = name
             elif name not in self.foreign and int(name) not in others:
                 others[int(name)] = name
-        others = {s: n for s, n in others.items() if s not in out}
         marked = self.committed_among(others, others)
         found = [others[s] for s in sorted(others) if s not in marked]
         if found:
@@ -227,7 +226,7 @@ class Layout:
                 MARKER_NAME,
                 ", ".join(found[:10]) + (", ..." if len(found) > 10 else ""),
             )
-        out.update({s: others[s] for s in marked})
+        out.update({s: others[s] for s in marked if s not in out})  # a padded name wins
         self.names = dict(out)
         return out
 

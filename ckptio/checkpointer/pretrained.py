@@ -48,7 +48,8 @@ def load_model(
         return _load_whole(model, uri, strict, cache, allow_pickle, Group(process_group, timeout))
     from .core import Checkpointer
 
-    ck = Checkpointer(uri, process_group=process_group, timeout=timeout, stale_after=None)
+    # never tiered (a settings default would make a tier for uri) nor sweeping: nothing is written
+    ck = Checkpointer(uri, process_group=process_group, timeout=timeout, stale_after=None, local_tier=False)
     try:
         step = ck.load({key: model}, step=uri, keys=[key], strict=strict, cache=cache, allow_pickle=allow_pickle)
     finally:

@@ -40,7 +40,7 @@ from typing import Protocol
 from .. import uri as _uri
 from ..errors import FormatError, NotFoundError, logger
 from ..incremental import CONTENT_DIR
-from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_own_name
+from .manifest import POINTER_NAME, CheckpointWarning, Layout, _is_own_name, _is_step_name
 
 log = logger("ckptio.checkpointer")
 
@@ -242,12 +242,19 @@ def names_of(layout: Layout, step: int) -> list[str]:
 def abort_stale_writes(layout: Layout, stale_after: float | None) -> None:
     """Discard the unfinished writes killed saves left under root (``stale_after``)."""
     prefix = layout.root.rstrip("/") + "/"
-    steps = set(layout.step_dirs().values())
+    steps: set[str] | None = None  # the unpadded step directories of ckptio's, listed when first needed
 
     def ours(uri: str) -> bool:  # the pointer, or something in a step directory of ckptio's
+        nonlocal steps
         rel = uri[len(prefix) :] if uri.startswith(prefix) else ""
         top = rel.split("/", 1)[0] if "/" in rel else None
-        return rel == POINTER_NAME or top == CONTENT_DIR or (top is not None and (_is_own_name(top) or top in steps))
+        if rel == POINTER_NAME or top == CONTENT_DIR or (top is not None and _is_own_name(top)):
+            return True
+        if top is None or not _is_step_name(top):
+            return False
+        if steps is None:
+            steps = set(layout.step_dirs().values())
+        return top in steps
 
     cutoff = time.time() - (stale_after or 0.0)
     try:

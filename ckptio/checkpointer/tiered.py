@@ -61,7 +61,7 @@ from ..backends.base import ObjectInfo
 from ..context import resolve
 from ..errors import CkptioError, NotFoundError, logger
 from ..transfer import copy_objects
-from .binding import bind
+from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup, prune
@@ -162,6 +162,7 @@ class Tier:
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
         self._readers, self._deferred = 0, False  # loads in progress; an eviction they held back
+        self._writing: set[int] = set()  # steps a save of this Checkpointer is writing (never evicted)
         self.rank, self.per_rank, self.timeout = rank, owner.format == "dcp" and world > 1, owner.timeout
         self.owned: dict[int, dict[str, int]] = {}  # step -> every rank's files (DCP, ranks but 0)
         if rank == 0 or self.per_rank:  # the thread starts by scheduling every local step (a restart's)
@@ -290,6 +291,17 @@ class Tier:
                 self._evict()
 
     @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[None]:
+        """While a save writes ``step`` on this node: its directory is not evicted (nor taken for debris)."""
+        with self._evicting:
+            self._writing.add(step)
+        try:
+            yield
+        finally:
+            with self._evicting:
+                self._writing.discard(step)
+
+    @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         """While a load picks and reads a copy: nothing is evicted from this node (it is evicted after)."""
         with self._evicting:
@@ -311,18 +323,18 @@ class Tier:
             return
         if self.replicator is not None and self.replicator.scanning:
             return  # the steps found at start are not scheduled yet
-        busy = self._busy()
+        busy = self._busy() | self._writing
         for s in complete[: -self.keep_local]:
             if s in self.replicated and s not in busy:
                 local.discard(s)
         for s in sorted(dirs):
-            if s < complete[-1] and s not in complete:
+            if s < complete[-1] and s not in complete and s not in self._writing:
                 local.discard(s)  # an uncommitted directory older than the newest: a killed save's
 
     def _evict_sent(self) -> None:
         """Ranks but 0 (``per_rank``): delete this node's step directories that have no marker here (another
         node's tier holds it), past the newest ``keep_local``, once committed remotely."""
-        local, busy = self.local, self._busy()
+        local, busy = self.local, self._busy() | self._writing
         for s in sorted(local.step_dirs())[: -self.keep_local]:
             if s not in busy and not local.committed(s) and self.remote.committed(s):
                 local.rmtree(local.dir(s))
@@ -520,8 +532,12 @@ def state_of(local: bool, remote: bool, busy: bool) -> str:
 def status(root_uri: str, local_tier: str | None = None) -> dict[int, str]:
     """Step -> state of a Checkpointer root and (optionally) a node's local tier, as another process sees
     them (a step the owning process is replicating shows ``"local"``)."""
-    remote = set(Layout(root_uri.rstrip("/") or root_uri).list())
-    local = set(Layout(local_tier.rstrip("/") or local_tier).list()) if local_tier else set()
+    root = Layout(root_uri.rstrip("/") or root_uri)
+    tier = Layout(local_tier.rstrip("/") or local_tier) if local_tier else None
+    if tier is not None:
+        check(tier, root)  # TierInUseError: that tier's steps are another root's
+    remote = set(root.list())
+    local = set(tier.list()) if tier is not None else set()
     return {s: state_of(s in local, s in remote, False) for s in sorted(local | remote)}
 
 

@@ -10,9 +10,11 @@ caller uses (``allow_pickle=True`` skips the check for checkpoints you trust). A
 * it is a ``torch.save`` zip archive (a legacy or non-zip stream would be unpickled by plain
   ``pickle`` before any zip is looked at) and not a TorchScript archive (``torch.load`` hands those
   to ``torch.jit.load``);
-* its pickle parses (``pickletools``) and memoizes at no index beyond its position in the pickle:
-  the C unpickler sizes its memo array by the largest index, so 8 bytes of pickle could make it
-  allocate and clear 32 GiB;
+* its pickle parses, memoizes at no index beyond its position in the pickle (the C unpickler
+  sizes its memo array by the largest index, so 8 bytes of pickle could make it allocate and clear
+  32 GiB), applies ``BUILD`` to no global and calls nothing that allocates from a small argument
+  (``bytearray(n)``, ``torch.FloatTensor(n)``, which torch's allow-list admits):
+  :func:`ckptio.formats.torch.pickle_problem`;
 * and ``torch.load(weights_only=True)`` loads it (torch's restricted unpickler: containers,
   numbers, strings, bytes, tensors, ``torch.Size``, dtypes, devices, ``OrderedDict``/``Counter``/
   ``set``, plus whatever the process registered with ``torch.serialization.add_safe_globals``), or it
@@ -56,7 +58,6 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import pickletools
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -66,11 +67,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .. import torch_internals as _ti
 from ..backends.base import BytesReader
+from ..formats.torch import pickle_problem as _scan_problem
 
 __all__ = ["box_problem", "entry_problem", "pickle_problem", "tensor_problem", "zip_problem"]
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.load reads anything else as a legacy (plain pickle) file
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _BYTESIO_GLOBALS = frozenset({("_io", "BytesIO"), ("_codecs", "encode")})
 
 
@@ -104,7 +105,7 @@ def pickle_problem(data: Any) -> str | None:
         return f"is not a readable torch.save archive ({type(e).__name__}: {_first_line(e)})"
     if "constants.pkl" in records:
         return "is a TorchScript archive (torch.load runs it with torch.jit.load)"
-    why = _memo_problem(pkl)
+    why = _scan_problem(pkl, len(data))
     if why is not None:
         return why
     try:
@@ -130,17 +131,6 @@ def _unsafe_globals(data: Any) -> list[str]:
 def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return (lines[-1] if lines else "")[:300]
-
-
-def _memo_problem(pkl: bytes) -> str | None:
-    try:
-        for op, arg, pos in pickletools.genops(pkl):
-            # a pickle memoizes at most one object per opcode before it
-            if op.name in _MEMO_PUTS and pos is not None and isinstance(arg, int) and arg > pos:
-                return f"stores a pickle memo entry at index {arg} (at byte {pos}), beyond anything it holds"
-    except Exception as e:  # noqa: BLE001 - ValueError for unknown opcodes or truncated arguments
-        return f"holds a malformed pickle ({e})"
-    return None
 
 
 class _BytesIOUnpickler(pickle.Unpickler):

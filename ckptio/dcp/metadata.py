@@ -2,8 +2,10 @@
 
 ``.metadata`` is read with a restricted unpickler (:func:`loads_metadata`) that builds only the
 classes DCP metadata contains; anything else is refused with a :class:`FormatError`, so a crafted
-``.metadata`` cannot run code. Every data object name in it must be a relative path inside the
-checkpoint (no empty, ``.`` or ``..`` segment, no leading ``/``, backslash, NUL or ``scheme://``,
+``.metadata`` cannot run code, nor change those classes (the unpickler gets stand-ins that refuse
+``BUILD``: :mod:`ckptio.formats.pickle_guard`), nor make the unpickler allocate a memo far beyond
+its size (:func:`ckptio.formats.pickle_scan.memo_problem`). Every data object name in it must be a
+relative path inside the checkpoint (no empty, ``.`` or ``..`` segment, no leading ``/``, backslash, NUL or ``scheme://``,
 not a ``.metadata``; on local disk it must not leave the directory through a symlink), else
 reading, verifying or replacing it stops with a :class:`FormatError` naming the entry
 (:func:`data_objects`).
@@ -46,6 +48,8 @@ from ..backends.base import Backend
 from ..backends.local import ensure_inside
 from ..context import resolve
 from ..errors import AccessDeniedError, AlreadyExistsError, CkptioError, FormatError
+from ..formats.pickle_guard import guard
+from ..formats.pickle_scan import memo_problem
 from .layout import METADATA_NAME, note
 
 
@@ -106,16 +110,27 @@ _METADATA_CLASSES: dict[str, frozenset[str]] = {
 }
 
 
+_GUARDED: dict[tuple[str, str], Any] = {}  # (module, name) -> what find_class returns (pickle_guard.guard)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, uri: str) -> None:
         super().__init__(file)
         self._uri = uri
 
     def find_class(self, module: str, name: str) -> Any:
+        done = _GUARDED.get((module, name))
+        if done is not None:
+            return done
         if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # dtypes pickle as the global torch.<name>
+            obj = super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)  # dtypes pickle as the global torch.<name>
+        else:
+            obj = None
+        if obj is not None:
+            # a stand-in that BUILD cannot change: never the class or function itself
+            return _GUARDED.setdefault((module, name), guard(obj, f"{module}.{name}"))
         raise FormatError(
             f"{self._uri}: DCP metadata refers to {module}.{name}, which DCP metadata never "
             f"contains; refusing to unpickle it (the file may be crafted to run code)"
@@ -128,12 +143,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 def loads_metadata(data: bytes | bytearray | memoryview, uri: str = METADATA_NAME) -> Metadata:
     """Unpickle a DCP ``.metadata`` (``uri`` names it in errors), building only DCP metadata classes.
 
-    Raises :class:`FormatError` for any other class (nothing is executed) and for malformed data.
+    Raises :class:`FormatError` for any other class (nothing is executed), for a memo index that
+    would make the unpickler allocate far beyond ``data`` and for malformed data.
     """
+    why = memo_problem(data)
+    if why is not None:
+        raise FormatError(f"{uri}: DCP metadata {why}; refusing to unpickle it (the file is corrupt or crafted)")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), uri).load()
-    except FormatError:
-        raise
+    except FormatError as e:
+        if str(e).startswith(uri):
+            raise
+        raise FormatError(f"{uri}: {e}") from None  # a guard's refusal (pickle_guard) names no file
     except Exception as e:  # UnpicklingError, EOFError, a bad enum value, ...
         raise FormatError(f"{uri}: not readable DCP metadata ({type(e).__name__}: {e})") from e
     if not isinstance(metadata, Metadata):

@@ -5,7 +5,7 @@ C unpickler with ``find_class`` restricted to an allow-list, and ``persistent_lo
 
 * immutable built-in types and the stdlib's C types (``set``, ``frozenset``, ``complex``, ``slice``,
   ``list``, ``dict``, ``tuple``, ``int``, ``float``, ``str``, ``bool``, ``collections.OrderedDict``,
-  ``defaultdict``, ``deque``, ``datetime``'s classes, ``decimal.Decimal``). Being immutable, none of
+  ``defaultdict``, ``deque``, ``datetime``'s classes; ``decimal.Decimal`` is checked). Being immutable, none of
   them can be rewritten by a ``BUILD`` opcode (``setattr`` on a class), and their constructors only
   build data. ``bytes``/``bytearray``/``_codecs.encode`` go through checks (no size arguments, only
   the latin-1 text that pickle protocols 0-2 use for bytes).
@@ -29,6 +29,14 @@ Extension codes (the ``EXT1/2/4`` opcodes of :mod:`copyreg`'s registry) are refu
 serves a code that any earlier load in the process resolved from a cache, without ``find_class``.
 While the process has codes registered (rare), loads go through pickle's Python unpickler, whose
 extension lookup this module overrides; otherwise no code can resolve and the C unpickler is used.
+
+Nothing large is allocated from a small file, and no shared object changes: the memo indices are
+checked before unpickling (:func:`ckptio.formats.pickle_scan.memo_problem`); the checked functions
+refuse ``BUILD`` (:mod:`ckptio.formats.pickle_guard`); a ``Decimal`` whose integer part would have
+more digits than ``int()`` converts from text (``sys.get_int_max_str_digits()``) is refused, so
+``int(Decimal("1E+3000000"))`` cannot run for minutes; object arrays together may take at most
+16 bytes per byte of the pickle (their items' pointers), and an array of a subarray dtype (which
+numpy never pickles: it folds the subarray into the shape) is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import sys
 from typing import IO, Any
 
 from ..errors import FormatError
+from .pickle_guard import guard
+from .pickle_scan import memo_problem
 
 _HINT = "if you trust the file, load it with allow_pickle=True (plain pickle, which runs code from the file)"
 
@@ -54,7 +64,6 @@ _TYPES: dict[tuple[str, str], Any] = {
         ("datetime", t.__name__): t
         for t in (datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone)
     },
-    ("decimal", "Decimal"): decimal.Decimal,
 }
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE (Python >= 3.10)
 _NP_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")  # numpy 1.x / 2.x
@@ -91,8 +100,14 @@ def load(f: IO[bytes], **kwargs: Any) -> Any:
     ``kwargs`` are ``pickle.Unpickler``'s (``encoding``, ``errors``, ``fix_imports``, ``buffers``).
     """
     import copyreg
+    import io
 
-    u = (_PyUnpickler if copyreg._inverted_registry else _Unpickler)(f, **kwargs)  # type: ignore[attr-defined]
+    data = f.read()
+    why = memo_problem(data)
+    if why is not None:
+        raise FormatError(f"the pickle {why}; refusing to unpickle it (the file is corrupt or crafted)")
+    u = (_PyUnpickler if copyreg._inverted_registry else _Unpickler)(io.BytesIO(data), **kwargs)  # type: ignore[attr-defined]
+    u.object_budget = 16 * len(data) + (1 << 20)
     try:
         obj = u.load()
         return _swap_stand_ins(obj, {}) if u.made_stand_ins else obj
@@ -117,6 +132,7 @@ class _Checks:
     """The checks, for pickle's C unpickler (:class:`_Unpickler`) and its Python one (:class:`_PyUnpickler`)."""
 
     made_stand_ins = False  # set on the instance when a load made one
+    object_budget = 1 << 20  # bytes object arrays may still take (load sets it from the pickle's size)
 
     def find_class(self, module: str, name: str) -> Any:
         import _compat_pickle
@@ -127,11 +143,11 @@ class _Checks:
         obj = _TYPES.get((module, name))
         if obj is not None and (not isinstance(obj, type) or obj.__flags__ & _IMMUTABLE_TYPE):
             return obj
-        # the checked functions are bound methods: a BUILD opcode cannot replace their defaults or code
         special = {
             ("_codecs", "encode"): self._encode,
             ("builtins", "bytes"): self._bytes,
             ("builtins", "bytearray"): self._bytearray,
+            ("decimal", "Decimal"): self._decimal,
             ("numpy", "ndarray"): NDARRAY,
             ("numpy", "dtype"): self._dtype,
         }.get((module, name))
@@ -145,7 +161,8 @@ class _Checks:
                 f"and only plain data is admitted (containers, numbers, strings, bytes, datetime, "
                 f"numpy arrays); {_HINT}"
             )
-        return special
+        # the checked functions as callables that refuse BUILD (which would change them for the process)
+        return special if special is NDARRAY else guard(special, f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         raise FormatError(
@@ -163,6 +180,18 @@ class _Checks:
                 f"bytes as latin-1 text only; {_HINT}"
             )
         return text.encode(encoding)
+
+    def _decimal(self, value: Any = "0", context: Any = None) -> decimal.Decimal:
+        if context is not None:
+            raise FormatError(f"refusing decimal.Decimal with a context ({_what(context)}): pickles pass none")
+        d = decimal.Decimal(value)
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 0)() or 4300  # what int() converts from text
+        if d.is_finite() and d.adjusted() >= limit:
+            raise FormatError(
+                f"refusing decimal.Decimal with {d.adjusted() + 1} digits before the point: more than the "
+                f"{limit} int() converts (converting it would run for minutes)"
+            )
+        return d
 
     def _bytes(self, *args: Any) -> bytes:
         return bytes(*_data_args("bytes", args))
@@ -184,7 +213,15 @@ class _Checks:
                 f"(no subclass); {_HINT}"
             )
         self.made_stand_ins = True
-        return ArrayStandIn()
+        return ArrayStandIn(self._spend)
+
+    def _spend(self, nbytes: int, what: str) -> None:
+        if nbytes > self.object_budget:
+            raise FormatError(
+                f"pickled numpy array of {what} would take {nbytes} bytes, more than its items in the pickle "
+                f"can fill (object arrays may take 16 bytes per byte of the pickle)"
+            )
+        self.object_budget -= nbytes
 
     def _scalar(self, dtype: Any, data: Any = None) -> Any:
         np = _numpy()
@@ -245,15 +282,15 @@ class DtypeStandIn:
 class ArrayStandIn:
     """A pickled ``numpy.ndarray``; its ``__setstate__`` (the BUILD opcode) builds :attr:`value`."""
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "_spend")
 
-    def __init__(self) -> None:
-        self._value = None
+    def __init__(self, spend: Any) -> None:
+        self._value, self._spend = None, spend
 
     def __setstate__(self, state: Any) -> None:
         if self._value is not None:
             raise FormatError("a pickled numpy array is given its state twice")
-        self._value = _build_array(state)
+        self._value = _build_array(state, self._spend)
 
     @property
     def value(self) -> Any:
@@ -368,7 +405,7 @@ def _struct_spec(names: Any, fields: Any, elsize: int) -> dict[str, Any]:
     return {**spec, "itemsize": elsize}
 
 
-def _build_array(state: Any) -> Any:
+def _build_array(state: Any, spend: Any) -> Any:
     np = _numpy()
     if type(state) is tuple and len(state) == 5 and type(state[0]) is int and state[0] == 1:
         state = state[1:]
@@ -378,9 +415,12 @@ def _build_array(state: Any) -> Any:
     if type(fortran) not in (bool, int):
         raise FormatError("pickled numpy array's order flag is not a bool")
     n = math.prod(shape)
+    if dt.subdtype is not None:  # numpy folds a subarray dtype into the shape: never pickled, not rebuilt exactly
+        raise FormatError(f"pickled numpy array of the subarray dtype {dt}: numpy never writes one")
     if dt.hasobject:
         if type(data) is not list or len(data) != n:
             raise FormatError(f"pickled numpy array of {dt} needs a list of {n} items, got {_what(data)}")
+        spend(n * dt.itemsize, f"{dt} and shape {shape}")
         data = _swap_stand_ins(data, {})
         if dt.names is not None:  # numpy's __setstate__ loses a field's conversion error: assign item by item
             arr = np.empty(shape, dtype=dt, order="F" if fortran else "C")

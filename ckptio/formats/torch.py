@@ -13,6 +13,13 @@ one over :data:`IN_MEMORY_MAX` goes through a temporary file. ``mmap=True`` work
 ``inspect`` / ``verify`` (``ckptio info`` / ``ckptio verify``) read the pickle with
 :class:`_TorchInspector`, an unpickler that builds stand-ins (:class:`TensorInfo`, :class:`_Opaque`)
 instead of tensors and calls nothing it does not know, and check the zip CRC32 of every member.
+
+Before torch (or the inspector) sees an archive (``weights_only`` loads, ``inspect``, ``verify``),
+:func:`archive_problem` bounds what its records decompress to (at most :data:`INFLATE_MAX` times the
+file) and :func:`pickle_problem` walks its ``data.pkl`` (:mod:`ckptio.formats.pickle_scan`): no
+memo bomb, no ``BUILD`` on a global, no call that allocates from a small argument (torch's
+allow-list admits ``bytearray(n)``, ``torch.FloatTensor(n)``, ``torch.UntypedStorage(n)``).
+Legacy (non-zip) files go to torch unchecked.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import io
 import math
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 import zlib
@@ -34,9 +42,89 @@ from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, cop
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor
+from . import pickle_scan
 from .base import StreamFormat, dtype_size, flatten, jsonable
+from .pickle_guard import guard
 
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
+INFLATE_MAX = 16  # an archive's records may decompress to at most this many times the archive's size
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def archive_problem(z: zipfile.ZipFile, size: int) -> str | None:
+    """Why reading the records of ``z`` (an archive of ``size`` bytes) could allocate far beyond it; None if not."""
+    total = 0
+    for r in z.infolist():
+        if r.compress_type == zipfile.ZIP_STORED and r.file_size != r.compress_size:
+            return f"has a stored zip record {r.filename!r} whose sizes disagree"
+        total += r.file_size
+    if total > INFLATE_MAX * max(size, 1 << 16):
+        return (
+            f"has zip records that decompress to {total} bytes, more than {INFLATE_MAX} times the "
+            f"{size}-byte file (a zip bomb?)"
+        )
+    return None
+
+
+def _calls(module: str, name: str) -> str | None:
+    """Globals torch's allow-list admits that allocate from an int argument ("sized"), or that torch.save
+    never calls (tensor and storage classes, which allocate from a size or copy any sequence: "never")."""
+    if module == "builtins":
+        return "sized" if name in ("bytearray", "bytes") else None
+    return "never" if module.partition(".")[0] == "torch" and name.endswith(("Tensor", "Storage")) else None
+
+
+# the names :func:`_calls` and the budgets check, however a pickle spells a global (GLOBAL's text
+# line, STACK_GLOBAL's strings); torch.save's own pickles name none of them (storages pickle as
+# torch.FloatStorage..., tensors through _rebuild_tensor_v2), so they skip the walk in Python
+_RISKY = re.compile(b"bytearray|bytes|Tensor|TypedStorage|" + _ti.REBUILD_QTENSOR.encode())
+
+
+def pickle_problem(pkl: bytes | memoryview, size: int) -> str | None:
+    """Why unpickling ``pkl`` (the ``data.pkl`` of a ``size``-byte archive) could change shared objects
+    or allocate far beyond the archive; None if it cannot (see :mod:`ckptio.formats.pickle_scan`)."""
+    if _RISKY.search(pkl) is None:  # nothing to call that allocates: the memo alone, at C speed
+        return pickle_scan.memo_problem(pkl)
+    budgets = {f"{_ti.REBUILD_MODULE}.{_ti.REBUILD_QTENSOR}": 2}
+    return pickle_scan.problem(pkl, calls=_calls, budgets=budgets, limit=size)
+
+
+def _data_pkl(z: zipfile.ZipFile) -> str | None:
+    return next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+
+
+def check_archive(f: IO[bytes], size: int, uri: str) -> None:
+    """Raise :class:`FormatError` naming ``uri`` when the zip archive in ``f`` (seekable, ``size`` bytes) has
+    an :func:`archive_problem` or its ``data.pkl`` a :func:`pickle_problem`; a legacy (non-zip) file passes.
+    ``f`` is left at its start."""
+    try:
+        if f.read(4) != _ZIP_MAGIC:
+            return
+        f.seek(0)
+        try:
+            z = zipfile.ZipFile(f)
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            raise FormatError(f"{uri}: not a readable torch.save archive ({type(e).__name__}: {e})") from None
+        why = archive_problem(z, size)
+        name = _data_pkl(z) if why is None else None
+        if why is None and name is not None:
+            why = pickle_problem(z.read(name), size)
+        if why is not None:
+            raise FormatError(f"{uri}: {why}; refusing to load it (the file is corrupt or crafted)")
+    finally:
+        f.seek(0)
+
+
+def _load_checked(f: Any, size: int, uri: str, kw: dict[str, Any]) -> Any:
+    import torch
+
+    if kw.get("weights_only"):
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "rb") as g:
+                check_archive(g, size, uri)
+        else:
+            check_archive(f, size, uri)
+    return torch.load(f, **kw)
 
 
 class TorchFormat(StreamFormat):
@@ -55,6 +143,12 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
+        if kw["weights_only"] and f.seekable():
+            start = f.tell()
+            size = f.seek(0, os.SEEK_END) - start
+            f.seek(start)
+            if start == 0:
+                return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
@@ -66,22 +160,21 @@ class TorchFormat(StreamFormat):
             raise
 
     def _load(self, backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
-        import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
         if kw.get("mmap", _mmap_default()):  # explicit, or torch's process-wide default
             with backend.get_local_path(uri) as path:
-                return torch.load(path, **kw)
+                return _load_checked(path, os.path.getsize(path), uri, kw)
         with backend.local_file(uri) as path:
             if path is not None:  # a local file, a node-cache entry: read in place
-                return torch.load(path, **kw)
+                return _load_checked(path, os.path.getsize(path), uri, kw)
         if backend.reads_local:  # memory://, an incremental step's local blocks: no temporary file
             size = backend.stat(uri).size
             if size <= IN_MEMORY_MAX:
                 data = backend.read(uri)
                 if backend.assembled(uri):
                     check_members(data, uri)
-                return torch.load(io.BytesIO(data), **kw)
+                return _load_checked(io.BytesIO(data), size, uri, kw)
             if backend.assembled(uri):  # read twice: once for the CRCs, once into the tensors
                 with backend.open_reader(uri) as f:
                     check_members(f, uri)
@@ -123,11 +216,10 @@ class _ErrorKeepingReader(RangeReader):
 def _load_through_reader(backend: Backend, uri: str, size: int, kw: dict[str, Any]) -> Any:
     """``torch.load`` through a buffered reader over the backend (bounded memory: each record is read
     straight into its tensor); the backend's own error (damaged, missing) is the one raised."""
-    import torch
 
     raw = _ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
     try:
-        return torch.load(io.BufferedReader(raw, buffer_size=1 << 20), **kw)
+        return _load_checked(io.BufferedReader(raw, buffer_size=1 << 20), size, uri, kw)
     except Exception as e:
         if raw.error is not None:
             raise raw.error from e
@@ -141,7 +233,6 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     headers are in, all from the version the first reply came from (``Backend.pin_version``: torch
     checks no CRC, so an object replaced meanwhile would load as a mix). torch's zip reader reads the
     buffers in place. An object over :data:`IN_MEMORY_MAX` goes through a temporary file instead."""
-    import torch
 
     backend = backend.pin_version(uri)  # head and rest from one version of the object, or IntegrityError
     head = anonymous(min(backend.part_size, IN_MEMORY_MAX))  # faulted in as filled
@@ -174,12 +265,12 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
     if n >= size:
         if assembled:
             check_members(head[:size], uri)
-        return torch.load(BytesReader(head[:size], uri), **kw)  # type: ignore[arg-type]  # a binary file object
+        return _load_checked(BytesReader(head[:size], uri), size, uri, kw)
     if rest:
         pieces = PiecesReader([head, rest[0][0]], uri)
         if assembled:
             check_members(pieces, uri)
-        return torch.load(pieces, **kw)  # type: ignore[arg-type]  # a binary file object
+        return _load_checked(pieces, size, uri, kw)
     with tempfile.TemporaryDirectory(prefix="ckptio-") as tmp:  # over IN_MEMORY_MAX
         path = os.path.join(tmp, "object.pt")
         with open(path, "wb") as f:
@@ -189,28 +280,40 @@ def _load_remote(backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
         if assembled:
             with open(path, "rb") as saved:
                 check_members(saved, uri)
-        return torch.load(path, **kw)
+        return _load_checked(path, size, uri, kw)
 
 
-def check_members(data: Any, uri: str) -> None:
-    """The zip CRC32 of every member of the torch archive ``data`` (a buffer: without a copy, members
-    hashed in parallel; else a seekable binary file, left at 0), which ``torch.load`` never checks;
-    IntegrityError naming the member. For bytes assembled from blocks (``Backend.assembled``)."""
+def check_members(data: Any, uri: str, names: set[str] | None = None) -> None:
+    """The zip CRC32 of every member (or those in ``names``) of the torch archive ``data`` (a buffer:
+    without a copy, members hashed in parallel; else a seekable binary file, left at 0), which
+    ``torch.load`` never checks; IntegrityError naming the member. For bytes assembled from blocks
+    (``Backend.assembled``)."""
     whole = not hasattr(data, "seek")
     f = io.BytesIO(data) if whole else data
     try:
         with zipfile.ZipFile(f) as z:
-            infos = z.infolist()
-            if not whole or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-                bad = z.testzip()
-            else:
+            infos = [i for i in z.infolist() if names is None or i.filename in names]
+            if whole and all(i.compress_type == zipfile.ZIP_STORED for i in infos):
                 bad = _crc_stored(memoryview(data).cast("B"), infos)
+            else:
+                bad = next((i.filename for i in infos if not _crc_ok(z, i)), None)
     except (zipfile.BadZipFile, ValueError, EOFError) as e:
         raise IntegrityError(f"{uri}: not a readable torch archive ({e}): the checkpoint is corrupt") from None
     if not whole:
         f.seek(0)
     if bad is not None:
         raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
+
+
+def _crc_ok(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
+    """Whether member ``info`` reads back with its CRC32 (zipfile checks it at the member's end)."""
+    try:
+        with z.open(info) as m:
+            while m.read(1 << 20):
+                pass
+    except zipfile.BadZipFile:
+        return False
+    return True
 
 
 def _crc_stored(mv: memoryview, infos: list[zipfile.ZipInfo]) -> str | None:
@@ -284,6 +387,10 @@ def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+def _parameter(data: Any, *args: Any) -> Any:
+    return dataclasses.replace(data, parameter=True) if isinstance(data, TensorInfo) else data
+
+
 class _TorchInspector(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import collections
@@ -303,13 +410,14 @@ class _TorchInspector(pickle.Unpickler):
             "dict",
         ):
             return getattr(__import__("builtins"), name)
+        # functions as callables that refuse BUILD (which would change them for the process)
         if module == "_codecs" and name == "encode":
-            return _latin1_encode  # how torch pickles bytes; no other codec
+            return guard(_latin1_encode, "_codecs.encode")  # how torch pickles bytes; no other codec
         # torch's private rebuild functions, as torch.save pickles tensors (matched by name)
         if module == _ti.REBUILD_MODULE and name == _ti.REBUILD_TENSOR:
-            return self._tensor
+            return guard(self._tensor, f"{module}.{name}")
         if module == _ti.REBUILD_MODULE and name == _ti.REBUILD_PARAMETER:
-            return lambda data, *a: dataclasses.replace(data, parameter=True) if isinstance(data, TensorInfo) else data
+            return guard(_parameter, f"{module}.{name}")
         if module == "torch" and name.endswith("Storage"):
             return _StorageType(_storage_dtype(name))
         if module == "torch" and name == "Size":
@@ -335,10 +443,13 @@ class _TorchInspector(pickle.Unpickler):
         return None
 
 
-def _open_zip(backend: Backend, uri: str) -> zipfile.ZipFile:
+def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
+    """The archive at ``uri`` and its size, its records' sizes checked (:func:`archive_problem`)."""
     f = backend.open_reader(uri)
     try:
-        return zipfile.ZipFile(f)
+        size = f.seek(0, os.SEEK_END)
+        z = zipfile.ZipFile(f)
+        why = archive_problem(z, size)
     except zipfile.BadZipFile:
         f.close()
         raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
@@ -347,18 +458,35 @@ def _open_zip(backend: Backend, uri: str) -> zipfile.ZipFile:
         raise IntegrityError(
             f"{uri}: its zip records point outside the file ({e}): the checkpoint is corrupt"
         ) from None
+    if why is not None:
+        z.close()
+        raise FormatError(f"{uri}: {why}; refusing to read it (the file is corrupt or crafted)")
+    return z, size
 
 
 def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
     """Keys, dtypes, shapes and sizes of a zip-format ``torch.save`` file; no tensor bytes are read
     and no code runs (:class:`_TorchInspector` records unknown globals instead of calling them)."""
-    with _open_zip(backend, uri) as z:
-        pkl = next((n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+    z, size = _open_zip(backend, uri)
+    with z:
+        pkl = _data_pkl(z)
         if pkl is None:
             raise FormatError(f"{uri}: zip archive without data.pkl: not a torch checkpoint")
+        data = z.read(pkl)
+        why = pickle_problem(data, size)
+        if why is not None:
+            raise FormatError(f"{uri}: {pkl} {why}; refusing to read it (the file is corrupt or crafted)")
         try:
-            tree = _TorchInspector(io.BytesIO(z.read(pkl))).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+            tree = _TorchInspector(io.BytesIO(data)).load()
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            LookupError,
+            zipfile.BadZipFile,
+        ) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl}: {e}") from None
     tensors: list[dict[str, Any]] = []
     storages: dict[str, int] = {}  # storage key -> the most bytes a tensor views of it
@@ -372,7 +500,8 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
 
 def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
     """The CRC32 of every zip member, then the pickle (as :func:`inspect_torch`)."""
-    with _open_zip(backend, uri) as z:
+    z, _ = _open_zip(backend, uri)
+    with z:
         try:
             bad = z.testzip()  # reads every member and checks its CRC32
         except (zipfile.BadZipFile, ValueError, EOFError) as e:

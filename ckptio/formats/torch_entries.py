@@ -1,15 +1,16 @@
 """Loading some entries of a ``torch.save`` file's top-level mapping, reading only their bytes.
 
-:func:`load_entries` (a Checkpointer load with ``keys=``/``exclude=`` of a ``pt`` checkpoint): a local
-file (or node-cache entry) is mapped (``torch.load(mmap=True)``), so only the pages of the entries
-kept are read. A remote object: its zip directory (the tail), the zip's small members (``data.pkl``,
-``version``...) and the records of the storages the kept entries' tensors use are fetched, each by
-one ranged read from one version of the object (``pin_version``), into a sparse temporary file at
-their own offsets; ``torch.load(mmap=True)`` of it builds the tree (the other entries' tensors map
-holes, never read) and the kept entries are returned. Which storages an entry uses is read from the
-pickle by ckptio's inspecting unpickler, which calls nothing. The load itself is torch's, with the
-caller's ``weights_only``. A file that is not a zip (legacy ``torch.save``) or not a mapping loads whole,
-and so does one with a storage the walk from the top-level entries does not reach (so none is missed).
+:func:`load_entries` (a Checkpointer load with ``keys=``/``exclude=`` of a ``pt`` checkpoint): a local file
+(or node-cache entry) is mapped (``torch.load(mmap=True)``), so only the pages of the entries kept are read.
+A remote object: its first and last bytes (the pickle, the zip directory), the zip's other small members
+(``version``...) and the records of the storages the kept entries' tensors use are fetched by ranged reads
+(ranges closer than :data:`_GAP` merged, several at once), all from one version of the object
+(``pin_version``), into a sparse temporary file at their own offsets; ``torch.load(mmap=True)`` of it builds
+the tree (the other entries' tensors map holes, never read) and the kept entries are returned. Which
+storages an entry uses is read from the pickle by ckptio's inspecting unpickler, which calls nothing. The
+load itself is torch's, with the caller's ``weights_only``. A file that is not a zip (legacy ``torch.save``)
+or not a mapping loads whole, and so does one with a storage the walk from the top-level entries does not
+reach (so none is missed).
 """
 
 from __future__ import annotations
@@ -23,28 +24,38 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..backends.base import Backend, RangeReader
-from ..errors import IntegrityError
+from ..errors import FormatError, IntegrityError
 from ..osio import anonymous
-from .torch import TensorInfo, TorchFormat, _TorchInspector
+from ..threads import Pool
+from .torch import (
+    TensorInfo,
+    TorchFormat,
+    _load_checked,
+    _TorchInspector,
+    archive_problem,
+    check_members,
+    pickle_problem,
+)
 
-_CHUNK = 64 << 20  # the most bytes one ranged read puts in memory before they are written out
+_CHUNK = 16 << 20  # the most bytes one ranged read puts in memory before they are written out
 _STORAGE_REF = {"dtype", "key", "numel"}  # what _TorchInspector.persistent_load returns for a storage
-_TAIL = 64 << 10  # the zip directory is read with this much read-ahead (one request for most files)
+_ENDS = 64 << 10  # the first and last bytes read up front: the pickle and the zip directory of most files
+_THREADS = 8  # ranges read at once (each in at most _CHUNK of memory)
+_GAP = 64 << 10  # ranges closer than this are read as one (and the zip's own reads buffered by this much)
 
 
 def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> dict[str, Any]:
     """``{k: torch.load(uri)[k] for k in keys if present}``, reading only those entries' bytes."""
-    import torch
-
     keys = list(keys)
     kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
     kw.pop("mmap", None)
     with backend.local_file(uri) as path:
         if path is not None:
-            return _pick(torch.load(path, mmap=True, **kw), keys)
+            return _pick(_load_checked(path, os.path.getsize(path), uri, {**kw, "mmap": True}), keys)
     reads = backend.pin_version(uri)  # directory, pickle and records from one version of the object
     size = reads.stat(uri).size
-    ranges = _ranges(reads, uri, size, keys)
+    raw = _Ends(reads, uri, size)
+    ranges = _ranges(raw, uri, size, keys)
     if ranges is None:
         return _pick(TorchFormat().load(backend, uri, **kw), keys)
     with tempfile.TemporaryDirectory(prefix="ckptio-") as tmp:
@@ -52,11 +63,61 @@ def load_entries(backend: Backend, uri: str, keys: Iterable[str], **kw: Any) -> 
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            for start, end in ranges:
-                _copy_range(reads, uri, fd, start, end)
+            os.pwrite(fd, raw.head, 0)
+            os.pwrite(fd, raw.tail, raw.tail_start)
+            todo = _merged(ranges, len(raw.head), raw.tail_start)
+            with Pool(max(1, min(len(todo), _THREADS)), thread_name_prefix="ckptio-pt-entries") as ex:
+                list(ex.map(lambda r: _copy_range(reads, uri, fd, *r), todo))
         finally:
             os.close(fd)
-        return _pick(torch.load(path, mmap=True, **kw), keys)  # the mapping outlives the file
+        if backend.assembled(uri):  # an incremental step's blocks: the records read are checked (torch does not)
+            with open(path, "rb") as f:
+                check_members(f, uri, names=_fetched(f, ranges))
+        return _pick(_load_checked(path, size, uri, {**kw, "mmap": True}), keys)  # the mapping outlives the file
+
+
+class _Ends(RangeReader):
+    """The object, its first and last :data:`_ENDS` bytes read once (the pickle comes first in a torch
+    zip, the directory last) and served from memory; other reads are ranged reads."""
+
+    def __init__(self, backend: Backend, uri: str, size: int) -> None:
+        super().__init__(backend, uri, size)
+        self.head = backend.read_range(uri, 0, min(size, _ENDS))
+        self.tail_start = max(len(self.head), size - _ENDS)
+        self.tail = backend.read_range(uri, self.tail_start, size) if self.tail_start < size else b""
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        for start, data in ((0, self.head), (self.tail_start, self.tail)):
+            if start <= self._pos < start + len(data):
+                n = min(len(mv), start + len(data) - self._pos)
+                mv[:n] = data[self._pos - start : self._pos - start + n]
+                self._pos += n
+                return n
+        if self._pos < self.tail_start:
+            mv = mv[: self.tail_start - self._pos]
+        return super().readinto(mv)
+
+
+def _merged(ranges: list[tuple[int, int]], head_end: int, tail_start: int) -> list[tuple[int, int]]:
+    """``ranges`` less what the ends already hold, those less than :data:`_GAP` apart merged."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        a, b = max(a, head_end), min(b, tail_start)
+        if a >= b:
+            continue
+        if out and a - out[-1][1] < _GAP:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _fetched(f: Any, ranges: list[tuple[int, int]]) -> set[str]:
+    """The names of the members whose local header starts one of ``ranges`` (the ones fetched)."""
+    starts = {a for a, _ in ranges}
+    with zipfile.ZipFile(f) as z:
+        return {i.filename for i in z.infolist() if i.header_offset in starts}
 
 
 def _pick(obj: Any, keys: list[str]) -> dict[str, Any]:
@@ -65,12 +126,11 @@ def _pick(obj: Any, keys: list[str]) -> dict[str, Any]:
     return {k: obj[k] for k in keys if k in obj}
 
 
-def _ranges(reads: Backend, uri: str, size: int, keys: list[str]) -> list[tuple[int, int]] | None:
+def _ranges(raw: RangeReader, uri: str, size: int, keys: list[str]) -> list[tuple[int, int]] | None:
     """The byte ranges to fetch: the zip directory, the small members, the kept entries' records;
     None when the object is not a zip holding a mapping (then it loads whole)."""
-    raw = io.BufferedReader(RangeReader(reads, uri, size), buffer_size=_TAIL)
     try:
-        z = zipfile.ZipFile(raw)
+        z = zipfile.ZipFile(io.BufferedReader(raw, buffer_size=_GAP))
     except zipfile.BadZipFile:
         return None
     with z:
@@ -78,10 +138,23 @@ def _ranges(reads: Backend, uri: str, size: int, keys: list[str]) -> list[tuple[
         pkl = next((i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
         if pkl is None:
             return None
-        inspector = _Recording(io.BytesIO(z.read(pkl)))
+        why = archive_problem(z, size)
+        data = z.read(pkl) if why is None else b""
+        why = why or pickle_problem(data, size)
+        if why is not None:
+            raise FormatError(f"{uri}: {why}; refusing to read it (the file is corrupt or crafted)")
+        inspector = _Recording(io.BytesIO(data))
         try:
             tree = inspector.load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, zipfile.BadZipFile) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            LookupError,
+            zipfile.BadZipFile,
+        ) as e:
             raise IntegrityError(f"{uri}: cannot decode {pkl.filename}: {e}") from None
         if not isinstance(tree, dict) or not inspector.seen <= _storages([tree]):
             return None  # not a mapping, or a storage the walk cannot place: load whole, never a hole

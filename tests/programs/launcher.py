@@ -3,11 +3,11 @@ of each job (a fork costs milliseconds; a fresh interpreter importing torch cost
 
 Protocol: one JSON job per line on stdin: ``entry`` (``module:function``, called as ``function(rank, world,
 port, job)`` in each rank, ``port`` free for the job's TCP store), ``world``, ``timeout``, ``out`` (a
-directory) and what the entry reads (:mod:`.train`'s keys); one JSON
-reply per line on stdout: ``{"codes": [per rank: exit code, or -signal], "seconds": ...}``. A job whose
-rank is SIGKILLed is torn down (its other ranks SIGKILLed), as a cluster scheduler ends a job that lost a
-process; a rank that fails ends the job too; past ``timeout`` every rank is killed and the reply says
-``"timeout": true``. Each rank's stdout and stderr go to ``out/rank<r>.log``.
+directory) and what the entry reads (:mod:`.train`'s keys); one JSON reply per line on stdout:
+``{"codes": [per rank: exit code, or -signal], "ended": [ranks the launcher killed], "seconds": ...}``.
+A job whose rank is SIGKILLed is torn down (its other ranks SIGKILLed), as a cluster scheduler ends a
+job that lost a process; a rank that fails ends the job too; past ``timeout`` every rank is killed and
+the reply says ``"timeout": true``. Each rank's stdout and stderr go to ``out/rank<r>.log``.
 
 The launcher forks only while it runs one thread, with torch on one thread (``warm_up``), so a child
 inherits no lock held by a thread that does not exist in it.
@@ -69,24 +69,35 @@ def run_job(job: dict) -> dict:
             _rank(rank, world, port, job)
         pids[pid] = rank
     codes: list[int | None] = [None] * world
+    ended: list[int] = []  # the ranks the launcher killed
+
+    def end_the_rest() -> None:
+        for p, r in pids.items():
+            if codes[r] is None and r not in ended:
+                os.kill(p, signal.SIGKILL)
+                ended.append(r)
+
+    def reap() -> bool:
+        """Record every rank that has ended; whether one failed."""
+        failed = False
+        while None in codes and (got := os.waitpid(-1, os.WNOHANG))[0]:
+            codes[pids[got[0]]] = _status(got[1])
+            failed = failed or codes[pids[got[0]]] != 0
+        return failed
+
     deadline = t0 + job["timeout"]
     timed_out = False
     while None in codes:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[pids[pid]] = _status(status)
-            if codes[pids[pid]] != 0:  # the job lost a rank: end the others
-                for p, r in pids.items():
-                    if codes[r] is None:
-                        os.kill(p, signal.SIGKILL)
+        if reap():  # the job lost a rank: end the others, once a peer that died first is reaped too
+            time.sleep(0.05)
+            reap()
+            end_the_rest()
             continue
         if time.monotonic() > deadline and not timed_out:
             timed_out = True
-            for p, r in pids.items():
-                if codes[r] is None:
-                    os.kill(p, signal.SIGKILL)
+            end_the_rest()
         time.sleep(0.005)
-    return {"codes": codes, "seconds": round(time.monotonic() - t0, 3), "timeout": timed_out}
+    return {"codes": codes, "ended": sorted(ended), "seconds": round(time.monotonic() - t0, 3), "timeout": timed_out}
 
 
 def main() -> None:

@@ -9,9 +9,12 @@ back. The loop is the README's: ``for step in range(ck.resume(state), steps)``, 
 
 ``job`` (a dict, JSON from the test): ``parallel`` (plain/ddp/fsdp), ``format`` (None: no Checkpointer,
 the uninterrupted reference), ``mode`` (sync/async/tiered/incremental), ``root``, ``tier``,
-``backends`` (ckptio settings, e.g. the moto endpoint), ``steps``, ``kill_at`` (SIGKILL this process at
-the start of that step), ``action`` (``train``, or ``load``: restore the latest checkpoint into a fresh
-state and report it), ``out`` (each rank writes its final state to ``out/rank<r>.pt``).
+``backends`` (ckptio settings, e.g. the moto endpoint), ``steps``, ``kill_at`` and ``kill_event`` (SIGKILL
+this process at the start of step ``kill_at``, or with ``kill_event`` n > 0 at the n-th storage event (a
+chunk written, an object committed or deleted under root, from any thread: a sync save, an async persist,
+a replication) from the save of step ``kill_at`` on, else at the end of the loop), ``action`` (``train``,
+or ``load``: restore the latest checkpoint into a fresh state and report it), ``out`` (each rank writes
+its final state to ``out/rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import ckptio
 
 WORLD = {"plain": 1, "ddp": 2, "fsdp": 2}  # ranks per parallelism
 D_IN, D_HID, D_OUT = 8, 16, 4
-DATASET, BATCH = 48, 4
+DATASET, BATCH = 20, 4  # an epoch ends within the run on 1 and on 2 ranks (a short last batch)
 SEED = 1234
 
 
@@ -181,22 +184,35 @@ def main(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
         start = 0 if ck is None else ck.resume(state)
         out["resumed_at"] = start
         losses = {}
+        kill_at, kill_event = job.get("kill_at"), job.get("kill_event", 0)
         for step in range(start, steps):
-            if step == job.get("kill_at"):
+            if step == kill_at and not kill_event:
                 os.kill(os.getpid(), signal.SIGKILL)
             losses[step] = train_step(state)
             state["trainer"]["step"] = step
+            if step == kill_at:
+                arm(job, rank, kill_event)
             if ck is not None:
                 ck.save(step, state, metrics={"loss": losses[step]})
+        if kill_at is not None and kill_event:
+            os.kill(os.getpid(), signal.SIGKILL)  # the n-th event did not come
         if ck is not None:
             ck.wait()
-            ck.close()
         out["losses"] = losses
     out.update(full_state(state))
     torch.save(out, os.path.join(job["out"], f"rank{rank}.pt"))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def arm(job: dict[str, Any], rank: int, n: int) -> None:
+    """SIGKILL this process at the n-th storage event under root from now on (events logged to
+    ``out/events<rank>.jsonl``)."""
+    from test_checkpointer_crash import Events
+
+    backend, _ = ckptio.resolve(job["root"])
+    Events(type(backend), n, os.path.join(job["out"], f"events{rank}.jsonl"))
 
 
 def warm_up() -> None:
@@ -209,6 +225,7 @@ def warm_up() -> None:
     import ckptio.backends.s3
     import ckptio.checkpointer
     import ckptio.dcp  # noqa: F401
+    import test_checkpointer_crash  # noqa: F401
 
     state = make_state("plain", 0, 1, 4)
     train_step(state)

@@ -8,16 +8,14 @@ import collections
 import pickle
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
 from ... import torch_internals as _ti
 from ...errors import FormatError
 from .layout import (
-    DTYPES,
     EXT_BIGINT,
     EXT_COMPLEX,
     EXT_DEVICE,
@@ -33,15 +31,18 @@ from .layout import (
     EXT_TENSOR,
     EXT_TUPLE,
     MAX_DEPTH,
-    QUANT_INT,
     UINT64_MAX,
     Meta,
     PickledObject,
+    _torch_tables,
     describe_payload,
     is_int,
     np_dtype,
     reason,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _CONTAINER_EXTS = frozenset((EXT_TUPLE, EXT_ODICT, EXT_GDICT, EXT_SET, EXT_FROZENSET))
 
@@ -146,6 +147,8 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
             dims = _unpack_plain(data)
             if type(dims) is not list or not all(is_int(d, 0, UINT64_MAX) for d in dims):
                 raise FormatError("torch.Size with non-integer dimensions")
+            import torch  # here, not at the top: inspecting a tree without these values needs no torch
+
             return torch.Size(dims)
         if code == EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
@@ -153,11 +156,13 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
             re, im = struct.unpack("<dd", data)
             return complex(re, im)
         if code == EXT_DTYPE:
-            dt = DTYPES.get(data.decode())
+            dt = _torch_tables()[0].get(data.decode())
             if dt is None:
                 raise FormatError(f"unknown torch dtype {data[:40]!r}")
             return dt
         if code == EXT_DEVICE:
+            import torch
+
             return torch.device(data.decode())
         if code == EXT_NPDTYPE:
             return np_dtype(data.decode(), "numpy dtype value")
@@ -242,6 +247,8 @@ def decode_tree(meta: Meta, tensor: Callable[[int], Any], allow_pickle: bool, de
 
 
 def _target_storage(storage: torch.UntypedStorage, location: str, map_location: Any) -> torch.UntypedStorage:
+    import torch
+
     if callable(map_location):
         out = map_location(storage, location)
         if out is not None:
@@ -273,6 +280,9 @@ def tensor_factory(
 ) -> Callable[[int], Any]:
     """``make(tensor index)``: the stored tensor over its payload (``targets``: tensors read in place are
     the caller's own)."""
+    import torch
+
+    dtypes, quant_int = _torch_tables()
     storages: dict[int, torch.UntypedStorage] = {}
     made: dict[int, Any] = dict(targets or {})
 
@@ -294,6 +304,12 @@ def tensor_factory(
             except FormatError as e:
                 raise FormatError(f"{meta.source}: {describe_payload(meta, sidx)}: {e}") from e
 
+    def torch_dtype(name: str, path: str) -> torch.dtype:
+        dt = dtypes.get(name)
+        if dt is None:  # a dtype of a newer torch than this one (the file passed the checks of layout.ELEMENTS)
+            raise FormatError(f"{meta.source}: tensor {path!r} has dtype {name}, which this torch version lacks")
+        return dt
+
     def make(idx: int) -> Any:
         out: Any = made.get(idx)
         if out is not None:
@@ -301,7 +317,7 @@ def tensor_factory(
         info = meta.tensors[idx]
         if info.kind == "torch":  # the usual case first
             st = storage(info.storage)
-            out = torch.empty(0, dtype=DTYPES[info.dtype], device=st.device).set_(
+            out = torch.empty(0, dtype=torch_dtype(info.dtype, info.path), device=st.device).set_(
                 st, info.storage_offset, info.shape, info.stride
             )
             if info.parameter:
@@ -314,7 +330,7 @@ def tensor_factory(
             out = u8.numpy().view(dt).reshape(info.shape) if u8.numel() else np.empty(info.shape, dtype=dt)
         else:  # "quantized" (validate() admits no other kind)
             st = storage(info.storage)
-            ints = torch.empty(0, dtype=QUANT_INT[DTYPES[info.dtype]], device=st.device).set_(
+            ints = torch.empty(0, dtype=quant_int[torch_dtype(info.dtype, info.path)], device=st.device).set_(
                 st, info.storage_offset, info.shape, info.stride
             )
             q = meta.qparams[idx]

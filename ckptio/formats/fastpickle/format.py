@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import IO, Any
-
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 from ...backends.base import Backend, WriteMode
 from ...errors import FormatError
 from ..base import Format
 from .decode import decode_tree, tensor_factory
-from .encode import encode
-from .into import byte_view, plan_into
 from .layout import FLAG_PICKLE, VERSION, Inspection, Meta
 from .read import Source, gc_paused, map_payloads, open_source, read_meta, read_payloads, source_for, with_source
 from .report import VERIFIED, inspect_report
 from .select import Ref, refs, select, substitute
-from .write import Sink, sink_for, write_stream, writer_for
+
+if TYPE_CHECKING:
+    import torch
+
+# Writing and loading tensors import torch (.encode, .write, .into): inside the functions that do it, so
+# inspecting a file (``ckptio info``: .read, .decode, .report) does not.
 
 __all__ = ["save", "load", "inspect", "FastpickleFormat"]
 
@@ -66,6 +67,10 @@ def load_source(
         sidxs = sorted({meta.tensors[i].storage for i in needed})
     else:
         sidxs = sorted({t.storage for t in meta.tensors})
+    import torch
+
+    from .into import byte_view
+
     targets = {} if into is None or mmap or keys is not None else _targets(meta, into, map_location, allow_pickle)
     try:
         if mmap:
@@ -86,6 +91,8 @@ def load_source(
 
 def _targets(meta: Meta, into: Any, map_location: Any, allow_pickle: bool) -> dict[int, torch.Tensor]:
     """The stored tensors to read into the caller's tensors (:mod:`.into`); the metadata is checked first."""
+    from .into import plan_into
+
     if meta.check is not None:  # remote full loads check it after the reads: no target is touched before
         meta.check()
         meta.check = None
@@ -156,6 +163,9 @@ def save(
         backend, uri = resolve(uri_or_file, **backend_options)
         FastpickleFormat().dump(obj, backend, uri, mode=mode, durable=durable, allow_pickle=allow_pickle)
     else:
+        from .encode import encode
+        from .write import Sink, write_stream, writer_for
+
         with gc_paused():
             enc, tree = encode(obj, allow_pickle)
             write_stream(enc, tree, Sink(writer_for(uri_or_file.write)))
@@ -181,6 +191,9 @@ class FastpickleFormat(Format):
     ) -> None:
         if kwargs:
             raise TypeError(f"fastpickle dump got unexpected options {sorted(kwargs)}")
+        from .encode import encode
+        from .write import sink_for, write_stream
+
         with gc_paused():
             enc, tree = encode(obj, allow_pickle)  # fails before anything is created
             with backend.open_writer(uri, mode=mode, durable=durable) as w:

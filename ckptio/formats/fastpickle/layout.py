@@ -32,13 +32,15 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
 from ...errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"\x89FPKL\r\n\x1a"
 FOOTER_MAGIC = b"FPKL-END"
@@ -80,14 +82,43 @@ MAX_NDIM = 64
 # bound keeps the encoder and every recursive consumer of a loaded tree far from Python's recursion limit.
 MAX_DEPTH = 128
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+# Every torch dtype a tensor may be stored with: name -> (bytes per element, "f" floating point, "c" complex,
+# "q" quantized, "o" other). Without torch: inspecting a file (``ckptio info``) does not import it. The
+# tests check it against torch's own dtypes; torch's dtype objects are DTYPES/QUANT_INT, made on first use.
+ELEMENTS: dict[str, tuple[int, str]] = {
+    **dict.fromkeys(("bool", "int8", "uint8", "bits8", "bits1x8", "bits2x4", "bits4x2"), (1, "o")),
+    **{f"{u}int{b}": (1, "o") for u in ("", "u") for b in range(1, 8)},
+    **{"int16": (2, "o"), "uint16": (2, "o"), "bits16": (2, "o"), "int32": (4, "o"), "uint32": (4, "o")},
+    **{"int64": (8, "o"), "uint64": (8, "o")},
+    **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"), (1, "f")),
+    **{"float8_e8m0fnu": (1, "f"), "float4_e2m1fn_x2": (1, "f"), "float16": (2, "f"), "bfloat16": (2, "f")},
+    **{"float32": (4, "f"), "float64": (8, "f"), "complex32": (4, "c"), "complex64": (8, "c")},
+    **{"complex128": (16, "c"), "qint8": (1, "q"), "quint8": (1, "q"), "qint32": (4, "q")},
+    **{"quint4x2": (1, "q"), "quint2x4": (1, "q")},
 }
-QUANT_INT = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
-_QUANT_ALL = {d for n, d in DTYPES.items() if n.startswith(("qint", "quint"))}  # never a plain tensor's dtype
+QUANT_INT_NAMES = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}  # the quantized dtypes a file may hold
 NP_KINDS = "biufcmMSU"
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 pack = functools.partial(msgpack.packb, use_bin_type=True, strict_types=True)
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, torch.dtype]]:
+    import torch
+
+    dtypes = {
+        str(d).removeprefix("torch."): d for d in (getattr(torch, n) for n in dir(torch)) if isinstance(d, torch.dtype)
+    }
+    return dtypes, {dtypes[q]: dtypes[i] for q, i in QUANT_INT_NAMES.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> torch dtype) and ``QUANT_INT`` (quantized -> its integer dtype): import torch."""
+    if name == "DTYPES":
+        return _torch_tables()[0]
+    if name == "QUANT_INT":
+        return _torch_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def align(n: int) -> int:
@@ -227,25 +258,26 @@ def validate(meta: Any, name: str, size: int, data_end: int, flags: int) -> Meta
             if numel * itemsize != nbytes or stride or soff or tflags:
                 raise bad(f"array {_key(path)}: shape {shape} of {dtype} does not match its {nbytes} bytes")
         else:
-            dt = DTYPES.get(dtype)
-            if dt is None or (dt not in QUANT_INT if kind == KIND_QUANT else dt in _QUANT_ALL):
+            el = ELEMENTS.get(dtype)
+            if el is None or (dtype not in QUANT_INT_NAMES if kind == KIND_QUANT else el[1] == "q"):
                 raise bad(f"tensor {_key(path)}: unknown dtype {dtype[:40]!r}")
+            itemsize, ekind = el
             if len(stride) != len(shape):
                 raise bad(f"tensor {_key(path)}: shape and stride lengths differ")
             if numel > INT64_MAX:  # a view may repeat its elements (stride 0): only the count is bounded
                 raise bad(f"tensor {_key(path)}: shape {shape} has more elements than any tensor can have")
             # the last element's offset: sum((d - 1) * s) over the dimensions, without a Python-level loop
             # (map() stops at the shorter list: this relies on the length check just above)
-            if numel and (soff + sum(map(operator.mul, shape, stride)) - sum(stride) + 1) * dt.itemsize > nbytes:
+            if numel and (soff + sum(map(operator.mul, shape, stride)) - sum(stride) + 1) * itemsize > nbytes:
                 raise bad(
                     f"tensor {_key(path)}: shape {shape} stride {stride} offset {soff} exceeds its storage of "
                     f"{nbytes} bytes"
                 )
-            if tflags & TF_REQUIRES_GRAD and not (dt.is_floating_point or dt.is_complex):
+            if tflags & TF_REQUIRES_GRAD and ekind not in ("f", "c"):
                 raise bad(f"tensor {_key(path)}: requires_grad on dtype {dtype}")
             if kind == KIND_QUANT:
                 # torch copies a quantized tensor out of its integers: no more elements than stored bytes
-                if numel * dt.itemsize > nbytes or not _valid_qextra(extra, shape):
+                if numel * itemsize > nbytes or not _valid_qextra(extra, shape):
                     raise bad(
                         f"tensor {_key(path)}: invalid quantization parameters or shape {shape} larger than its "
                         f"{nbytes} bytes"

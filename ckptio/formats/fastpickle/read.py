@@ -8,7 +8,9 @@ step's blocks) is read the same way, straight into the buffers. Remote full load
 ``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
 in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
 Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
-block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's).
+block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's);
+a verified load reads them without their block hashes (``Backend.for_checked_reads``: each byte hashed
+once), and on a mismatch reads them again with those hashes, whose error names a damaged block.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import os
 import stat as _stat
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 import xxhash
 
 from ...backends.base import Backend, start_sized
@@ -47,6 +48,9 @@ from .layout import (
     reason,
     validate,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
 COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
@@ -95,6 +99,14 @@ class Source:
     def view(self, offset: int, n: int) -> bytes | memoryview:
         """:meth:`read`, or a read-only view where the source holds those bytes already (no copy)."""
         return self.read(offset, n)
+
+    def checks_payloads(self) -> None:
+        """The caller verifies every payload it reads from now on (an assembled source may skip its own
+        per-block hashes: ``Backend.for_checked_reads``)."""
+
+    def blame(self, offset: int, n: int) -> None:
+        """After a payload mismatch: read bytes ``[offset, offset + n)`` again with the storage's own
+        checks, which raise the error naming a damaged part (nothing when there are none)."""
 
     def close(self) -> None:
         pass
@@ -155,6 +167,20 @@ class BackendSource(Source):
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: cf.Executor | None = None
+        self._checked: Backend | None = None  # after checks_payloads: the backend whose reads check blocks
+
+    def checks_payloads(self) -> None:
+        fast = self.backend.for_checked_reads(self.name)
+        if fast is not self.backend:
+            self._checked, self.backend = self.backend, fast
+
+    def blame(self, offset: int, n: int) -> None:
+        checked = self._checked
+        if checked is None:
+            return
+        scratch = memoryview(bytearray(min(n, CHUNK)))
+        for pos in range(offset, offset + n, CHUNK):
+            _fill(lambda m, o: checked.readinto(self.name, m, o), scratch[: min(CHUNK, offset + n - pos)], pos)
 
     @property
     def size(self) -> int:  # type: ignore[override]  # a plain attribute on other sources
@@ -446,6 +472,8 @@ def read_payloads(
     ``share``: a payload that lies wholly inside a range a remote source read ahead (the first and
     last ``part_size`` bytes; a small object whole) is returned as a view of that buffer instead of a
     copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
+    import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
+
     into = into or {}
     shared: dict[int, torch.Tensor] = {}
     if share and isinstance(src, BackendSource):
@@ -486,9 +514,16 @@ def read_payloads(
             views.append(mvs[i])
             pos = off + nbytes
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
-    _run_jobs(jobs, src.concurrency)
-    if verify and (split or shared):
-        verify_parallel(meta, split + list(shared), mvs)
+    if verify:
+        src.checks_payloads()
+    try:
+        _run_jobs(jobs, src.concurrency)
+        if verify and (split or shared):
+            verify_parallel(meta, split + list(shared), mvs)
+    except IntegrityError:
+        for i in idxs:  # a damaged block of an assembled source is named by its own error
+            src.blame(*meta.storages[i][:2])
+        raise
     return bufs
 
 
@@ -535,6 +570,8 @@ def _verify(meta: Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
 
 def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
     """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    import torch
+
     if src.fd is None:
         raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
     mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)

@@ -7,10 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from ..base import flatten, jsonable
-from .layout import Inspection, TensorInfo
+from .layout import ELEMENTS, Inspection, TensorInfo
 
 VERIFIED = "xxh3 of every tensor payload and of the metadata (full load)"
 
@@ -42,10 +40,8 @@ def inspect_report(insp: Inspection) -> dict[str, Any]:
 
 def _nbytes(t: TensorInfo) -> int:
     """The bytes the tensor's elements take (its storage's bytes for numpy arrays and odd dtype names)."""
-    try:
-        return math.prod(t.shape) * getattr(torch, str(t.dtype).removeprefix("torch.")).itemsize
-    except (AttributeError, TypeError):
-        return t.nbytes
+    el = ELEMENTS.get(str(t.dtype).removeprefix("torch.")) if t.kind != "numpy" else None
+    return t.nbytes if el is None else math.prod(t.shape) * el[0]
 
 
 def _plain(obj: Any, tensors: bool) -> Any:

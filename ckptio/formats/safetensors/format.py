@@ -5,18 +5,20 @@ or a stream, sharded checkpoints by their index, and ``headers`` / ``inspect`` /
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import IO, Any
-
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 from ...backends.base import Backend, WriteMode
 from ...errors import FormatError
 from ..base import Format
 from ..fastpickle.read import Source, open_source, source_for, with_source
-from ..fastpickle.write import Sink, sink_for, writer_for
 from .layout import INDEX_SUFFIX, Inspection
 from .read import load_index, load_source, read_header, read_index
-from .write import prepare, write_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+# writing imports torch (.write, fastpickle's .write): inside dump/dump_file, so ``ckptio info``/``verify``
+# (headers only) does not
 
 
 class SafetensorsFormat(Format):
@@ -45,6 +47,9 @@ class SafetensorsFormat(Format):
             raise ValueError(
                 f"{uri}: writing sharded safetensors is not supported; dump each shard to a .safetensors file"
             )
+        from ..fastpickle.write import sink_for
+        from .write import prepare, write_tensors
+
         header, tensors = prepare(obj, metadata)  # fails before anything is created
         with backend.open_writer(uri, mode=mode, durable=durable) as w:
             write_tensors(header, tensors, sink_for(w, durable and getattr(backend, "durable", True)))
@@ -66,6 +71,9 @@ class SafetensorsFormat(Format):
         )
 
     def dump_file(self, obj: Any, f: IO, *, metadata: Mapping[str, str] | None = None, **kw: Any) -> None:
+        from ..fastpickle.write import Sink, writer_for
+        from .write import prepare, write_tensors
+
         header, tensors = prepare(obj, metadata)
         write_tensors(header, tensors, Sink(writer_for(f.write)))
 

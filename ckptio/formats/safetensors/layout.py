@@ -5,12 +5,11 @@ validation of a header (:func:`parse_header`) against the rules in :mod:`ckptio.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from ...errors import FormatError, IntegrityError
 
@@ -48,8 +47,23 @@ DTYPE_TABLE = (
 )
 BITS = {code: bits for code, bits, _ in DTYPE_TABLE}
 RANK = {code: i for i, (code, _, _) in enumerate(DTYPE_TABLE)}
-TORCH_NAME = {code: name for code, _, name in DTYPE_TABLE if name is not None and hasattr(torch, name)}
-CODE_OF = {getattr(torch, name): code for code, name in TORCH_NAME.items()}
+# the torch dtype of each code, by name (without torch: ``ckptio info`` does not import it); a torch too old
+# for one is told at load (read._torch_layout)
+TORCH_NAME = {code: name for code, _, name in DTYPE_TABLE if name is not None}
+
+
+@functools.cache
+def _code_of() -> dict[Any, str]:
+    import torch
+
+    return {getattr(torch, n): code for code, n in TORCH_NAME.items() if hasattr(torch, n)}
+
+
+def __getattr__(name: str) -> Any:
+    """``CODE_OF``: torch dtype -> safetensors code, of the dtypes this torch has (imports torch)."""
+    if name == "CODE_OF":
+        return _code_of()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,8 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> str | None:
-        """The torch dtype's name (``"float32"``), None where torch has no equivalent."""
+        """The torch dtype's name (``"float32"``), None where torch has no equivalent (F6); one a torch
+        older than the dtype lacks is refused at load."""
         return TORCH_NAME.get(self.dtype)
 
 

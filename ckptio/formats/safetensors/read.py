@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ... import uri as _uri
 from ...backends.base import Backend
@@ -23,6 +21,11 @@ from ..fastpickle.decode import tensor_factory
 from ..fastpickle.layout import Meta, TensorInfo
 from ..fastpickle.read import Source, map_payloads, read_payloads, source_for, with_source
 from .layout import HEAD_PREFETCH, MAX_HEADER, MAX_INDEX, TORCH_NAME, TensorEntry, parse_header, parse_json
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are made: reading and checking headers (``ckptio info``/``verify``) needs none
 
 
 def read_header(src: Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
@@ -86,8 +89,10 @@ def read_index(backend: Backend, uri: str) -> tuple[dict[str, Any], dict[str, st
 
 
 def _torch_layout(e: TensorEntry) -> tuple[str, tuple[int, ...]]:
+    import torch
+
     name = TORCH_NAME.get(e.dtype)
-    if name is None:
+    if name is None or not hasattr(torch, name):
         raise FormatError(
             f"{e.file}: tensor {e.key!r} has dtype {e.dtype}, which this torch ({torch.__version__}) cannot hold"
         )
@@ -113,6 +118,8 @@ def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int
     """A whole remote file: the data after the header in one allocation, read with the backend's parallel
     ranged reads straight into it (as few requests as ``part_size`` allows, no staging copy); each tensor
     gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
+    import torch
+
     start = min((e.offset for e in entries), default=src.size)
     buf = torch.empty(src.size - start, dtype=torch.uint8, device="cpu")
     mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
@@ -140,6 +147,8 @@ def load_source(
 ) -> dict[str, torch.Tensor]:
     """``{key: tensor}`` from one file; ``index``: the keys come from that shard index; ``whole``: they
     are (about) all of the file's."""
+    import torch
+
     mapped = src.fd is not None if mmap is None else mmap
     _, entries, head = read_header(src)
     if keys is not None:
