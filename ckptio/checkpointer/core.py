@@ -243,6 +243,21 @@ class Checkpointer:
         staged = self._stager.stage(sd)
         self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics, overwrite)
 
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Async saves: allocate and fault in the staging buffers for a state shaped like ``state`` in the
+        background thread, so the first ``save`` blocks only for the copy. Memory: one CPU copy of the state's
+        tensors (pinned for CUDA ones), which the first async save would allocate anyway, held from now on.
+        Call it after the first optimizer step (optimizer state created later is allocated by the save that
+        meets it); a state whose shapes changed is still saved exactly. Waits for a save in flight first; a
+        ``save`` started meanwhile waits for the prepare; its error is raised by the next save/wait/close."""
+        if not self.async_save:
+            raise ValueError("prepare() prepares async saves' staging buffers: pass async_save=True")
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError("state must be a non-empty mapping of part name -> state")
+        self._background.wait()
+        sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
+        self._background.submit(f"{self.root_uri} (prepare)", self.background_nice, self._stager.prepare, sd)
+
     def _refuse_latest(self, step: int) -> None:
         """Raise at the call when ``step`` is the latest checkpoint (the pointer is read once per
         Checkpointer, then followed through its own saves, loads and deletes)."""
