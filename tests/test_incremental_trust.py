@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
@@ -122,3 +123,34 @@ def test_a_swapped_block_fails_a_partial_pt_load(tmp_path):
     swap_one_block(ck.uri(1))
     with pytest.raises(IntegrityError, match="CRC mismatch"):
         ck.load({"model": {}}, step=1, keys=["model"], strict=False)
+
+
+def test_a_verified_fpk_load_hashes_each_byte_once(tmp_path, monkeypatch):
+    """Issue 35 goal 5: the payload checksums check every byte a verified fpk load returns, so its blocks are
+    read without their own hashes (a swapped or damaged block still fails: the tests above, test_incremental);
+    a load with verify=False keeps them."""
+    from ckptio.incremental import store
+
+    ck = Checkpointer(str(tmp_path / "run"), format="fpk", incremental=True)
+    state = make_state()
+    ck.save(1, state)
+    target = os.path.join(ck.uri(1), "state.fpk")
+    hashed: list[int] = []
+    real = xxhash.xxh3_128
+
+    class Counting:
+        def __init__(self) -> None:
+            self._h = real()
+
+        def update(self, data) -> None:
+            hashed.append(memoryview(data).nbytes)
+            self._h.update(data)
+
+        def hexdigest(self) -> str:
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(store.xxhash, "xxh3_128", Counting)
+    assert torch.equal(ckptio.load(target)["model"]["w0"], state["model"]["w0"])
+    assert sum(hashed) < 64 << 10  # the header and metadata blocks only (read before the payloads)
+    assert torch.equal(ckptio.load(target, verify=False)["model"]["w0"], state["model"]["w0"])
+    assert sum(hashed) >= 4 << 20  # the tensors' blocks

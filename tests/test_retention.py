@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from ckptio.checkpointer import Checkpointer
+from ckptio.checkpointer import Checkpointer, CheckpointWarning
 from test_seeds import dino_save, trained
 
 pytestmark = [
@@ -111,6 +111,20 @@ def test_policies(tmp_path, rules, left):
     if isinstance(rules.get("retention"), str):  # the enum says the same
         enum_rules = dict(rules, retention=RetentionPolicy(rules["retention"].lower()))
         assert _run(str(tmp_path / "b"), **enum_rules) == left
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_nan_metric_never_displaces_the_best(tmp_path, mode):
+    """A diverged step (loss NaN) is not comparable: it never counts as best, so the true best stays
+    (NaN first in the sort kept the NaN step and deleted the best one)."""
+    best = 0.5 if mode == "min" else 9.0
+    losses = {1: float("nan"), 2: best, 3: 3.0, 4: 4.0}
+    with Checkpointer(str(tmp_path), format="pt", retention="best", best_metric="loss", best_mode=mode) as ck:
+        with pytest.warns(CheckpointWarning, match="or it is NaN"):
+            ck.save(1, state(1), metrics={"loss": losses.pop(1)})
+        for s, loss in losses.items():
+            ck.save(s, state(s), metrics={"loss": loss})
+        assert ck.list() == [2, 4]
 
 
 @pytest.mark.parametrize(
@@ -303,3 +317,55 @@ def test_local_eviction_spares_a_step_being_written(tmp_path, monkeypatch):
         st = state(0)
         assert ck.load(st, step=1) == 1 and st["trainer"] == {"step": 11}
     assert Checkpointer(root).list() == [1, 2, 3]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="overwrite=True uncommits the latest step before rewriting it in place; with keep_last=1 retention "
+    "already deleted every other step, so a save failing meanwhile leaves no complete checkpoint",
+)
+def test_a_failed_overwrite_of_the_latest_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """save()'s promise: overwrite=True of the latest step, failing meanwhile, leaves a complete step to resume."""
+    from ckptio.checkpointer import formats
+
+    root = str(tmp_path)
+    with Checkpointer(root, format="pt", keep_last=1) as ck:
+        ck.save(1, state(1))
+        ck.save(2, state(2))
+
+        def disk_full(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(formats, "write_file", disk_full)
+        with pytest.raises(OSError, match="No space"):
+            ck.save(2, state(2), overwrite=True)
+    assert Checkpointer(root).latest() is not None
+
+
+def test_a_step_kept_while_retention_runs_is_never_deleted(tmp_path):
+    """keep() checks that the step exists and names it in one hold of the retention lock: a prune running
+    meanwhile (another thread; tiered: the replicator) either deletes the step before (keep raises) or
+    sees the name (the step stays). It checked before taking the lock: the name pointed at a deleted step."""
+    import threading
+
+    root = str(tmp_path)
+    with Checkpointer(root, format="pt") as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state(s))
+    ck = Checkpointer(root, format="pt", keep_last=1)
+    listed = ck._layout.list
+    pruning: list[threading.Thread] = []
+
+    def list_then_prune() -> list[int]:  # a prune starts right after keep() has listed the steps
+        out = listed()
+        if not pruning:
+            pruning.append(threading.Thread(target=ck.prune))
+            pruning[0].start()
+            pruning[0].join(1.0)
+        return out
+
+    ck._layout.list = list_then_prune  # type: ignore[method-assign]
+    ck.keep(1, name="best")
+    pruning[0].join(10)
+    ck._layout.list = listed  # type: ignore[method-assign]
+    assert ck.kept() == {"best": 1} and Checkpointer(root).list() == [1, 3]

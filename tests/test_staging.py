@@ -198,3 +198,104 @@ def test_async_save_round_trips_every_layout(fmt, memory_uri):
         for k, v in expected.items():
             assert raw(dst["s"][k]) == v, (step, k)
     ck.close()
+
+
+def _trained() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 8)).sum().backward()
+    opt.step()  # optimizer state exists: the template has every tensor the save stages
+    return {"model": model, "optim": opt}
+
+
+def _loaded(ck: Checkpointer, step: int, like: dict) -> dict:
+    fresh = _trained()
+    ck.load(fresh, step=step)
+    return {k: v.clone() for k, v in fresh["model"].state_dict().items()}
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+def test_first_save_after_prepare_reuses_the_prepared_buffers(fmt, memory_uri):
+    state = _trained()
+    ck = Checkpointer(memory_uri, format=fmt, async_save=True)
+    ck.prepare(state)
+    ck.wait()
+    prepared = ck._stager.allocations
+    ptrs = {k: b.data_ptr() for k, b in ck._stager._bufs.items()}
+    assert prepared > 0 and ck._stager.nbytes > 0
+    ck.save(1, state)
+    assert ck._stager.allocations == prepared  # the save allocated nothing
+    assert {k: b.data_ptr() for k, b in ck._stager._bufs.items()} == ptrs
+    expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)  # after save returns: the checkpoint keeps the snapshot
+    ck.wait()
+    got = _loaded(ck, 1, state)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    ck.close()
+
+
+def test_prepare_racing_a_save_is_safe(memory_uri, monkeypatch):
+    import time
+
+    real = _Stager.prepare
+
+    def slow(self, tree):  # the save below starts while the prepare is still allocating
+        time.sleep(0.2)
+        real(self, tree)
+
+    monkeypatch.setattr(_Stager, "prepare", slow)
+    state = _trained()
+    ck = Checkpointer(memory_uri, format="fpk", async_save=True)
+    ck.prepare(state)
+    expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    ck.save(1, state)
+    allocated = ck._stager.allocations
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.mul_(3.0)
+    ck.prepare(state)  # again while the save persists: it waits, then allocates nothing new
+    ck.save(2, state)
+    assert ck._stager.allocations == allocated
+    ck.wait()
+    got = _loaded(ck, 1, state)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    got = _loaded(ck, 2, state)
+    assert all(torch.equal(got[k], v) for k, v in state["model"].state_dict().items())
+    ck.close()
+
+
+def test_a_state_whose_shapes_changed_after_prepare_saves_exactly(memory_uri):
+    ck = Checkpointer(memory_uri, format="pt", async_save=True)
+    ck.prepare({"s": {"a": torch.zeros(4, 4), "b": torch.zeros(3), "gone": torch.zeros(2)}})
+    src = {
+        "a": random((8, 2), torch.float32, 1),  # same numel, other shape
+        "b": random((3,), torch.float64, 2),  # other dtype
+        "t": random((6, 5), torch.bfloat16, 3).t(),  # new, transposed
+    }
+    expected = {k: raw(v) for k, v in src.items()}
+    ck.save(1, {"s": src})
+    ck.wait()
+    assert set(ck._stager._bufs) == {("s", k) for k in src}  # the prepared buffer nothing uses is dropped
+    dst: dict = {"s": dict.fromkeys(src)}
+    ck.load(dst, step=1)
+    assert {k: raw(v) for k, v in dst["s"].items()} == expected
+    ck.close()
+
+
+def test_prepare_errors_are_raised_and_need_async(memory_uri, monkeypatch):
+    with pytest.raises(ValueError, match="async_save=True"):
+        Checkpointer(memory_uri, format="pt").prepare({"w": torch.zeros(2)})
+
+    def fail(self, tree):
+        raise MemoryError("no room for staging buffers")
+
+    monkeypatch.setattr(_Stager, "prepare", fail)
+    ck = Checkpointer(memory_uri, format="pt", async_save=True)
+    ck.prepare({"w": torch.zeros(2)})
+    with pytest.raises(MemoryError, match="no room"):
+        ck.save(1, {"w": torch.zeros(2)})
+    ck.save(1, {"w": torch.ones(2)})  # the error was raised once; saving works after it
+    ck.close()

@@ -440,6 +440,13 @@ class Backend(abc.ABC):
         those it skips for a plain file (torch's zip CRC32). Default False."""
         return False
 
+    def for_checked_reads(self, uri: str) -> Backend:
+        """Capability: a backend for a reader that checks every byte it reads of ``uri`` against its own
+        checksums (fpk payload xxh3) and, on a mismatch, reads them again through ``self`` to name a
+        damaged part: an assembled object's per-block hashes are skipped, so each byte is hashed once
+        (block lengths are still checked). Default: self."""
+        return self
+
     def with_options(self, **options: Any) -> Backend:
         """Capability: this storage with some options changed (``concurrency``, ``part_size``,
         ``max_buffer_bytes``...), for a caller that tunes one save. Default: self when nothing

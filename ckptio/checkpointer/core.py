@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import math
 import os
 import time
 import warnings
@@ -178,6 +179,7 @@ class Checkpointer:
     def list(self) -> builtins.list[int]:
         """Steps of the complete checkpoints under root (tiered: on either tier), ascending. Under a process
         group every rank calls it: rank 0 lists and tells the others."""
+        self._settle()
         return self._group.on_rank0(self._layout.list if self._tier is None else self._tier.list)
 
     def latest(self, durable: str | None = None) -> int | None:
@@ -186,6 +188,7 @@ class Checkpointer:
         the pointer and tells the other ranks (every rank calls it)."""
         if self._tier is None and durable is not None:
             raise ValueError("durable= needs a tiered Checkpointer (local_tier=)")
+        self._settle()
         if self._tier is None:
             return self._group.on_rank0(self._layout.latest)
         return self._group.on_rank0(self._tier.latest, durable)
@@ -198,6 +201,7 @@ class Checkpointer:
         """Tiered: step -> ``"local"``, ``"replicating"``, ``"remote"`` or ``"local+remote"`` (:mod:`.tiered`)."""
         if self._tier is None:
             raise ValueError("status() needs a tiered Checkpointer (local_tier=)")
+        self._settle()
         return self._group.on_rank0(self._tier.status)
 
     # ---- save --------------------------------------------------------------------------------
@@ -213,16 +217,17 @@ class Checkpointer:
         objects at any depth: :mod:`.statedict`) as checkpoint ``step``: the state after training step
         ``step``, so a resume runs ``step + 1`` next (:meth:`resume`). ``metrics``: numbers (tensors are
         read with ``.item()``) kept in the marker, for ``keep_best``. Saving the latest step again raises
-        :class:`AlreadyExistsError` here, at the call; ``overwrite=True`` replaces it (as DINOv3 does; a
-        crash meanwhile leaves the previous complete step as the latest)."""
+        :class:`AlreadyExistsError` here, at the call; ``overwrite=True`` replaces it in place (as DINOv3 does; a
+        crash meanwhile leaves the previous complete step, if retention kept one, as the latest)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not isinstance(state, Mapping) or not state:
             raise TypeError("state must be a non-empty mapping of part name -> state")
         metrics = _numbers(metrics)
-        if self.keep_best is not None and self.best_metric not in metrics:
+        score = metrics.get(self.best_metric) if self.best_metric else None
+        if self.keep_best is not None and (score is None or math.isnan(score)):
             warnings.warn(
-                f"save({step}): metrics lack {self.best_metric!r}; this checkpoint never counts as best",
+                f"save({step}): metrics lack {self.best_metric!r} (or it is NaN); this checkpoint never counts as best",
                 CheckpointWarning,
                 stacklevel=2,
             )
@@ -238,6 +243,21 @@ class Checkpointer:
         staged = self._stager.stage(sd)
         self._background.submit(self.uri(step), self.background_nice, self._persist, step, staged, metrics, overwrite)
 
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Async saves: allocate and fault in the staging buffers for a state shaped like ``state`` in the
+        background thread, so the first ``save`` blocks only for the copy. Memory: one CPU copy of the state's
+        tensors (pinned for CUDA ones), which the first async save would allocate anyway, held from now on.
+        Call it after the first optimizer step (optimizer state created later is allocated by the save that
+        meets it); a state whose shapes changed is still saved exactly. Waits for a save in flight first; a
+        ``save`` started meanwhile waits for the prepare; its error is raised by the next save/wait/close."""
+        if not self.async_save:
+            raise ValueError("prepare() prepares async saves' staging buffers: pass async_save=True")
+        if not isinstance(state, Mapping) or not state:
+            raise TypeError("state must be a non-empty mapping of part name -> state")
+        self._background.wait()
+        sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
+        self._background.submit(f"{self.root_uri} (prepare)", self.background_nice, self._stager.prepare, sd)
+
     def _refuse_latest(self, step: int) -> None:
         """Raise at the call when ``step`` is the latest checkpoint (the pointer is read once per
         Checkpointer, then followed through its own saves, loads and deletes)."""
@@ -249,6 +269,12 @@ class Checkpointer:
                 "this step is the latest checkpoint: resume at the step after it (resume() returns it), "
                 "pass overwrite=True to replace it, or delete it first",
             )
+
+    def _settle(self) -> None:
+        """Under a process group, wait for the background save first: its collectives and a query's share
+        the group, and each rank would order the two on its own."""
+        if self._pg is not None:
+            self._background.wait()
 
     def wait(self) -> None:
         """Wait for the background save, if any; re-raise its exception if it failed (tiered: and replication)."""
@@ -375,7 +401,9 @@ class Checkpointer:
         self._background.wait()
 
         def run() -> None:
-            exists = step in (self._layout.list() if self._tier is None else self._tier.list())
+            def exists() -> bool:
+                return step in (self._layout.list() if self._tier is None else self._tier.list())
+
             _retention.keep(self._durable, step, name, exists)
 
         self._group.on_rank0(run)
@@ -384,10 +412,12 @@ class Checkpointer:
     def unkeep(self, name: str) -> int:
         """Drop the kept name ``name`` (``KeyError`` if none); returns its step, which the next save's
         retention (or :meth:`prune`) deletes unless a rule or another name keeps it."""
+        self._settle()
         return self._group.on_rank0(_retention.unkeep, self._durable, name)
 
     def kept(self) -> dict[str, int]:
         """Name -> step of the kept checkpoints."""
+        self._settle()
         return self._group.on_rank0(_retention.kept, self._durable)
 
     def prune(self) -> builtins.list[int]:
@@ -558,13 +588,18 @@ class Checkpointer:
                 into = parts.targets(names)  # tensors read in place where they match
             return formats.read_file(fmt, d, name, opts, self.weights_only, cache, allow_pickle, content, into, checked)
 
+        err = None
         try:
-            source, ckpt_parts = read(d)
-        except (OSError, CkptioError) as e:
-            if self._tier is None or self._world > 1 or not self._tier.is_local(d):
-                raise
-            d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
-            source, ckpt_parts = read(d)
+            try:
+                source, ckpt_parts = read(d)
+            except (OSError, CkptioError) as e:
+                if self._tier is None or self._world > 1 or not self._tier.is_local(d):
+                    raise
+                d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
+                source, ckpt_parts = read(d)
+        except Exception as e:  # noqa: BLE001 - raised below on every rank (one rank's read may fail alone)
+            err = e
+        self._group.agree(err)
         return t, d, parts, source, ckpt_parts
 
     def _target(self, step: Any) -> Target | None:

@@ -1,6 +1,7 @@
 """The ranks a Checkpointer coordinates: its process group (by default a gloo group of its own when
 ``torch.distributed`` is initialized), running a step on rank 0 and handing every rank its result or
-its error, and a barrier; every collective has the Checkpointer's timeout."""
+its error, agreeing on the outcome of a step every rank ran, and a barrier; every collective has the
+Checkpointer's timeout."""
 
 from __future__ import annotations
 
@@ -39,17 +40,41 @@ class Group:
         if self.pg is not None:
             import torch.distributed as dist
 
-            box = [(result, None if err is None else f"{type(err).__name__}: {err}")]
+            op = _name(fn)  # a method called on some ranks only must not answer another one
+            box = [(op, result, None if err is None else f"{type(err).__name__}: {err}")]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-            result, msg = box[0]
+            theirs, result, msg = box[0]
+            if theirs != op:
+                raise CkptioError(
+                    f"rank 0 ran {theirs} while rank {self.rank} called {op}: every rank calls each of the "
+                    f"Checkpointer's methods, in the same order (a call on rank 0 only shifts them)"
+                )
             if err is None and msg is not None:
                 raise CkptioError(f"rank 0 failed: {msg}")
         if err is not None:
             raise err
         return result
 
+    def agree(self, err: Exception | None) -> None:
+        """Every rank's outcome of a step each ran on its own (a read): raise ``err``, or on a rank that
+        succeeded a :class:`CkptioError` naming the ranks that failed, so no rank goes on alone."""
+        if self.pg is not None:
+            import torch.distributed as dist
+
+            msgs: list[Any] = [None] * self.world
+            dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}", group=self.pg)
+            failed = [f"rank {r} failed: {m}" for r, m in enumerate(msgs) if m is not None]
+            if err is None and failed:
+                raise CkptioError("; ".join(failed))
+        if err is not None:
+            raise err
+
     def barrier(self) -> None:
         if self.pg is not None:
             import torch.distributed as dist
 
             dist.monitored_barrier(group=self.pg, timeout=timedelta(seconds=self.timeout), wait_all_ranks=True)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__qualname__))

@@ -4,7 +4,7 @@ Retention (the last step of each save's commit) keeps the union of: the ``keep_l
 every step with ``(step + keep_every_offset) % keep_every == 0`` (ckptio counts the step passed to
 ``save``: offset 0 keeps 0, k, 2k...; DINOv3 saves 0-based iteration ``it`` and keeps
 ``(it + 1) % k == 0``: ``keep_every_offset=1`` keeps 99, 199...), the ``keep_best`` best by
-``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``), every kept step (:func:`keep`) and
+``metrics[best_metric]`` (``best_mode`` ``"min"`` or ``"max"``; NaN never counts), every kept step (:func:`keep`) and
 always the latest committed step; with no rule set nothing is deleted. ``retention=`` names a policy
 (DINOv3's ``CheckpointRetentionPolicy``): ``"all"`` (nothing deleted), ``"last"`` (``keep_last``,
 default 1), ``"best"`` (``keep_best``, default 1; the latest is still kept: it is what a resume
@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from .. import uri as _uri
@@ -136,7 +136,7 @@ def _keep(rules: _Rules, layout: Layout, steps: Sequence[int], latest: int) -> s
                 v = layout.manifest(s).get("metrics", {}).get(rules.best_metric)
             except FileNotFoundError:
                 continue
-            if v is not None:
+            if v is not None and v == v:  # NaN (a diverged step) is never the best
                 scored.append((v if rules.best_mode == "min" else -v, -s, s))
         keep.update(s for *_, s in sorted(scored)[: rules.keep_best])
     return keep
@@ -209,11 +209,11 @@ def check_name(name: str) -> str:
     return name
 
 
-def keep(layout: Layout, step: int, name: str, exists: bool) -> None:
-    """Keep ``step`` under ``name`` (moved there if it named another step); ``exists``: the step is
-    committed (tiered: on either tier)."""
+def keep(layout: Layout, step: int, name: str, exists: Callable[[], bool]) -> None:
+    """Keep ``step`` under ``name`` (moved there if it named another step); ``exists()``: the step is
+    committed (tiered: on either tier), asked under the lock retention holds, so no prune deletes it between."""
     with _lock(layout):
-        if not exists:
+        if not exists():
             raise NotFoundError(layout.uri(step), "no checkpoint for this step to keep")
         names = kept(layout)
         was = names.get(name)

@@ -1,14 +1,15 @@
 """Async save: snapshot copies of the state and the single background thread that persists them.
 
 With ``async_save=True``, ``save`` copies every tensor into staging buffers kept between saves
-(:class:`_Stager`: one copy of the state at most; reallocated only when shape, dtype or layout
-change; populated once when allocated), then returns. Dense CPU tensors are copied as raw bytes
-(:func:`ckptio.osio.memmove`, GIL released) in 16 MiB chunks that the calling thread and up to three
-helpers take one at a time (:func:`_memmove_all`): torch's ``copy_`` splits each copy statically over
-its intra-op threads and spins at a barrier, which collapses when other processes (data loader
-workers) keep the cores busy (1 GiB: ~2 s instead of ~0.15 s on a busy 2-core machine). Other
-tensors (strided views with gaps, conjugate/negative views, CUDA tensors, copied into pinned
-buffers with ``non_blocking``) use ``copy_``; sparse, quantized and subclass tensors are cloned.
+(:class:`_Stager`: one copy of the state at most; reallocated only when shape, dtype or layout change;
+populated once when allocated), then returns. ``Checkpointer.prepare(state)`` allocates and populates them
+ahead, in the background thread (:meth:`_Stager.prepare`), so the first save only copies. Dense CPU tensors
+are copied as raw bytes (:func:`ckptio.osio.memmove`, GIL released) in 16 MiB chunks that the calling thread
+and up to three helpers take one at a time (:func:`_memmove_all`): torch's ``copy_`` splits each copy
+statically over its intra-op threads and spins at a barrier, which collapses when other processes (data loader
+workers) keep the cores busy (1 GiB: ~2 s instead of ~0.15 s on a busy 2-core machine). Other tensors (strided
+views with gaps, conjugate/negative views, CUDA tensors, copied into pinned buffers with ``non_blocking``) use
+``copy_``; sparse, quantized and subclass tensors are cloned.
 
 A single background thread (:class:`Background`) persists and commits. The next
 ``save``/``load``/``wait`` first waits for it and re-raises its exception if it failed; a failure is
@@ -83,11 +84,14 @@ class _Stager:
     def __init__(self) -> None:
         self._bufs: dict[tuple, torch.Tensor] = {}
         self.nbytes = 0
+        self.allocations = 0  # buffers allocated so far (tests: a prepared save allocates none)
+        self._lock = threading.Lock()  # one stage/prepare at a time: both replace buffers in _bufs
 
     def _alloc(self, t: torch.Tensor, flat: bool) -> torch.Tensor:
         """A buffer for ``t``: its strides when its bytes are one span (so one memmove fills it), pinned for
         CUDA tensors, and populated at once (fresh memory faults in slowly; later saves reuse it)."""
         pin = t.device.type == "cuda"
+        self.allocations += 1
         if flat and not self.torch_copy:
             buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
         else:
@@ -96,23 +100,35 @@ class _Stager:
             osio.prefault_range(buf.data_ptr(), buf.numel() * buf.element_size())
         return buf
 
+    def prepare(self, tree: Any) -> None:
+        """Allocate and fault in the buffers that staging ``tree`` needs, copying nothing (its tensors are a
+        template: shapes, dtypes, strides, devices), so the next :meth:`stage` of a tree of that shape only
+        copies. Costs what staging would: one buffer per tensor of ``tree``, held until a later stage drops it."""
+        with self._lock:
+            self._stage(tree, (), set(), None)
+            self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
+
     def stage(self, tree: Any) -> Any:
         used: set[tuple] = set()
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        out = self._stage(tree, (), used, jobs)
-        _memmove_all(jobs)
-        for k in set(self._bufs) - used:  # bounded: only buffers of the current state are kept
-            del self._bufs[k]
-        self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
-        if any(b.is_pinned() for b in self._bufs.values()):
-            torch.cuda.synchronize()
+        with self._lock:
+            out = self._stage(tree, (), used, jobs)
+            _memmove_all(jobs)
+            for k in set(self._bufs) - used:  # bounded: only buffers of the current state are kept
+                del self._bufs[k]
+            self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
+            if any(b.is_pinned() for b in self._bufs.values()):
+                torch.cuda.synchronize()
         return out
 
-    def _stage(self, obj: Any, path: tuple, used: set[tuple], jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _stage(
+        self, obj: Any, path: tuple, used: set[tuple], jobs: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> Any:
+        """Stage ``obj`` into the buffers; ``jobs=None`` (prepare): only make sure the buffers exist."""
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             if t.layout != torch.strided or t.is_quantized or t.is_nested or type(t) is not torch.Tensor:
-                return t.clone()  # sparse, quantized, DTensor...: a plain copy, not pooled
+                return None if jobs is None else t.clone()  # sparse, quantized, DTensor...: a plain copy, not pooled
             flat = t.device.type == "cpu" and _dense(t) and not (t.is_conj() or t.is_neg())
             buf = self._bufs.get(path)
             if (
@@ -124,6 +140,8 @@ class _Stager:
                 buf = self._alloc(t, flat)
                 self._bufs[path] = buf
             used.add(path)
+            if jobs is None:
+                return None
             if flat and not self.torch_copy:
                 jobs.append((buf, t))
             else:
@@ -142,7 +160,7 @@ class _Stager:
         if isinstance(obj, tuple):
             items = [self._stage(v, path + (i,), used, jobs) for i, v in enumerate(obj)]
             return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-        return copy.deepcopy(obj)
+        return None if jobs is None else copy.deepcopy(obj)
 
 
 def _report_background_failure(uri: str, fut: cf.Future) -> None:

@@ -22,7 +22,9 @@ threads only contend for the CPUs a local read needs. Plain objects are the wrap
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``assembled`` True for a recipe (formats keep their own checksums: a block's name proves
-its bytes are some stored block's, not that a recipe names the right one); ``reads_local`` the wrapped backend's;
+its bytes are some stored block's, not that a recipe names the right one); ``for_checked_reads`` a
+sibling sharing the recipes that skips the block hashes (for a format checking every byte itself);
+``reads_local`` the wrapped backend's;
 ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options`` declines any
 change; ``node_cache`` is None (a cache under the wrapper caches content objects);
 ``writes_in_place`` True (a large write is hashed where it lies and, through ``write_borrowed``,
@@ -55,8 +57,10 @@ _KEEP_BLOCKS = 4  # partly read blocks kept, for the small sequential reads of a
 class IncrementalBackend(ForwardingBackend):
     """``inner`` with objects stored as recipes over ``store``'s content blocks (module docstring)."""
 
-    def __init__(self, inner: Backend, store: BlockStore) -> None:
+    def __init__(self, inner: Backend, store: BlockStore, *, check_blocks: bool = True) -> None:
         super().__init__(inner)
+        self.check_blocks = check_blocks  # False: for_checked_reads' backend, block lengths checked only
+        self._unchecked: IncrementalBackend | None = None
         self.name = inner.name
         self.store = store
         self.writes_in_place = True
@@ -125,7 +129,8 @@ class IncrementalBackend(ForwardingBackend):
         for i in r.span(offset, end):
             lo, hi = r.offsets[i], r.offsets[i] + r.lengths[i]
             if offset <= lo and hi <= end:  # the whole block: straight into the caller's buffer
-                jobs.append(functools.partial(self.store.read_into, r.hashes[i], mv[lo - offset : hi - offset], uri))
+                out = mv[lo - offset : hi - offset]
+                jobs.append(functools.partial(self.store.read_into, r.hashes[i], out, uri, self.check_blocks))
             else:
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
@@ -153,7 +158,7 @@ class IncrementalBackend(ForwardingBackend):
         if mine:
             try:
                 whole = bytearray(length)
-                self.store.read_into(h, memoryview(whole), uri)
+                self.store.read_into(h, memoryview(whole), uri, self.check_blocks)
                 fut.set_result(whole)  # never written again: shared by its readers without a copy
             except BaseException as e:
                 with self._lock:
@@ -171,6 +176,18 @@ class IncrementalBackend(ForwardingBackend):
 
     def assembled(self, uri: str) -> bool:
         return self.recipe(uri) is not None
+
+    def for_checked_reads(self, uri: str) -> Backend:
+        """For a recipe: a sibling sharing the recipes whose reads skip the block hashes (the caller
+        checks every byte, and blames a mismatch by reading again through ``self``)."""
+        if not self.check_blocks or self.recipe(uri) is None:
+            return self
+        with self._lock:
+            if self._unchecked is None:
+                fast = IncrementalBackend(self.inner, self.store, check_blocks=False)
+                fast._lock, fast._recipes = self._lock, self._recipes
+                self._unchecked = fast
+            return self._unchecked
 
     @contextlib.contextmanager
     def local_file(self, uri: str) -> Iterator[str | None]:
@@ -199,9 +216,12 @@ class IncrementalBackend(ForwardingBackend):
         """Stop the read threads; the wrapped backend belongs to its owner."""
         with self._lock:
             pool, self._pool = self._pool, None
+            fast, self._unchecked = self._unchecked, None
             self._blocks.clear()
         if pool is not None:
             pool.shutdown(wait=True)
+        if fast is not None:
+            fast.close()
 
 
 class _BlockWriter(Writer):

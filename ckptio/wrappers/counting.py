@@ -14,7 +14,8 @@ never disappears or appears by accident):
   reports what is left as done when the call returns).
 - ``Writer.local_fileno``: declined (None): the counting writer must see every byte written;
   ``Writer.mark_boundary``: forwarded.
-- ``with_options``, ``pin_version``: the wrapped backend's derived backend, counted into the same ``add``.
+- ``with_options``, ``pin_version``, ``for_checked_reads``: the wrapped backend's derived backend, counted
+  into the same ``add``.
 - ``writes_in_place``, ``max_buffer_bytes``, ``node_cache``: the wrapped backend's (counting
   buffers nothing; what a node cache fetches ahead of use is not the caller's reads).
 - ``list_pending_writes``/``abort_pending_write``: forwarded. ``close``: nothing (the wrapped
@@ -113,6 +114,10 @@ class CountingBackend(ForwardingBackend):
 
     def assembled(self, uri: str) -> bool:
         return self.inner.assembled(uri)
+
+    def for_checked_reads(self, uri: str) -> Backend:
+        inner = self.inner.for_checked_reads(uri)
+        return self if inner is self.inner else CountingBackend(inner, self._add)
 
     def with_options(self, **options: Any) -> Backend:
         inner = self.inner.with_options(**options)

@@ -8,7 +8,9 @@ step's blocks) is read the same way, straight into the buffers. Remote full load
 ``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
 in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
 Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
-block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's).
+block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's);
+a verified load reads them without their block hashes (``Backend.for_checked_reads``: each byte hashed
+once), and on a mismatch reads them again with those hashes, whose error names a damaged block.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ class Source:
         """:meth:`read`, or a read-only view where the source holds those bytes already (no copy)."""
         return self.read(offset, n)
 
+    def checks_payloads(self) -> None:
+        """The caller verifies every payload it reads from now on (an assembled source may skip its own
+        per-block hashes: ``Backend.for_checked_reads``)."""
+
+    def blame(self, offset: int, n: int) -> None:
+        """After a payload mismatch: read bytes ``[offset, offset + n)`` again with the storage's own
+        checks, which raise the error naming a damaged part (nothing when there are none)."""
+
     def close(self) -> None:
         pass
 
@@ -157,6 +167,20 @@ class BackendSource(Source):
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: cf.Executor | None = None
+        self._checked: Backend | None = None  # after checks_payloads: the backend whose reads check blocks
+
+    def checks_payloads(self) -> None:
+        fast = self.backend.for_checked_reads(self.name)
+        if fast is not self.backend:
+            self._checked, self.backend = self.backend, fast
+
+    def blame(self, offset: int, n: int) -> None:
+        checked = self._checked
+        if checked is None:
+            return
+        scratch = memoryview(bytearray(min(n, CHUNK)))
+        for pos in range(offset, offset + n, CHUNK):
+            _fill(lambda m, o: checked.readinto(self.name, m, o), scratch[: min(CHUNK, offset + n - pos)], pos)
 
     @property
     def size(self) -> int:  # type: ignore[override]  # a plain attribute on other sources
@@ -490,9 +514,16 @@ def read_payloads(
             views.append(mvs[i])
             pos = off + nbytes
         jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
-    _run_jobs(jobs, src.concurrency)
-    if verify and (split or shared):
-        verify_parallel(meta, split + list(shared), mvs)
+    if verify:
+        src.checks_payloads()
+    try:
+        _run_jobs(jobs, src.concurrency)
+        if verify and (split or shared):
+            verify_parallel(meta, split + list(shared), mvs)
+    except IntegrityError:
+        for i in idxs:  # a damaged block of an assembled source is named by its own error
+            src.blame(*meta.storages[i][:2])
+        raise
     return bufs
 
 
