@@ -212,8 +212,14 @@ def test_saving_a_kept_step_again_needs_overwrite(tmp_path):
 
 def test_tiered_best_policy_and_a_step_being_replicated(tmp_path, monkeypatch):
     """The remote root keeps only the best and the latest; a step the replicator holds (here: replicating
-    an older step again, over the debris of an interrupted copy) is not deleted by a prune meanwhile."""
-    from test_tiered import Gate
+    an older step again, over the debris of an interrupted copy) is not deleted by a prune meanwhile.
+
+    The replicator itself wipes the debris before it copies (``replicate``), so the test holds it at a
+    known point: every file copied, the marker not yet written (an uncommitted directory older than the
+    latest, what a prune takes for debris unless the step is busy)."""
+    import threading
+
+    from ckptio.checkpointer import tiered
 
     root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
     with Checkpointer(root, format="pt", local_tier=tier, keep_local=5, retention="best", best_metric="loss") as ck:
@@ -221,16 +227,28 @@ def test_tiered_best_policy_and_a_step_being_replicated(tmp_path, monkeypatch):
             ck.save(s, state(s), metrics={"loss": loss})
             ck.wait()
         assert Checkpointer(root).list() == [2, 4]
-        gate = Gate(monkeypatch)
-        debris = tmp_path / "remote" / "000000000003"  # an interrupted replication of step 3 left a file
-        debris.mkdir()
-        (debris / "state.pt").write_bytes(b"partial")
+        entered, go = threading.Event(), threading.Event()
+        real = tiered.await_files
+
+        def held(*a, **kw):  # the replicator: files copied, before its marker
+            entered.set()
+            assert go.wait(30), "never released"
+            return real(*a, **kw)
+
+        monkeypatch.setattr(tiered, "await_files", held)
+        step3 = tmp_path / "remote" / "000000000003"  # an interrupted replication of step 3 left a file
+        step3.mkdir()
+        (step3 / "state.pt").write_bytes(b"partial")
         ck.save(3, state(3), metrics={"loss": 0.5}, overwrite=True)  # the new best, replicated after 4
         try:
-            assert 3 in ck._tier.replicator.pending()
-            assert ck.prune() == [] and debris.exists()  # held by the replicator: neither debris nor deleted
+            assert entered.wait(30), "the replicator never reached step 3's marker"
+            assert ck._tier.replicator.pending() == {3}
+            copied = (step3 / "state.pt").read_bytes()
+            assert copied != b"partial"  # the replicator replaced the debris with the new copy
+            assert ck.prune() == []
+            assert (step3 / "state.pt").read_bytes() == copied  # held by the replicator: not taken for debris
         finally:
-            gate.open()
+            go.set()
         ck.wait()
         assert Checkpointer(root).list() == [3, 4]
         assert ck.manifest(3)["metrics"] == {"loss": 0.5}
