@@ -226,3 +226,23 @@ def test_compressed_records_of_modest_ratio_still_load(tmp_path):
     got = ckptio.load(str(path))
     assert torch.equal(got["w"], state["w"]) and got["step"] == 3
     assert ckptio.info(str(path))["tensors"][0]["shape"] == [1000]
+
+
+def test_metadata_missing_a_dataclass_field_is_a_format_error():
+    """A crafted ``.metadata`` can build DCP's dataclasses without their state (found by the long fuzzer):
+    loads_metadata refuses it with a FormatError naming the file, not an AttributeError on a later access."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    import ckptio.dcp as cd
+    from ckptio.errors import FormatError
+
+    good = pickle.loads(genuine_metadata())
+    key, entry = next((k, v) for k, v in good.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
+    torn = object.__new__(TensorStorageMetadata)
+    torn.__dict__.update({k: v for k, v in vars(entry).items() if k != "size"})
+    crafted = Metadata(state_dict_metadata={**good.state_dict_metadata, key: torn})
+    with pytest.raises(FormatError, match=r"x/\.metadata.*TensorStorageMetadata without its 'size'"):
+        cd.loads_metadata(pickle.dumps(crafted), "x/.metadata")
+    assert isinstance(cd.loads_metadata(genuine_metadata(), "x/.metadata"), Metadata)

@@ -49,8 +49,18 @@ GLOBALS = [
     b"numpy.core.multiarray\n_reconstruct\n",
 ]
 # kind -> outcomes allowed besides "ok"/"format": a .pt that passes ckptio's checks but not torch's
-# weights_only unpickler fails with torch's own error types, as a torch.load user expects
-_TORCH_ERRORS = ("UnpicklingError", "RuntimeError", "TypeError", "ValueError", "AttributeError", "IndexError")
+# weights_only unpickler fails with torch's own error types, as a torch.load user expects (KeyError: a
+# persistent id naming no record; UnicodeDecodeError, a ValueError: a record name that is not UTF-8)
+_TORCH_ERRORS = (
+    "UnpicklingError",
+    "RuntimeError",
+    "TypeError",
+    "ValueError",
+    "UnicodeDecodeError",
+    "AttributeError",
+    "IndexError",
+    "KeyError",
+)
 KINDS = {"pkl": (), "metadata": (), "pt": _TORCH_ERRORS, "info": (), "item": ()}
 
 

@@ -32,6 +32,7 @@ of a crashed save stay until the directory is deleted: nothing tells them from a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -159,7 +160,34 @@ def loads_metadata(data: bytes | bytearray | memoryview, uri: str = METADATA_NAM
         raise FormatError(f"{uri}: not readable DCP metadata ({type(e).__name__}: {e})") from e
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{uri}: not DCP metadata (holds a {type(metadata).__name__})")
+    why = _missing_field(metadata)
+    if why is not None:
+        raise FormatError(f"{uri}: not readable DCP metadata ({why}; the file is corrupt or crafted)")
     return metadata
+
+
+def _missing_field(root: Any) -> str | None:
+    """The first dataclass instance reachable from ``root`` that lacks a field without a default (a crafted
+    pickle can build one without its state), named; None if there is none. Iterative: no recursion limit."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                if not hasattr(obj, f.name):
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                        return f"a {type(obj).__name__} without its {f.name!r}"
+                    continue
+                todo.append(getattr(obj, f.name))
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+    return None
 
 
 def _name_problem(name: Any) -> str | None:
