@@ -16,10 +16,28 @@ from servers import free_port
 TIMEOUT = 120
 
 
+# Ranks are forked from a forkserver that has imported these once per test process (a spawned rank
+# spent ~3 s of its start importing torch, on cores the other test worker needs). The forkserver is a
+# fresh single-threaded interpreter, so a rank starts as clean as a spawned one; each rank takes the
+# parent's environment as it is at the call (the forkserver's is the one it started with).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ckptio"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
-    """Spawn ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after ``timeout`` seconds."""
+    """Start ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after ``timeout`` seconds."""
+    _context()
     ctx = mp.start_processes(
-        _rank_main, args=(fn, world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+        _rank_main,
+        args=(dict(os.environ), fn, world, free_port(), *args),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout
     try:
@@ -32,7 +50,7 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
                 p.kill()
 
 
-def _rank_main(rank: int, fn, *args) -> None:
+def _rank_main(rank: int, env: dict, fn, *args) -> None:
     """``fn(rank, *args)``; once it has returned, the rank exits without the interpreter's teardown.
 
     A rank's result is in by then (asserted in ``fn`` or written to its file). In the teardown, a gloo
@@ -41,6 +59,8 @@ def _rank_main(rank: int, fn, *args) -> None:
     failed a test whose ranks had all passed. An exception from ``fn`` takes the usual way out (torch
     reports it to the parent). Threads the rank left running are ended first, as at an exit: the
     interpreter's own step for that (it stops idle pool workers, then joins every non-daemon thread)."""
+    os.environ.clear()
+    os.environ.update(env)
     fn(rank, *args)
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize calls first
     sys.stdout.flush()
