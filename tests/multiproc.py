@@ -1,4 +1,4 @@
-"""Spawned gloo rank groups for the multi-process tests, each group under a deadline."""
+"""gloo rank groups for the multi-process tests (forked from a forkserver), each group under a deadline."""
 
 from __future__ import annotations
 
@@ -11,27 +11,19 @@ import traceback
 
 import torch.multiprocessing as mp
 
+import zygote
 from servers import free_port
 
 TIMEOUT = 120
 
 
-# Ranks are forked from a forkserver that has imported these once per test process (a spawned rank
-# spent ~3 s of its start importing torch, on cores the other test worker needs). The forkserver is a
-# fresh single-threaded interpreter, so a rank starts as clean as a spawned one; each rank takes the
-# parent's environment as it is at the call (the forkserver's is the one it started with).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "ckptio"]
-
-
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT) -> None:
-    """Start ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after ``timeout`` seconds."""
-    _context()
+    """Start ``world`` ranks of ``fn(rank, world, port, *args)``; kill them all after ``timeout`` seconds.
+
+    The ranks are forked from the forkserver of :mod:`zygote` (torch imported once per test process; a
+    spawned rank spent ~3 s importing it on the cores the other test worker needs). Each rank takes the
+    parent's environment as it is at the call (the forkserver's is the one it started with)."""
+    zygote.context()
     ctx = mp.start_processes(
         _rank_main,
         args=(dict(os.environ), fn, world, free_port(), *args),

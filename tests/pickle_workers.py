@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import zygote  # noqa: E402
 
 
 def run_jobs(jobs: list[dict], headroom: int = 512 << 20, alarm: int = 20, timeout: float = 600) -> list[dict]:
@@ -30,9 +31,7 @@ def run_jobs(jobs: list[dict], headroom: int = 512 << 20, alarm: int = 20, timeo
         json.dump({"jobs": jobs, "headroom": headroom, "alarm": alarm}, f)
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MALLOC_ARENA_MAX": "2"}
-        proc = subprocess.run(
-            [sys.executable, __file__, f.name], capture_output=True, text=True, timeout=timeout, env=env, check=False
-        )
+        proc = zygote.run([sys.executable, __file__, f.name], timeout=timeout, env=env)
     finally:
         os.unlink(f.name)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

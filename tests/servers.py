@@ -107,7 +107,10 @@ class LoopbackProxy:
         self._thread: threading.Thread | None = None
 
     def start(self):
-        self._thread = threading.Thread(target=self._server.serve_forever, name=self.thread_name, daemon=True)
+        # a short poll: shutdown() waits for the loop's next poll (0.5 s by default, paid per test)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.02,), name=self.thread_name, daemon=True
+        )
         self._thread.start()
         return self
 

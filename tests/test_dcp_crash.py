@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 import ckptio.dcp as cd
 import dcp_workers as W
+import zygote
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_workers.py")
@@ -20,7 +20,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "dcp_workers.py")
 
 def crash(point: str, uri: str, overwrite: bool = False) -> None:
     args = [sys.executable, WORKER, "crash", point, uri] + (["overwrite"] if overwrite else [])
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    proc = zygote.run(args, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
 
 

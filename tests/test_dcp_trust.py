@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import random
-import subprocess
 import sys
 import uuid
 import warnings
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckptio
 import ckptio.dcp as cd
+import zygote
 from ckptio.checkpointer import Checkpointer
 from ckptio.errors import FormatError
 from conftest import S3_TEST_OPTIONS
@@ -66,9 +66,7 @@ def load_in_child(tmp_path, jobs: list[dict], backends: dict | None = None) -> l
         job["state"] = path
         job.setdefault("root", str(tmp_path / "ckroot"))
     args = json.dumps({"jobs": jobs, "backends": backends})
-    proc = subprocess.run(
-        [sys.executable, WORKER, "load_capped", args], capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = zygote.run([sys.executable, WORKER, "load_capped", args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import subprocess
 import sys
 import textwrap
 import threading
@@ -16,6 +15,7 @@ import threading
 import pytest
 
 import ckptio
+import zygote
 from ckptio.backends.s3 import S3Backend
 from ckptio.errors import IntegrityError
 from conftest import S3_TEST_OPTIONS
@@ -72,7 +72,7 @@ def test_ctrl_c_during_a_whole_read_writes_only_live_memory(tmp_path, s3_uri, s3
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     opts = {"endpoint_url": s3_endpoint, "part_size": 5 << 20, **S3_TEST_OPTIONS}
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, str(script), f"{s3_uri}/big.bin", json.dumps(opts), mode],
         capture_output=True,
         text=True,
