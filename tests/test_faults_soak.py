@@ -1,5 +1,5 @@
-"""Soak (``-m slow``): 200 save/resume cycles against S3 behind the fault proxy, with random
-injected faults and random SIGKILLs of the saving process.
+"""Soak (``-m slow``): 200 save/resume cycles against S3 behind the fault proxy (two loops of 100 at
+once, each on its own root), with random injected faults and random SIGKILLs of the saving process.
 
 Each cycle forks a trainer that resumes from the latest checkpoint, checks that it restored
 exactly the state of that step, and saves the next step while the proxy injects random faults;
@@ -13,13 +13,14 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import ckptio
 from ckptio.checkpointer import Checkpointer
-from faultproxy import FAST, Fault
+from faultproxy import FAST, Fault, FaultProxy
 
 pytestmark = [
     pytest.mark.slow,
@@ -62,25 +63,28 @@ def _trainer(root: str, fmt: str, endpoint: str, out: int) -> None:
         os._exit(code)
 
 
-@pytest.mark.parametrize("fmt", ["dcp"])
-def test_soak_save_resume_with_faults_and_kills(s3_faults, fmt):
-    rng = random.Random(1234)
-    root = s3_faults.uri + "/soak"
+LOOPS = 2  # concurrent soak loops (own root, own fault proxy): the cycles mostly wait on stalls and kills
+
+
+def _soak(proxy, root: str, fmt: str, cycles: int, seed: int) -> tuple[int, int | None, int, int]:
+    """``cycles`` fork/resume/save cycles against ``root`` through ``proxy``; returns (the last step whose
+    save returned, the step in flight when the last trainer died, kills, clean errors)."""
+    rng = random.Random(seed)
     committed = 0  # the last step whose save returned
     in_flight = None
     kills = errors = 0
-    for cycle in range(CYCLES):
-        s3_faults.clear()
-        s3_faults._rng.seed(cycle)
+    for cycle in range(cycles):
+        proxy.clear()
+        proxy._rng.seed(seed * 100_000 + cycle)
         for kind in rng.sample(["status", "reset", "truncate", "stall"], k=rng.randint(0, 2)):
-            s3_faults.add(Fault(kind, status=rng.choice([500, 503]), fraction=rng.uniform(0.02, 0.1), stall=1.5))
+            proxy.add(Fault(kind, status=rng.choice([500, 503]), fraction=rng.uniform(0.02, 0.1), stall=1.5))
         r, w = os.pipe()
-        pid = os.fork()
+        pid = os.fork()  # the other loop's thread holds no lock the trainer takes: it waits, sleeps or reads
         if pid == 0:
             os.close(r)
-            _trainer(root, fmt, s3_faults.url, w)
+            _trainer(root, fmt, proxy.url, w)
         os.close(w)
-        kill_after = rng.uniform(0.5, 4.0) if rng.random() < 0.3 else None
+        kill_after = rng.uniform(0.3, 2.5) if rng.random() < 0.3 else None  # within a typical cycle (~1-2 s)
         t0 = time.monotonic()
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -94,7 +98,7 @@ def test_soak_save_resume_with_faults_and_kills(s3_faults, fmt):
             if time.monotonic() - t0 > 300:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                pytest.fail(f"cycle {cycle}: trainer hung for 300 s")
+                raise AssertionError(f"{root} cycle {cycle}: trainer hung for 300 s")
             time.sleep(0.01)
         lines = os.read(r, 65536).decode().splitlines()
         os.close(r)
@@ -103,16 +107,36 @@ def test_soak_save_resume_with_faults_and_kills(s3_faults, fmt):
             if word == "resumed":
                 step, ok = map(int, rest.split())
                 allowed = {committed} | ({in_flight} if in_flight is not None else set())
-                assert step in allowed, f"cycle {cycle}: resumed step {step}, expected one of {allowed}"
-                assert ok, f"cycle {cycle}: step {step} did not restore exactly"
+                assert step in allowed, f"{root} cycle {cycle}: resumed step {step}, expected one of {allowed}"
+                assert ok, f"{root} cycle {cycle}: step {step} did not restore exactly"
                 committed, in_flight = step, step + 1
             elif word == "committed":
                 committed, in_flight = int(rest), None
             elif word == "error":
                 errors += 1  # a save that failed cleanly (faults beyond the retry budget): allowed
-    s3_faults.clear()
-    state = {"model": {"w": torch.zeros(128, 128)}, "trainer": {"step": -1}}
-    step = Checkpointer(root, format=fmt).load(state)
-    assert step in ({committed} | ({in_flight} if in_flight else set()))
-    assert torch.equal(state["model"]["w"], make_state(step)["model"]["w"])
-    assert kills >= CYCLES // 10 and committed > CYCLES // 3, (kills, errors, committed)
+    proxy.clear()
+    return committed, in_flight, kills, errors
+
+
+@pytest.mark.parametrize("fmt", ["dcp"])
+def test_soak_save_resume_with_faults_and_kills(s3_faults, fmt):
+    """CYCLES cycles in all, split over LOOPS concurrent loops, each on its own root and fault proxy."""
+    proxies = [s3_faults] + [FaultProxy(s3_faults.endpoint).start() for _ in range(LOOPS - 1)]
+    roots = [f"{s3_faults.uri}/soak{i}" for i in range(LOOPS)]
+    try:
+        with ThreadPoolExecutor(LOOPS) as pool:
+            futures = [
+                pool.submit(_soak, proxy, root, fmt, CYCLES // LOOPS, 1234 + i)
+                for i, (proxy, root) in enumerate(zip(proxies, roots, strict=True))
+            ]
+            outcomes = [f.result() for f in futures]
+    finally:
+        for proxy in proxies[1:]:
+            proxy.stop()
+    for root, (committed, in_flight, kills, errors) in zip(roots, outcomes, strict=True):
+        state = {"model": {"w": torch.zeros(128, 128)}, "trainer": {"step": -1}}
+        step = Checkpointer(root, format=fmt).load(state)
+        assert step in ({committed} | ({in_flight} if in_flight else set()))
+        assert torch.equal(state["model"]["w"], make_state(step)["model"]["w"])
+        assert committed > CYCLES // LOOPS // 3, (root, kills, errors, committed)
+    assert sum(o[2] for o in outcomes) >= CYCLES // 10, outcomes  # kills, over all loops
