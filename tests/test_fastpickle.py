@@ -492,8 +492,8 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
     shared = []
     real_view = fpk_read.BackendSource.ahead_view
 
-    def view(self, offset, nbytes):
-        v = real_view(self, offset, nbytes)
+    def view(self, offset, nbytes, **kw):
+        v = real_view(self, offset, nbytes, **kw)
         if v is not None:
             shared.append(nbytes)
         return v

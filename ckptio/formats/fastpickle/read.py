@@ -4,9 +4,11 @@ A source is a local file descriptor (a local file, or any backend's ``local_file
 file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
 with one madvise first), each payload verified right after its read, or a private mapping with
 ``mmap=True``; a backend whose reads are local (``Backend.reads_local``: memory, an incremental
-step's blocks) is read the same way, straight into the buffers. Remote full load: the first and last
-``part_size`` bytes are read ahead (header, metadata and end payloads in two requests) and the middle
-in part-sized ranged reads, so each byte is fetched once; the header is checked as soon as it lands.
+step's blocks) is read the same way, straight into the buffers. Remote full load: the first
+``part_size`` bytes and the last ``TAIL_PREFETCH`` are read ahead (header, footer and metadata, and
+the first payloads, in two requests); once the small one is in, the rest is read in part-sized ranged
+reads that wait for nothing read ahead (a payload straddling the first range fetches only its part
+outside it), so each byte is fetched once; the header is checked as soon as it lands.
 Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
 block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's);
 a verified load reads them without their block hashes (``Backend.for_checked_reads``: each byte hashed
@@ -189,13 +191,15 @@ class BackendSource(Source):
         return self._size
 
     def read_ahead(self) -> None:
-        """For a full load: fetch the first and the last ``part_size`` bytes, two requests.
+        """For a full load: fetch the first ``part_size`` bytes and the last ``prefetch``, two requests.
 
         The first needs no size: it starts at once and the object's size comes with its reply's
         headers (``Backend.read_head``), so an object of up to ``part_size`` costs one request; the
-        header, footer and metadata come with them, and so do the payloads at both ends, so a full
-        load costs about as many ranged requests as reading the object in ``part_size`` parts. Reads
-        of the middle do not wait for them.
+        header and the first payloads come with it. The second is small (footer and metadata), so the
+        layout is known after one short request and the reads of the rest start then, while the first
+        is still streaming (a 256 MiB load at 90 MB/s a connection waited 0.8 s for a part-sized tail:
+        2.5 s -> 1.7 s). A full load costs about as many ranged requests as reading the object in
+        ``part_size`` parts.
         """
         self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
@@ -207,7 +211,9 @@ class BackendSource(Source):
         if self._size is None:
             self._size = size
         head = min(self.size, len(first))
-        tail = min(self.size - head, max(self.part_size, self.prefetch))
+        # only the footer and (usually) the metadata: the layout is known after one small request, so the
+        # reads of the rest start without waiting for a part_size body at 90 MB/s a connection
+        tail = min(self.size - head, self.prefetch)
         if tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
             start = max(head, (self.size - tail) // ALIGN * ALIGN)
             buf = anonymous(self.size - start)
@@ -280,18 +286,29 @@ class BackendSource(Source):
         ahead = self._within_ahead(offset, n, 1)
         return ahead.toreadonly() if ahead is not None else self.read(offset, n)
 
-    def ahead_view(self, offset: int, nbytes: int) -> memoryview | None:
+    def ahead_view(self, offset: int, nbytes: int, wait: bool = True) -> memoryview | None:
         """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all
-        (once its read is in), else None. A view keeps its buffer alive; nothing else writes to it."""
+        (once its read is in; ``wait=False``: at once, filled when :meth:`wait_ahead` returns), else
+        None. A view keeps its buffer alive; nothing else writes to it."""
         # a view must be as aligned as the payload is in the file (element size; some kernels fault)
-        return self._within_ahead(offset, nbytes, ALIGN)
+        return self._within_ahead(offset, nbytes, ALIGN, wait)
 
-    def _within_ahead(self, offset: int, nbytes: int, align: int) -> memoryview | None:
+    def _within_ahead(self, offset: int, nbytes: int, align: int, wait: bool = True) -> memoryview | None:
         for off, data, fut in self._ahead:
             if off <= offset and offset + nbytes <= off + len(data) and (offset - off) % align == 0:
-                self._arrived(off, data, fut)
+                if wait:
+                    self._arrived(off, data, fut)
                 return data[offset - off : offset - off + nbytes]
         return None
+
+    def ahead_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of each range read ahead."""
+        return [(off, len(data)) for off, data, _ in self._ahead]
+
+    def wait_ahead(self) -> None:
+        """Wait for every range read ahead (IntegrityError if one came short)."""
+        for off, data, fut in self._ahead:
+            self._arrived(off, data, fut)
 
     def close(self) -> None:
         """The reads ahead that have not started are cancelled; those in flight end before this returns."""
@@ -469,17 +486,19 @@ def read_payloads(
     """Read the given storages into fresh uint8 tensors (or the caller's, ``into``: storage index ->
     uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read.
 
-    ``share``: a payload that lies wholly inside a range a remote source read ahead (the first and
-    last ``part_size`` bytes; a small object whole) is returned as a view of that buffer instead of a
+    ``share``: a payload that lies wholly inside a range a remote source read ahead (the first
+    ``part_size`` bytes and the tail; a small object whole) is returned as a view of that buffer instead of a
     copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
     import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
 
     into = into or {}
     shared: dict[int, torch.Tensor] = {}
+    ahead = isinstance(src, BackendSource) and bool(src.ahead_ranges())
     if share and isinstance(src, BackendSource):
         for i in idxs:
             off, nbytes = meta.storages[i][:2]
-            view = src.ahead_view(off, nbytes) if i not in into and nbytes else None
+            # not waited for: the other reads start now, the ranges read ahead are awaited after them
+            view = src.ahead_view(off, nbytes, wait=False) if i not in into and nbytes else None
             if view is not None:
                 shared[i] = torch.frombuffer(view, dtype=torch.uint8)
     bufs = {
@@ -498,26 +517,57 @@ def read_payloads(
     limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
-    for run in _runs([i for i in idxs if i not in shared], meta.storages, COALESCE_GAP, limit):
-        first = meta.storages[run[0]]
+    # a payload that straddles a range read ahead fetches only the bytes outside it (its part inside is
+    # copied once that range is in), so no read waits for one read ahead
+    spans = list(meta.storages)
+    copies: list[tuple[int, int, int]] = []  # (payload, its offset in the file, bytes) copied from ahead
+    if ahead and isinstance(src, BackendSource):
+        for i in idxs:
+            if i in shared:
+                continue
+            off, nbytes = meta.storages[i][:2]
+            lo, hi = off, off + nbytes
+            for a_off, a_len in src.ahead_ranges():
+                a_end = a_off + a_len
+                if a_off <= lo < a_end < hi:  # the payload starts inside the range: fetch from its end
+                    copies.append((i, lo, a_end - lo))
+                    lo = a_end
+                elif lo < a_off < hi <= a_end:  # ends inside: fetch up to its start
+                    copies.append((i, a_off, hi - a_off))
+                    hi = a_off
+            if (lo, hi) != (off, off + nbytes):
+                spans[i] = (lo, hi - lo, *meta.storages[i][2:])
+                split.append(i)
+
+    def view_of(i: int) -> memoryview:
+        return mvs[i][spans[i][0] - meta.storages[i][0] :][: spans[i][1]]
+
+    for run in _runs([i for i in idxs if i not in shared], spans, COALESCE_GAP, limit):
+        first = spans[run[0]]
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
-            split.append(run[0])
+            if run[0] not in split:
+                split.append(run[0])
             for pos in range(0, first[1], part):
-                jobs.append(_job(src, meta, run, [mvs[run[0]][pos : pos + part]], first[0] + pos))
+                jobs.append(_job(src, meta, run, [view_of(run[0])[pos : pos + part]], first[0] + pos))
             continue
         views: list[memoryview] = []
         pos = first[0]
         for i in run:
-            off, nbytes = meta.storages[i][:2]
+            off, nbytes = spans[i][:2]
             if off > pos:
                 views.append(memoryview(bytearray(off - pos)))
-            views.append(mvs[i])
+            views.append(view_of(i))
             pos = off + nbytes
-        jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None))
+        whole = [i for i in run if i not in split]  # verified in the job; the rest once their copies are in
+        jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None, whole))
     if verify:
         src.checks_payloads()
     try:
         _run_jobs(jobs, src.concurrency)
+        if ahead and isinstance(src, BackendSource):
+            src.wait_ahead()
+            for i, at, n in copies:
+                src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
         if verify and (split or shared):
             verify_parallel(meta, split + list(shared), mvs)
     except IntegrityError:
@@ -534,7 +584,11 @@ def _job(
     views: list[memoryview],
     offset: int,
     verify: dict[int, memoryview] | None = None,
+    check: list[int] | None = None,
 ) -> Callable[[], None]:
+    """Read ``views`` (the payloads ``run``, in file order) from ``offset``; with ``verify``, check the
+    payloads ``check`` (default: all of ``run``) as soon as they are in."""
+
     def job() -> None:
         want = sum(len(v) for v in views)
         if src.local:  # fresh buffers populated at once, not page by page under the copy
@@ -547,7 +601,7 @@ def _job(
                 f"[{offset}, {offset + want}) returned only {got}"
             )
         if verify is not None:  # while the bytes are still in cache
-            _verify(meta, run, verify)
+            _verify(meta, run if check is None else check, verify)
 
     return job
 
