@@ -549,6 +549,51 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
             ckptio.load(f"{s3_uri}/bad-{where}.fpk", **opts)
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_remote_reads_do_not_wait_for_the_first_range_read_ahead(s3_uri, s3_endpoint, monkeypatch, share):
+    """A full remote load reads the first ``part_size`` bytes and a small tail ahead; once the tail (the
+    layout) is in, every other read starts, without waiting for the first range's body: a payload
+    straddling it fetches only its part outside it, and its part inside is copied (then checked) after.
+    Through a proxy passing 2 MB/s a connection the first range's body takes 2.6 s; every other read
+    must start before it ends. Damage in a straddling payload's copied part is still caught."""
+    import time
+
+    from ckptio.backends.s3 import S3Backend
+    from ckptio.bench.proxy import LatencyProxy
+
+    state = {
+        "a": torch.randn(1000),
+        "first": torch.randn(1 << 20),  # 4 MiB, inside the first range
+        "straddles": torch.randn(2 << 20),  # 8 MiB from about 4 MiB: the first range (5 MiB) ends inside it
+        "c": torch.randn(300),
+    }
+    uri = f"{s3_uri}/straddle.fpk"
+    fp.save(state, uri)
+    real = S3Backend._get_range
+    log: list[tuple[int, float, float]] = []  # (first byte asked for, started, ended)
+
+    async def traced(self, uri_, bucket, key, start, *a, **kw):
+        t = time.monotonic()
+        try:
+            return await real(self, uri_, bucket, key, start, *a, **kw)
+        finally:
+            log.append((start, t, time.monotonic()))
+
+    monkeypatch.setattr(S3Backend, "_get_range", traced)
+    with LatencyProxy(s3_endpoint, latency=0.0, bandwidth=2e6) as proxy:
+        opts = {"backend_args": {"part_size": 5 << 20, "endpoint_url": proxy.url}}
+        out = ckptio.load(uri, **opts) if share else ckptio.load(uri, mmap=False, **opts)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+        head_end = next(end for start, _, end in log if start == 0)
+        assert len(log) >= 3 and all(t < head_end for start, t, _ in log if start), log
+        data = bytearray(ckptio.get(uri))
+        at = data.find(state["straddles"].numpy().tobytes()[:64])
+        data[at + 64] ^= 0x10  # inside the first range, in the payload that straddles its end
+        ckptio.put(bytes(data), f"{s3_uri}/bad.fpk")
+        with pytest.raises(IntegrityError, match="bad.fpk.*straddles"):
+            ckptio.load(f"{s3_uri}/bad.fpk", **opts)
+
+
 def test_remote_full_load_reads_footer_and_metadata_from_its_read_ahead_without_a_copy(s3_uri, monkeypatch):
     from ckptio.formats.fastpickle import read as fpk_read
 
