@@ -14,7 +14,8 @@ from ...errors import FormatError
 from ..base import Format
 from .decode import decode_tree, tensor_factory
 from .layout import FLAG_PICKLE, VERSION, Inspection, Meta
-from .read import Source, gc_paused, map_payloads, open_source, read_meta, read_payloads, source_for, with_source
+from .payloads import map_payloads, read_payloads
+from .read import Source, gc_paused, open_source, read_meta, source_for, with_source
 from .report import VERIFIED, inspect_report
 from .select import Ref, refs, select, substitute
 

@@ -19,7 +19,8 @@ from ...errors import FormatError, IntegrityError
 # tensor memory and private mappings for both formats
 from ..fastpickle.decode import tensor_factory
 from ..fastpickle.layout import Meta, TensorInfo
-from ..fastpickle.read import Source, map_payloads, read_payloads, source_for, with_source
+from ..fastpickle.payloads import map_payloads, read_payloads
+from ..fastpickle.read import Source, source_for, with_source
 from .layout import HEAD_PREFETCH, MAX_HEADER, MAX_INDEX, TORCH_NAME, TensorEntry, parse_header, parse_json
 
 if TYPE_CHECKING:

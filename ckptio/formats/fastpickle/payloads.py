@@ -1,0 +1,225 @@
+"""Reading an ``.fpk`` file's payloads: coalesced parallel reads into fresh tensors (or the caller's), each
+payload verified right after its read, or a private mapping of a local file (``mmap=True``).
+
+A remote source's ranges read ahead (:meth:`.read.BackendSource.read_ahead`) are never waited for by the
+other reads: payloads inside them are views of them (``share``) or copies, a payload straddling one fetches
+only its part outside it; all of them are awaited (and checked) once the other reads are in.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap as _mmap
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from ...errors import IntegrityError
+from ...osio import prefault
+from ...threads import PARALLEL_MIN, Pool
+from .layout import CHUNK, MAX_IOV, Meta, describe_payload
+from .read import BackendSource, Source
+
+if TYPE_CHECKING:
+    import torch
+
+COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
+COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
+
+
+def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, limit: int) -> list[list[int]]:
+    """Group needed storages (by file order) into runs read with one request each."""
+    runs: list[list[int]] = []
+    end = size = 0
+    for i in sorted(idxs, key=lambda i: storages[i][0]):
+        off, nbytes = storages[i][0], storages[i][1]
+        if runs and off - end <= gap and size + nbytes <= limit and len(runs[-1]) < MAX_IOV:
+            runs[-1].append(i)
+            size += nbytes + (off - end)
+        else:
+            runs.append([i])
+            size = nbytes
+        end = off + nbytes
+    return runs
+
+
+def read_payloads(
+    src: Source,
+    meta: Meta,
+    idxs: list[int],
+    verify: bool,
+    into: dict[int, torch.Tensor] | None = None,
+    share: bool = False,
+) -> dict[int, torch.Tensor]:
+    """Read the given storages into fresh uint8 tensors (or the caller's, ``into``: storage index ->
+    uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read.
+
+    ``share``: a payload that lies wholly inside a range a remote source read ahead (the first
+    ``part_size`` bytes and the tail; a small object whole) is returned as a view of that buffer instead of a
+    copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
+    import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
+
+    into = into or {}
+    shared: dict[int, torch.Tensor] = {}
+    ahead = isinstance(src, BackendSource) and bool(src.ahead_ranges())
+    if share and isinstance(src, BackendSource):
+        for i in idxs:
+            off, nbytes = meta.storages[i][:2]
+            # not waited for: the other reads start now, the ranges read ahead are awaited after them
+            view = src.ahead_view(off, nbytes, wait=False) if i not in into and nbytes else None
+            if view is not None:
+                shared[i] = torch.frombuffer(view, dtype=torch.uint8)
+    bufs = {
+        i: into[i]
+        if i in into
+        else shared[i]
+        if i in shared
+        else torch.empty(meta.storages[i][1], dtype=torch.uint8, device="cpu")
+        for i in idxs
+    }
+    # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
+    mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
+    part = getattr(src, "part_size", CHUNK)
+    # local reads scatter straight into the tensors (preadv, readinto); a remote run is as large as one request
+    # (fewer ranged GETs) and its body streams through the run's tensors (Backend.readv), unstaged
+    limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
+    jobs: list[Callable[[], None]] = []
+    split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
+    # a payload that straddles a range read ahead fetches only the bytes outside it (its part inside is
+    # copied once that range is in), so no read waits for one read ahead
+    spans = list(meta.storages)
+    copies: list[tuple[int, int, int]] = []  # (payload, its offset in the file, bytes) copied from ahead
+    if ahead and isinstance(src, BackendSource):
+        for i in idxs:
+            if i in shared:
+                continue
+            off, nbytes = meta.storages[i][:2]
+            lo, hi = off, off + nbytes
+            for a_off, a_len in src.ahead_ranges():
+                a_end = a_off + a_len
+                if a_off <= lo < a_end < hi:  # the payload starts inside the range: fetch from its end
+                    copies.append((i, lo, a_end - lo))
+                    lo = a_end
+                elif lo < a_off < hi <= a_end:  # ends inside: fetch up to its start
+                    copies.append((i, a_off, hi - a_off))
+                    hi = a_off
+            if (lo, hi) != (off, off + nbytes):
+                spans[i] = (lo, hi - lo, *meta.storages[i][2:])
+                split.append(i)
+
+    def view_of(i: int) -> memoryview:
+        return mvs[i][spans[i][0] - meta.storages[i][0] :][: spans[i][1]]
+
+    for run in _runs([i for i in idxs if i not in shared], spans, COALESCE_GAP, limit):
+        first = spans[run[0]]
+        if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
+            if run[0] not in split:
+                split.append(run[0])
+            for pos in range(0, first[1], part):
+                jobs.append(_job(src, meta, run, [view_of(run[0])[pos : pos + part]], first[0] + pos))
+            continue
+        views: list[memoryview] = []
+        pos = first[0]
+        for i in run:
+            off, nbytes = spans[i][:2]
+            if off > pos:
+                views.append(memoryview(bytearray(off - pos)))
+            views.append(view_of(i))
+            pos = off + nbytes
+        whole = [i for i in run if i not in split]  # verified in the job; the rest once their copies are in
+        jobs.append(_job(src, meta, run, views, first[0], mvs if verify else None, whole))
+    if verify:
+        src.checks_payloads()
+    try:
+        _run_jobs(jobs, src.concurrency)
+        if ahead and isinstance(src, BackendSource):
+            src.wait_ahead()
+            for i, at, n in copies:
+                src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
+        if verify and (split or shared):
+            verify_parallel(meta, split + list(shared), mvs)
+    except IntegrityError:
+        for i in idxs:  # a damaged block of an assembled source is named by its own error
+            src.blame(*meta.storages[i][:2])
+        raise
+    return bufs
+
+
+def _job(
+    src: Source,
+    meta: Meta,
+    run: list[int],
+    views: list[memoryview],
+    offset: int,
+    verify: dict[int, memoryview] | None = None,
+    check: list[int] | None = None,
+) -> Callable[[], None]:
+    """Read ``views`` (the payloads ``run``, in file order) from ``offset``; with ``verify``, check the
+    payloads ``check`` (default: all of ``run``) as soon as they are in."""
+
+    def job() -> None:
+        want = sum(len(v) for v in views)
+        if src.local:  # fresh buffers populated at once, not page by page under the copy
+            for v in views:
+                prefault(v)
+        got = src.readv(views, offset) if len(views) > 1 else src.readinto(views[0], offset)
+        if got != want:
+            raise IntegrityError(
+                f"{meta.source}: truncated while reading {describe_payload(meta, run[0])}: bytes "
+                f"[{offset}, {offset + want}) returned only {got}"
+            )
+        if verify is not None:  # while the bytes are still in cache
+            _verify(meta, run if check is None else check, verify)
+
+    return job
+
+
+def _run_jobs(jobs: list[Callable[[], None]], concurrency: int) -> None:
+    if len(jobs) <= 1 or concurrency <= 1:
+        for j in jobs:
+            j()
+        return
+    with Pool(min(concurrency, len(jobs)), thread_name_prefix="fpk-io") as ex:
+        for f in [ex.submit(j) for j in jobs]:
+            f.result()
+
+
+def _verify(meta: Meta, idxs: list[int], mvs: dict[int, memoryview]) -> None:
+    for i in idxs:
+        if xxhash.xxh3_64_intdigest(mvs[i]) != meta.storages[i][2]:
+            raise IntegrityError(f"{meta.source}: checksum mismatch in {describe_payload(meta, i)}")
+
+
+def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict[int, torch.Tensor]:
+    """Zero-copy, lazy: each storage is a copy-on-write view of a private mapping of the file."""
+    import torch
+
+    if src.fd is None:
+        raise ValueError(f"mmap=True needs a local file; {meta.source} is not one (load it without mmap)")
+    mm = _mmap.mmap(src.fd, meta.size, access=_mmap.ACCESS_COPY)
+    out: dict[int, torch.Tensor] = {}
+    for i in idxs:
+        off, nbytes = meta.storages[i][:2]
+        if nbytes == 0:
+            out[i] = torch.empty(0, dtype=torch.uint8, device="cpu")
+        else:
+            out[i] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
+    if verify:  # the same pages the tensors map
+        whole = memoryview(mm)
+        verify_parallel(meta, idxs, {i: whole[s[0] : s[0] + s[1]] for i in idxs for s in (meta.storages[i],)})
+    return out
+
+
+def verify_parallel(meta: Meta, idxs: list[int], mvs: dict[int, memoryview], threads: int = 2) -> None:
+    """:func:`_verify` with the payloads shared out among ``threads`` (xxhash releases the GIL), largest
+    first, each to the least loaded thread; in the calling thread below ``PARALLEL_MIN`` bytes."""
+    if sum(meta.storages[i][1] for i in idxs) < PARALLEL_MIN:
+        threads = 1
+    groups: list[list[int]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for i in sorted(idxs, key=lambda i: -meta.storages[i][1]):
+        k = loads.index(min(loads))
+        groups[k].append(i)
+        loads[k] += meta.storages[i][1]
+    _run_jobs([functools.partial(_verify, meta, g, mvs) for g in groups if g], threads)
