@@ -37,8 +37,6 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
-
 from .. import uri as _uri
 from ..errors import AlreadyExistsError, CkptioError, logger
 from . import formats
@@ -50,27 +48,12 @@ from .retention import STALE_AFTER, RetentionPolicy, abort_stale_writes, check_r
 from .sources import Target, seed_latest
 from .sources import resolve as resolve_uri
 from .staging import Background, _Stager
-from .state import LoadResult, SaveResult
+from .state import LoadResult, SaveResult, metric_values
 from .statedict import Parts
 from .tiered import Tier, open_layouts, tier_options
 
 log = logger("ckptio.checkpointer")
 _UNKNOWN = object()
-
-
-def _numbers(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """``metrics`` as floats: tensors (a loss) read with ``.item()``, without autograd's warning."""
-    out = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise ValueError(f"metrics[{k!r}]: a tensor of {v.numel()} elements, not a number")
-            v = v.detach().item()
-        try:
-            out[str(k)] = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"metrics[{k!r}]: {type(v).__name__} is not a number") from None
-    return out
 
 
 def _keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
@@ -223,7 +206,7 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not isinstance(state, Mapping) or not state:
             raise TypeError("state must be a non-empty mapping of part name -> state")
-        metrics = _numbers(metrics)
+        metrics = metric_values(metrics)
         score = metrics.get(self.best_metric) if self.best_metric else None
         if self.keep_best is not None and (score is None or math.isnan(score)):
             warnings.warn(

@@ -126,3 +126,18 @@ def restore(
             state[k] = apply(state[k], source[k], f"{k}.", res)
     if ckpt_parts is not None:
         res.unexpected_keys += [k for k in ckpt_parts if k not in state]
+
+
+def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """A save's ``metrics`` as floats: tensors (a loss) read with ``.item()``, without autograd's warning."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"metrics[{k!r}]: a tensor of {v.numel()} elements, not a number")
+            v = v.detach().item()
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metrics[{k!r}]: {type(v).__name__} is not a number") from None
+    return out
