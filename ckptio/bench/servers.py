@@ -103,14 +103,22 @@ class Server:
 
 
 class MotoServer(Server):
-    """S3 API (moto). Accepts any credentials; bucket names need >= 3 characters."""
+    """S3 API (moto). Accepts any credentials; bucket names need >= 3 characters.
+
+    ``ranged_reads``: serve a ranged GET by reading only its range (:mod:`ckptio.bench.moto_ranges`), as an
+    object store does; moto itself reads the whole object for each one."""
 
     name = "moto_server"
     ready_path = "/moto-api/"
     requires = ("moto", "flask", "flask_cors")  # moto[server]
 
+    def __init__(self, ranged_reads: bool = False) -> None:
+        super().__init__()
+        self.ranged_reads = ranged_reads
+
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        module = "ckptio.bench.moto_ranges" if self.ranged_reads else "moto.server"
+        return [sys.executable, "-m", module, "-H", "127.0.0.1", "-p", str(self.port)]
 
     def reset(self) -> None:
         """Drop every bucket and object (moto's reset API)."""

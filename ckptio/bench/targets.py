@@ -50,10 +50,16 @@ def has_dcp() -> bool:
 
 @contextlib.contextmanager
 def embedded_targets(
-    names: list[str], tmp: str, log: Callable[[str], None], quick: bool = False, wan: Wan | None = None
+    names: list[str],
+    tmp: str,
+    log: Callable[[str], None],
+    quick: bool = False,
+    wan: Wan | None = None,
+    moto_as_is: bool = False,
 ) -> Iterator[list[Target]]:
     """The embedded storages ``names``; with ``wan`` (latency s, bandwidth B/s), S3 and GCS are reached
-    through a :class:`~ckptio.bench.proxy.LatencyProxy` that adds them."""
+    through a :class:`~ckptio.bench.proxy.LatencyProxy` that adds them. moto serves ranged GETs from the
+    range, as S3 does (:mod:`ckptio.bench.moto_ranges`), unless ``moto_as_is``."""
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
     targets: list[Target] = []
     with contextlib.ExitStack() as stack:
@@ -74,7 +80,7 @@ def embedded_targets(
                 targets.append(Target("memory", f"memory://bench-{uuid.uuid4().hex[:8]}", mine + memory_baselines()))
             elif name in ("s3", "gcs"):
                 try:
-                    targets.append(stack.enter_context(_server_target(name, log, quick, wan)))
+                    targets.append(stack.enter_context(_server_target(name, log, quick, wan, moto_as_is)))
                 except Exception as e:  # noqa: BLE001 - a server that cannot start skips the column with a note
                     why = str(e) if isinstance(e, MissingDependencyError) else f"{type(e).__name__}: {e}"
                     log(f"skipping {name}: {why}")
@@ -97,7 +103,7 @@ def _endpoint(srv: Server, wan: Wan | None, log: Callable[[str], None]) -> Itera
 
 @contextlib.contextmanager
 def _server_target(
-    name: str, log: Callable[[str], None], quick: bool = False, wan: Wan | None = None
+    name: str, log: Callable[[str], None], quick: bool = False, wan: Wan | None = None, moto_as_is: bool = False
 ) -> Iterator[Target]:
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
@@ -105,9 +111,10 @@ def _server_target(
         _require("s3fs", "pip install 'ckptio[bench,s3]'")
         import s3fs
 
-        with MotoServer() as srv, _endpoint(srv, wan, log) as url:
+        # an object store's ranged GET costs what its range does; moto's own costs what the whole object does
+        with MotoServer(ranged_reads=not moto_as_is) as srv, _endpoint(srv, wan, log) as url:
             make_s3_bucket(srv.url, bucket)
-            log(f"S3 API server (moto) on {srv.url}")
+            log(f"S3 API server (moto{' as is' if moto_as_is else ', ranged GETs read only their range'}) on {srv.url}")
             ckptio.configure(backends={"s3": {"endpoint_url": url, **S3_CREDS}})
             opts = {
                 "key": S3_CREDS["access_key_id"],
