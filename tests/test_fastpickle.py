@@ -594,6 +594,43 @@ def test_remote_reads_do_not_wait_for_the_first_range_read_ahead(s3_uri, s3_endp
             ckptio.load(f"{s3_uri}/bad.fpk", **opts)
 
 
+@pytest.mark.parametrize("sizes_mib", [[4] * 6, [24], [1] * 40])
+def test_remote_full_load_shares_the_object_out_over_its_connections(s3_uri, monkeypatch, sizes_mib):
+    """With the default options (16 MiB parts, 8 connections) a full remote load reads the first
+    HEAD_PREFETCH bytes and the tail ahead, then the rest in about ``concurrency`` ranged GETs of at least
+    MIN_PIECE and at most ``part_size`` (not a few part-sized ones: one S3 connection streams ~90 MB/s),
+    each byte once, whether the object is a few large tensors, one, or many small ones."""
+    from ckptio.backends.s3 import S3Backend
+    from ckptio.formats.fastpickle import payloads
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    real = S3Backend._get_range
+    ranges: list[tuple[int, int]] = []
+
+    async def traced(self, uri_, bucket, key, start, end, *a, **kw):
+        ranges.append((start, end))
+        return await real(self, uri_, bucket, key, start, end, *a, **kw)
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(m << 18, generator=g) for i, m in enumerate(sizes_mib)}
+    uri = f"{s3_uri}/shared-out.fpk"
+    fp.save(state, uri)
+    backend, key = ckptio.resolve(uri)
+    size = backend.stat(key).size
+    monkeypatch.setattr(S3Backend, "_get_range", traced)
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    head = min(backend.part_size, fpk_read.HEAD_PREFETCH)
+    assert (0, head) in ranges, ranges
+    rest = sorted(r for r in ranges if r[0] != 0 and r[1] != size)  # neither range read ahead
+    assert sum(e - s for s, e in ranges) <= size + 2 * fpk_layout.ALIGN, ranges  # each byte once
+    assert all(e - s <= backend.part_size for s, e in rest), rest
+    # a payload's few bytes past a range read ahead, and the last slice, may come in shorter reads
+    assert sum(e - s for s, e in rest if e - s >= payloads.MIN_PIECE) >= 0.85 * sum(e - s for s, e in rest), rest
+    todo = size - head - fpk_read.TAIL_PREFETCH
+    assert backend.concurrency - 1 <= len(rest) <= 2 * backend.concurrency, (todo, rest)
+
+
 def test_remote_full_load_reads_footer_and_metadata_from_its_read_ahead_without_a_copy(s3_uri, monkeypatch):
     from ckptio.formats.fastpickle import read as fpk_read
 

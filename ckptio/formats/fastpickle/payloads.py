@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 COALESCE_GAP = 64 << 10  # read across gaps up to this between needed payloads
-COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads
+COALESCE_MAX = 8 << 20  # largest coalesced run of small payloads (local reads)
+MIN_PIECE = 2 << 20  # a remote read's ranges are at least this (a request's first byte costs ~20 ms, ~2 MB)
 
 
 def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, limit: int) -> list[list[int]]:
@@ -81,9 +82,6 @@ def read_payloads(
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
     part = getattr(src, "part_size", CHUNK)
-    # local reads scatter straight into the tensors (preadv, readinto); a remote run is as large as one request
-    # (fewer ranged GETs) and its body streams through the run's tensors (Backend.readv), unstaged
-    limit = COALESCE_MAX if src.local else max(COALESCE_MAX, part)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
     # a payload that straddles a range read ahead fetches only the bytes outside it (its part inside is
@@ -110,6 +108,15 @@ def read_payloads(
 
     def view_of(i: int) -> memoryview:
         return mvs[i][spans[i][0] - meta.storages[i][0] :][: spans[i][1]]
+
+    # local reads scatter straight into the tensors (preadv, readinto) in runs of up to COALESCE_MAX; a
+    # remote read is shared out evenly over its connections: about ``concurrency`` ranged GETs of at least
+    # MIN_PIECE and at most ``part_size``, each streamed through the tensors it spans (Backend.readv), unstaged
+    if src.local:
+        limit = COALESCE_MAX
+    else:
+        todo = sum(spans[i][1] for i in idxs if i not in shared)
+        part = limit = min(part, max(MIN_PIECE, -(-todo // max(1, src.concurrency))))
 
     for run in _runs([i for i in idxs if i not in shared], spans, COALESCE_GAP, limit):
         first = spans[run[0]]
