@@ -551,11 +551,12 @@ def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_ur
 
 @pytest.mark.parametrize("share", [True, False])
 def test_remote_reads_do_not_wait_for_the_first_range_read_ahead(s3_uri, s3_endpoint, monkeypatch, share):
-    """A full remote load reads the first ``part_size`` bytes and a small tail ahead; once the tail (the
-    layout) is in, every other read starts, without waiting for the first range's body: a payload
-    straddling it fetches only its part outside it, and its part inside is copied (then checked) after.
-    Through a proxy passing 2 MB/s a connection the first range's body takes 2.6 s; every other read
-    must start before it ends. Damage in a straddling payload's copied part is still caught."""
+    """A full remote load reads the first ``part_size`` bytes (5 MiB, under HEAD_PREFETCH) and a small
+    tail ahead; once the tail (the layout) is in, every other read starts, without waiting for the first
+    range's body: a payload straddling it fetches only its part outside it, and its part inside is
+    copied (then checked) after. Through a proxy passing 2 MB/s a connection the first range's body
+    takes 2.6 s; every other read must start before it ends. Damage in a straddling payload's copied
+    part is still caught."""
     import time
 
     from ckptio.backends.s3 import S3Backend
