@@ -484,6 +484,39 @@ def test_full_remote_load_reads_each_byte_once(memory_uri, part_size):
     assert size - 3 * 64 <= backend.bytes_read <= size
 
 
+@pytest.mark.parametrize("mmap", [None, False])
+def test_remote_reads_never_wait_for_the_head_behind_an_empty_tensor(memory_uri, mmap):
+    """A zero-length tensor inside the first range read ahead needs no read: with one connection a
+    read of it waited for that range (reading nothing from it), and every read queued behind it too."""
+    import time
+
+    from ckptio.backends.memory import MemoryBackend
+
+    class SlowHead(MemoryBackend):
+        reads_local = False  # read as an object store is
+
+        def pin_version(self, uri, version=None):
+            return self  # reads come through readinto below
+
+        def readinto(self, uri, buf, offset=0):
+            starts.append((offset, time.monotonic()))
+            if offset == 0:
+                time.sleep(1.0)
+            return super().readinto(uri, buf, offset)
+
+    starts: list[tuple[int, float]] = []
+    state = {"z": torch.empty(0), "a": torch.randn(1000), "big": torch.randn(3 << 20)}  # 12 MiB
+    uri = f"{memory_uri}/empty-in-head.fpk"
+    fp.save(state, uri)
+    _, resolved = ckptio.resolve(uri)
+    backend = SlowHead(part_size=8 << 20, concurrency=1)
+    t0 = time.monotonic()
+    out = fp.FastpickleFormat().load(backend, resolved, **({} if mmap is None else {"mmap": mmap}))
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    later = [off for off, t in starts if off and t - t0 > 0.9]
+    assert not later, (later, starts)  # every other read started while the head was still on its way
+
+
 def test_remote_load_returns_views_of_what_it_read_ahead_checked_and_alive(s3_uri, monkeypatch):
     import gc
 

@@ -84,18 +84,23 @@ def read_payloads(
     part = getattr(src, "part_size", CHUNK)
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
-    # a payload that straddles a range read ahead fetches only the bytes outside it (its part inside is
-    # copied once that range is in), so no read waits for one read ahead
+    # a payload inside a range read ahead (not shared) is copied once that range is in, and one that
+    # straddles it fetches only the bytes outside it (the part inside copied then), so no read waits
+    # for a range read ahead
     spans = list(meta.storages)
     copies: list[tuple[int, int, int]] = []  # (payload, its offset in the file, bytes) copied from ahead
     if ahead and isinstance(src, BackendSource):
         for i in idxs:
-            if i in shared:
-                continue
             off, nbytes = meta.storages[i][:2]
+            if i in shared or not nbytes:
+                continue
             lo, hi = off, off + nbytes
             for a_off, a_len in src.ahead_ranges():
                 a_end = a_off + a_len
+                if a_off <= lo and hi <= a_end:  # wholly inside: nothing to fetch
+                    copies.append((i, lo, hi - lo))
+                    lo = hi
+                    break
                 if a_off <= lo < a_end < hi:  # the payload starts inside the range: fetch from its end
                     copies.append((i, lo, a_end - lo))
                     lo = a_end
@@ -118,7 +123,8 @@ def read_payloads(
         todo = sum(spans[i][1] for i in idxs if i not in shared)
         part = limit = min(part, max(MIN_PIECE, -(-todo // max(1, src.concurrency))))
 
-    for run in _runs([i for i in idxs if i not in shared], spans, COALESCE_GAP, limit):
+    empty = [i for i in idxs if not meta.storages[i][1]]  # nothing to read (checked below, as the others)
+    for run in _runs([i for i in idxs if i not in shared and spans[i][1]], spans, COALESCE_GAP, limit):
         first = spans[run[0]]
         if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
             if run[0] not in split:
@@ -144,8 +150,8 @@ def read_payloads(
             src.wait_ahead()
             for i, at, n in copies:
                 src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
-        if verify and (split or shared):
-            verify_parallel(meta, split + list(shared), mvs)
+        if verify and (split or shared or empty):
+            verify_parallel(meta, split + list(shared) + empty, mvs)
     except IntegrityError:
         for i in idxs:  # a damaged block of an assembled source is named by its own error
             src.blame(*meta.storages[i][:2])
