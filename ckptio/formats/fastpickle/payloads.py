@@ -18,8 +18,8 @@ import xxhash
 from ...errors import IntegrityError
 from ...osio import prefault
 from ...threads import PARALLEL_MIN, Pool
-from .layout import CHUNK, MAX_IOV, Meta, describe_payload
-from .read import BackendSource, Source
+from .layout import MAX_IOV, Meta, describe_payload
+from .read import Source
 
 if TYPE_CHECKING:
     import torch
@@ -57,14 +57,14 @@ def read_payloads(
     uint8 tensor of the payload's size), in parallel, verifying each as soon as it is read.
 
     ``share``: a payload that lies wholly inside a range a remote source read ahead (the first
-    ``part_size`` bytes and the tail; a small object whole) is returned as a view of that buffer instead of a
-    copy, as a mapped local load returns views of its mapping: one fresh buffer, not two."""
+    ``min(part_size, HEAD_PREFETCH)`` bytes and the tail; a small object whole) is returned as a view of
+    that buffer instead of a copy, as a mapped local load returns views of its mapping: one fresh buffer,
+    not two."""
     import torch  # here, not at the top: reading the metadata (``ckptio info``) needs no torch
 
     into = into or {}
     shared: dict[int, torch.Tensor] = {}
-    ahead = isinstance(src, BackendSource) and bool(src.ahead_ranges())
-    if share and isinstance(src, BackendSource):
+    if share:
         for i in idxs:
             off, nbytes = meta.storages[i][:2]
             # not waited for: the other reads start now, the ranges read ahead are awaited after them
@@ -81,7 +81,7 @@ def read_payloads(
     }
     # numpy's stubs give ndarray __buffer__ (the buffer protocol) on Python 3.12+ only
     mvs = {i: memoryview(b.numpy()) for i, b in bufs.items()}  # type: ignore[arg-type]
-    part = getattr(src, "part_size", CHUNK)
+    part = src.part_size
     jobs: list[Callable[[], None]] = []
     split: list[int] = []  # payloads read in several pieces: verified once all pieces are in
     # a payload inside a range read ahead (not shared) is copied once that range is in, and one that
@@ -89,27 +89,15 @@ def read_payloads(
     # for a range read ahead
     spans = list(meta.storages)
     copies: list[tuple[int, int, int]] = []  # (payload, its offset in the file, bytes) copied from ahead
-    if ahead and isinstance(src, BackendSource):
-        for i in idxs:
-            off, nbytes = meta.storages[i][:2]
-            if i in shared or not nbytes:
-                continue
-            lo, hi = off, off + nbytes
-            for a_off, a_len in src.ahead_ranges():
-                a_end = a_off + a_len
-                if a_off <= lo and hi <= a_end:  # wholly inside: nothing to fetch
-                    copies.append((i, lo, hi - lo))
-                    lo = hi
-                    break
-                if a_off <= lo < a_end < hi:  # the payload starts inside the range: fetch from its end
-                    copies.append((i, lo, a_end - lo))
-                    lo = a_end
-                elif lo < a_off < hi <= a_end:  # ends inside: fetch up to its start
-                    copies.append((i, a_off, hi - a_off))
-                    hi = a_off
-            if (lo, hi) != (off, off + nbytes):
-                spans[i] = (lo, hi - lo, *meta.storages[i][2:])
-                split.append(i)
+    for i in idxs:
+        off, nbytes = meta.storages[i][:2]
+        if i in shared or not nbytes:
+            continue
+        lo, hi, inside = src.outside_ahead(off, nbytes)
+        if inside:
+            copies += [(i, at, n) for at, n in inside]
+            spans[i] = (lo, hi - lo, *meta.storages[i][2:])
+            split.append(i)
 
     def view_of(i: int) -> memoryview:
         return mvs[i][spans[i][0] - meta.storages[i][0] :][: spans[i][1]]
@@ -146,10 +134,9 @@ def read_payloads(
         src.checks_payloads()
     try:
         _run_jobs(jobs, src.concurrency)
-        if ahead and isinstance(src, BackendSource):
-            src.wait_ahead()
-            for i, at, n in copies:
-                src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
+        src.wait_ahead()
+        for i, at, n in copies:
+            src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
         if verify and (split or shared or empty):
             verify_parallel(meta, split + list(shared) + empty, mvs)
     except IntegrityError:

@@ -67,6 +67,7 @@ class Source:
     name: str
     size: int
     concurrency = 1
+    part_size = CHUNK  # the largest single read of a payload
     prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
     fd: int | None = None
     local = False  # no request latency: no read-ahead, runs read straight into their buffers
@@ -96,6 +97,19 @@ class Source:
     def view(self, offset: int, n: int) -> bytes | memoryview:
         """:meth:`read`, or a read-only view where the source holds those bytes already (no copy)."""
         return self.read(offset, n)
+
+    def ahead_view(self, offset: int, nbytes: int, wait: bool = True) -> memoryview | None:
+        """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all, else
+        None (a source that reads nothing ahead)."""
+        return None
+
+    def outside_ahead(self, offset: int, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """The part of ``[offset, offset + nbytes)`` to fetch, ``(lo, hi)``, and the ``(offset, length)``
+        pieces of it inside ranges read ahead (copied from them by :meth:`readinto` once they are in)."""
+        return offset, offset + nbytes, []
+
+    def wait_ahead(self) -> None:
+        """Wait for every range read ahead (IntegrityError if one came short)."""
 
     def checks_payloads(self) -> None:
         """The caller verifies every payload it reads from now on (an assembled source may skip its own
@@ -296,12 +310,23 @@ class BackendSource(Source):
                 return data[offset - off : offset - off + nbytes]
         return None
 
-    def ahead_ranges(self) -> list[tuple[int, int]]:
-        """(offset, length) of each range read ahead."""
-        return [(off, len(data)) for off, data, _ in self._ahead]
+    def outside_ahead(self, offset: int, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
+        lo, hi = offset, offset + nbytes
+        inside: list[tuple[int, int]] = []
+        for a_off, data, _ in self._ahead:
+            a_end = a_off + len(data)
+            if a_off <= lo and hi <= a_end:  # wholly inside: nothing to fetch
+                inside.append((lo, hi - lo))
+                return hi, hi, inside
+            if a_off <= lo < a_end < hi:  # starts inside the range: fetch from its end
+                inside.append((lo, a_end - lo))
+                lo = a_end
+            elif lo < a_off < hi <= a_end:  # ends inside: fetch up to its start
+                inside.append((a_off, hi - a_off))
+                hi = a_off
+        return lo, hi, inside
 
     def wait_ahead(self) -> None:
-        """Wait for every range read ahead (IntegrityError if one came short)."""
         for off, data, fut in self._ahead:
             self._arrived(off, data, fut)
 
