@@ -171,20 +171,28 @@ def test_s3_peers_are_baselines_on_the_same_server(tmp_path, capsys, monkeypatch
 
     monkeypatch.setattr(measure, "trim_heap", lambda: None)  # a full collection per case: see above
     proxies = []  # and everything goes through the latency proxy of --profile realistic
+    real_configure = targets.ckptio.configure
 
-    class Proxy(targets.LatencyProxy):
-        def start(self):
+    class Proxy(targets.ProxyServer):
+        def start(self, timeout: float = 30.0):
             proxies.append(self)
-            return super().start()
+            return super().start(timeout)
 
-    monkeypatch.setattr(targets, "LatencyProxy", Proxy)
+    endpoints = []
+
+    def configure(**kw):
+        endpoints.append(kw["backends"]["s3"]["endpoint_url"])
+        return real_configure(**kw)
+
+    monkeypatch.setattr(targets, "ProxyServer", Proxy)
+    monkeypatch.setattr(targets.ckptio, "configure", configure)
     code = bench.main(
         ["--sizes", "64KiB", "--repeats", "2", "--backends", "s3", "--out", str(tmp_path), "--name", "peers"]
         + ["--no-chart", "--quiet", "--profile", "realistic", "--latency-ms", "5", "--stream-mbps", "500"]
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert [(p.latency, p.bandwidth) for p in proxies] == [(0.005, 500e6)] and proxies[0].connections > 0
+    assert [(p.latency, p.bandwidth) for p in proxies] == [(0.005, 500e6)] and endpoints == [proxies[0].url]
     assert "--profile realistic: S3 and GCS through a loopback proxy: 5 ms" in out
     doc = json.loads((tmp_path / "peers.json").read_text())
     peers = ("s3torchconnector S3Checkpoint", "s3torchconnector DCP", "s3fs pipe_file(torch.save)")
@@ -226,15 +234,18 @@ def test_chart_axes_fit_the_data_and_sizes_are_exact():
     assert size_label(3 * 2**30) == "3 GiB" and size_label(1536) == "1.5 KiB"
 
 
-def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth():
+@pytest.mark.parametrize("own_process", [False, True])
+def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth(own_process):
     """Coarse on purpose (a busy machine only adds time): 20 ms asked -> >= 15 ms per round trip on a
-    kept-alive connection; 4 MB/s asked -> 1 MB each way takes >= 0.2 s, and the bytes arrive intact."""
+    kept-alive connection; 4 MB/s asked -> 1 MB each way takes >= 0.2 s, and the bytes arrive intact.
+    In this process (LatencyProxy) and in its own (ProxyServer, what the benchmark runs)."""
     import http.client
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from ckptio.bench.proxy import LatencyProxy
+    from ckptio.bench.servers import ProxyServer
 
     body = bytes(range(256)) * 4096  # 1 MiB
 
@@ -261,7 +272,9 @@ def test_latency_proxy_adds_first_byte_latency_and_caps_bandwidth():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with LatencyProxy(f"http://127.0.0.1:{server.server_address[1]}", latency=0.020, bandwidth=4e6) as p:
+        upstream = f"http://127.0.0.1:{server.server_address[1]}"
+        proxy = (ProxyServer if own_process else LatencyProxy)(upstream, 0.020, 4e6)
+        with proxy as p:
             conn = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]), timeout=30)
             conn.request("GET", "/small")
             conn.getresponse().read()  # connected

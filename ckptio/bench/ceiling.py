@@ -44,8 +44,8 @@ from ckptio.values import parse_size
 
 from .impls import Impl, ckptio_impls
 from .peers import s3_peers, s3fs_put_baseline
-from .proxy import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, LatencyProxy
-from .servers import MOTO_S3_OPTIONS, MotoServer, make_s3_bucket, moto_s3fs, s3_client
+from .proxy import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
+from .servers import MOTO_S3_OPTIONS, MotoServer, ProxyServer, make_s3_bucket, moto_s3fs, s3_client
 from .workload import make_state, nbytes, touch
 
 # moto checks no signature, but it answers 403 to a multipart request without an Authorization header
@@ -161,7 +161,7 @@ def s3_setup(profile: str, latency: float, bandwidth: float) -> Iterator[tuple[s
     with MotoServer(ranged_reads=True) as srv, contextlib.ExitStack() as stack:
         url = srv.url
         if profile == "realistic":
-            url = stack.enter_context(LatencyProxy(srv.url, latency, bandwidth)).url
+            url = stack.enter_context(ProxyServer(srv.url, latency, bandwidth)).url
         bucket = f"ceiling-{uuid.uuid4().hex[:8]}"
         make_s3_bucket(srv.url, bucket)
         ckptio.configure(backends={"s3": {"endpoint_url": url, **MOTO_S3_OPTIONS}})

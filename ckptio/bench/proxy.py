@@ -7,12 +7,16 @@ concurrency and round trips cost what they cost against real storage.
         ... use p.url as the endpoint ...
 
 It relays bytes, not HTTP: any protocol with request/response turns on one connection works (HTTP/1.1
-keep-alive included). ``ckptio bench --profile realistic`` puts one in front of each embedded server.
+keep-alive included). ``ckptio bench --profile realistic`` puts one in front of each embedded server, in
+its own process (``python -m ckptio.bench.proxy UPSTREAM_URL --port P``, :class:`~ckptio.bench.servers.
+ProxyServer`), so its relaying does not compete with the measured client for one interpreter's lock.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -87,7 +91,9 @@ class LatencyProxy:
     """A proxy on a free 127.0.0.1 port in front of ``upstream_url`` (``http://host:port``); ``url`` is
     its endpoint. ``start``/``stop`` or ``with``."""
 
-    def __init__(self, upstream_url: str, latency: float = DEFAULT_LATENCY, bandwidth: float = DEFAULT_BANDWIDTH):
+    def __init__(
+        self, upstream_url: str, latency: float = DEFAULT_LATENCY, bandwidth: float = DEFAULT_BANDWIDTH, port: int = 0
+    ):
         if latency < 0 or bandwidth <= 0:
             raise ValueError(f"latency must be >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
         u = urlsplit(upstream_url)
@@ -95,7 +101,7 @@ class LatencyProxy:
         self.latency, self.bandwidth = latency, bandwidth
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))
         self.url = f"{u.scheme or 'http'}://127.0.0.1:{self._sock.getsockname()[1]}"
         self._conns: list[_Connection] = []
         self.connections = 0  # accepted so far
@@ -134,3 +140,22 @@ class LatencyProxy:
 
     def describe(self) -> str:
         return f"{self.latency * 1e3:g} ms before each response, {self.bandwidth / 1e6:g} MB/s per connection"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a proxy in front of UPSTREAM_URL on --port until SIGTERM or SIGINT."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("upstream_url")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--latency", type=float, default=DEFAULT_LATENCY, help="seconds before each response")
+    ap.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="bytes/s per connection")
+    args = ap.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with LatencyProxy(args.upstream_url, args.latency, args.bandwidth, args.port):
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -17,8 +17,7 @@ from ckptio.errors import MissingDependencyError
 from .impls import backend_raw_baseline, ckptio_impls, fsspec_baselines, local_baselines, memory_baselines
 from .measure import Target
 from .peers import s3_peers, s3fs_put_baseline
-from .proxy import LatencyProxy
-from .servers import GCSEmulator, MotoServer, Server, make_gcs_bucket, make_s3_bucket
+from .servers import GCSEmulator, MotoServer, ProxyServer, Server, make_gcs_bucket, make_s3_bucket
 
 EMBEDDED = ("local", "memory", "s3", "gcs")
 S3_CREDS = {"access_key_id": "bench", "secret_access_key": "bench", "region": "us-east-1"}
@@ -58,7 +57,7 @@ def embedded_targets(
     moto_as_is: bool = False,
 ) -> Iterator[list[Target]]:
     """The embedded storages ``names``; with ``wan`` (latency s, bandwidth B/s), S3 and GCS are reached
-    through a :class:`~ckptio.bench.proxy.LatencyProxy` that adds them. moto serves ranged GETs from the
+    through a :class:`~ckptio.bench.servers.ProxyServer` that adds them. moto serves ranged GETs from the
     range, as S3 does (:mod:`ckptio.bench.moto_ranges`), unless ``moto_as_is``."""
     mine = ckptio_impls(has_format(".fpk"), has_dcp())
     targets: list[Target] = []
@@ -96,8 +95,9 @@ def _endpoint(srv: Server, wan: Wan | None, log: Callable[[str], None]) -> Itera
     if wan is None:
         yield srv.url
         return
-    with LatencyProxy(srv.url, *wan) as proxy:
-        log(f"  through a loopback proxy on {proxy.url}: {proxy.describe()}")
+    proxy = ProxyServer(srv.url, *wan)
+    with proxy:
+        log(f"  through a loopback proxy on {proxy.url} (its own process): {proxy.describe()}")
         yield proxy.url
 
 
