@@ -50,6 +50,14 @@ def _runs(idxs: list[int], storages: list[tuple[int, int, int, str]], gap: int, 
     return runs
 
 
+def _piece(nbytes: int, share: int, most: int) -> int:
+    """The slice of one remote payload of ``nbytes`` that each ranged GET reads: ``nbytes`` cut into equal
+    slices, as many as the share per connection (``share``) fits best, none over ``most`` (part_size); a
+    5 MiB payload with a 4 MiB share is one read, not 4 MiB and 1 MiB."""
+    n = max(-(-nbytes // most), round(nbytes / share), 1)
+    return -(-nbytes // n)
+
+
 def read_payloads(
     src: Source,
     meta: Meta,
@@ -119,11 +127,12 @@ def read_payloads(
     empty = [i for i in idxs if not meta.storages[i][1]]  # nothing to read (checked below, as the others)
     for run in _runs([i for i in idxs if i not in shared and spans[i][1]], spans, COALESCE_GAP, limit):
         first = spans[run[0]]
-        if len(run) == 1 and first[1] > part:  # one big payload: parallel ranged reads into slices
+        step = part if src.local else _piece(first[1], part, src.part_size)
+        if len(run) == 1 and first[1] > step:  # one big payload: parallel ranged reads into slices
             if run[0] not in split:
                 split.append(run[0])
-            for pos in range(0, first[1], part):
-                jobs.append(_job(src, meta, run, [view_of(run[0])[pos : pos + part]], first[0] + pos))
+            for pos in range(0, first[1], step):
+                jobs.append(_job(src, meta, run, [view_of(run[0])[pos : pos + step]], first[0] + pos))
             continue
         views: list[memoryview] = []
         pos = first[0]
