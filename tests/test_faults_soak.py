@@ -84,7 +84,9 @@ def _soak(proxy, root: str, fmt: str, cycles: int, seed: int) -> tuple[int, int 
             os.close(r)
             _trainer(root, fmt, proxy.url, w)
         os.close(w)
-        kill_after = rng.uniform(0.3, 2.5) if rng.random() < 0.3 else None  # within a typical cycle (~1-2 s)
+        # within a typical cycle (resume + a few saves, 0.5-2 s): a kill planned after the trainer has ended
+        # lands nowhere, so late ones would make the count depend on how fast the storage calls are
+        kill_after = rng.uniform(0.2, 1.2) if rng.random() < 0.3 else None
         t0 = time.monotonic()
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
