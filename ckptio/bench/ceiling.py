@@ -45,7 +45,7 @@ from ckptio.values import parse_size
 from .impls import Impl, ckptio_impls
 from .peers import s3_peers, s3fs_put_baseline
 from .proxy import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
-from .servers import MOTO_S3_OPTIONS, MotoServer, ProxyServer, make_s3_bucket, moto_s3fs, s3_client
+from .servers import MOTO_S3_OPTIONS, MotoServer, ProxyServer, make_s3_bucket, moto_s3fs
 from .workload import make_state, nbytes, touch
 
 # moto checks no signature, but it answers 403 to a multipart request without an Authorization header
@@ -170,13 +170,12 @@ def s3_setup(profile: str, latency: float, bandwidth: float) -> Iterator[tuple[s
         for n in notes:
             print(f"note: {n['impl']}: {n['reason']}")
         peers = [p for p in peers if p.name == "s3torchconnector S3Checkpoint"]
-        s3_client(srv.url)  # boto3 imported before timing
         yield f"s3://{bucket}", url, srv.proc.pid if srv.proc else 0, mine + peers + [s3fs_put_baseline(moto_s3fs(url))]
 
 
-def measure(impls: list[Impl], uri: str, size: int, pid: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+def measure(impls: list[Impl], uri: str, state: dict, pid: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
     """(seconds, server CPU seconds) per op, per round after the first, rounds interleaved and rotated."""
-    state = make_state(size)
+    size = nbytes(state)
     out: dict[str, list[tuple[float, float]]] = {}
     for r in range(repeats):
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
@@ -225,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     with s3_setup(args.profile, args.latency_ms / 1e3, args.stream_mbps * 1e6) as (uri, url, pid, clients):
         for size in (parse_size(s) for s in args.sizes.split(",")):
-            size = nbytes(make_state(size))
+            state = make_state(size)
+            size = nbytes(state)
             impls = raw_impls(RawClient(url), size) + clients
             print(f"== S3 ({args.profile}), {size / 2**20:.1f} MiB: GB/s, median [min-max] of {args.repeats - 1} ==")
-            report(measure(impls, uri, size, pid, args.repeats), size)
+            report(measure(impls, uri, state, pid, args.repeats), size)
             sys.stdout.flush()
     return 0
 

@@ -94,8 +94,7 @@ class LatencyProxy:
     def __init__(
         self, upstream_url: str, latency: float = DEFAULT_LATENCY, bandwidth: float = DEFAULT_BANDWIDTH, port: int = 0
     ):
-        if latency < 0 or bandwidth <= 0:
-            raise ValueError(f"latency must be >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
+        check_wan(latency, bandwidth)
         u = urlsplit(upstream_url)
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.latency, self.bandwidth = latency, bandwidth
@@ -139,7 +138,16 @@ class LatencyProxy:
         self.stop()
 
     def describe(self) -> str:
-        return f"{self.latency * 1e3:g} ms before each response, {self.bandwidth / 1e6:g} MB/s per connection"
+        return describe_wan(self.latency, self.bandwidth)
+
+
+def check_wan(latency: float, bandwidth: float) -> None:
+    if latency < 0 or bandwidth <= 0:
+        raise ValueError(f"latency must be >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
+
+
+def describe_wan(latency: float, bandwidth: float) -> str:
+    return f"{latency * 1e3:g} ms before each response, {bandwidth / 1e6:g} MB/s per connection"
 
 
 def main(argv: list[str] | None = None) -> None:

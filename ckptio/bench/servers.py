@@ -20,11 +20,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import MissingDependencyError
+from .proxy import check_wan, describe_wan
 
 _running: list[Server] = []
+_S = TypeVar("_S", bound="Server")
 
 
 def free_port() -> int:
@@ -95,8 +97,9 @@ class Server:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    def __enter__(self) -> Server:
-        return self.start()
+    def __enter__(self: _S) -> _S:
+        self.start()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
@@ -155,21 +158,16 @@ class ProxyServer(Server):
     name = "latency proxy"
 
     def __init__(self, upstream_url: str, latency: float, bandwidth: float) -> None:
-        if latency < 0 or bandwidth <= 0:
-            raise ValueError(f"latency must be >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
+        check_wan(latency, bandwidth)
         super().__init__()
         self.upstream_url, self.latency, self.bandwidth = upstream_url, latency, bandwidth
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "ckptio.bench.proxy", self.upstream_url, "--port", str(self.port)] + [
-            "--latency",
-            repr(self.latency),
-            "--bandwidth",
-            repr(self.bandwidth),
-        ]
+        wan = ["--latency", repr(self.latency), "--bandwidth", repr(self.bandwidth)]
+        return [sys.executable, "-m", "ckptio.bench.proxy", self.upstream_url, "--port", str(self.port), *wan]
 
     def describe(self) -> str:
-        return f"{self.latency * 1e3:g} ms before each response, {self.bandwidth / 1e6:g} MB/s per connection"
+        return describe_wan(self.latency, self.bandwidth)
 
 
 class TLSMotoServer(MotoServer):

@@ -95,8 +95,7 @@ def _endpoint(srv: Server, wan: Wan | None, log: Callable[[str], None]) -> Itera
     if wan is None:
         yield srv.url
         return
-    proxy = ProxyServer(srv.url, *wan)
-    with proxy:
+    with ProxyServer(srv.url, *wan) as proxy:
         log(f"  through a loopback proxy on {proxy.url} (its own process): {proxy.describe()}")
         yield proxy.url
 
@@ -132,9 +131,9 @@ def _server_target(
         import gcsfs
 
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs tracebacks for the emulator's missing moveTo
-        with GCSEmulator() as srv, _endpoint(srv, wan, log) as url:
-            make_gcs_bucket(srv.url, bucket)
-            log(f"GCS emulator on {srv.url}")
+        with GCSEmulator() as gcs, _endpoint(gcs, wan, log) as url:
+            make_gcs_bucket(gcs.url, bucket)
+            log(f"GCS emulator on {gcs.url}")
             ckptio.configure(backends={"gcs": {"endpoint_url": url, "anon": True, "project": "bench"}})
             opts = {"token": "anon", "project": "bench", "endpoint_url": url}
             fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **opts)
