@@ -5,7 +5,8 @@
 file is written, so a durable save's final fsync has little left to do; ``prefault`` populates a
 fresh buffer with one ``madvise(MADV_POPULATE_WRITE)`` (after checking with ``mincore`` that it is
 not resident already) before a read fills it (``prefault_range`` for a raw address), and
-``fault_in_ahead`` does it on a waiting thread while another thread's read is in flight; ``memmove``
+``fault_in_ahead`` does it on a waiting thread while another thread's read is in flight
+(``fault_in_striped`` for the buffers of several reads at once); ``memmove``
 copies between raw addresses on the calling thread in GIL-free chunks (async staging),
 ``copy_bytes`` out of a ``bytes`` object the same way (memory:// reads); ``translate_os_errors``
 turns an ``OSError`` into the ckptio error that names the object. Each is a no-op or declines
@@ -234,9 +235,10 @@ def prefault(mv: memoryview) -> None:
     prefault_range(ptr, len(mv))
 
 
-def prefault_range(ptr: int, nbytes: int) -> None:
-    """:func:`prefault` for ``nbytes`` of writable memory at address ``ptr`` (a tensor's ``data_ptr()``)."""
-    if nbytes < PREFAULT_MIN or not _load_madvise():
+def prefault_range(ptr: int, nbytes: int, least: int = PREFAULT_MIN) -> None:
+    """:func:`prefault` for ``nbytes`` of writable memory at address ``ptr`` (a tensor's ``data_ptr()``);
+    nothing for fewer than ``least`` bytes."""
+    if nbytes < least or not _load_madvise():
         return
     start = (ptr + _PAGE - 1) // _PAGE * _PAGE
     end = (ptr + nbytes) // _PAGE * _PAGE
@@ -313,6 +315,40 @@ def fault_in_ahead(
             break
     told = size()
     return give_back(buf, told, done) if told is not None else done
+
+
+def fault_in_striped(targets: Sequence[Sequence[memoryview]], stop: threading.Event, step: int = 1 << 20) -> int:
+    """Fault in the fresh buffers of several reads in flight, on a helper thread: ``targets`` holds each
+    read's buffers in the order its bytes arrive; ``step`` bytes of each read in turn, so every read
+    finds the pages it writes next resident (its IO thread copies into them without a page fault per
+    4 KiB while it holds the GIL). Pages already resident are skipped; ``stop`` is checked between
+    steps (set it when the reads are done). Returns the bytes it populated (or tried to)."""
+    if not _populate_ok or not _load_madvise():
+        return 0
+    spans: list[list[tuple[int, int]]] = []  # per read: (address, length) of its buffers, in order
+    for views in targets:
+        spans.append(
+            [(ctypes.addressof(ctypes.c_char.from_buffer(v)), len(v)) for v in views if len(v) and not v.readonly]
+        )
+    done = 0
+    at = [(0, 0)] * len(spans)  # per read: (buffer index, offset in it)
+    while not stop.is_set():
+        progressed = False
+        for r, bufs in enumerate(spans):
+            k, off = at[r]
+            if k >= len(bufs):
+                continue
+            addr, n = bufs[k]
+            take = min(step, n - off)
+            prefault_range(addr + off, take, least=1)
+            done += take
+            at[r] = (k, off + take) if off + take < n else (k + 1, 0)
+            progressed = True
+            if stop.is_set() or not _populate_ok:
+                return done
+        if not progressed:
+            break
+    return done
 
 
 def give_back(buf: memoryview, size: int, populated: int) -> int:

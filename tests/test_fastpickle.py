@@ -668,6 +668,54 @@ def test_remote_full_load_shares_the_object_out_over_its_connections(s3_uri, mon
     assert want - 1 <= len(rest) <= 2 * want, (todo, rest)
 
 
+def test_a_large_remote_load_has_its_fresh_tensors_faulted_in_by_a_helper(s3_uri, tmp_path, monkeypatch):
+    """A remote load of at least FAULT_HELPER_MIN hands the fresh tensors its reads fill (not the ranges
+    read ahead, not a caller's tensors) to osio.fault_in_striped on a helper thread, which has stopped
+    by the time the load returns; the tensors are exact. Local loads and loads into tensors do not."""
+    from ckptio.formats.fastpickle import payloads
+
+    real = payloads.fault_in_striped
+    seen: list[list[list[memoryview]]] = []
+    ended: list[bool] = []
+
+    def traced(targets, stop):
+        seen.append(targets)
+        out = real(targets, stop)
+        ended.append(True)  # before the load returns (asserted below)
+        return out
+
+    monkeypatch.setattr(payloads, "fault_in_striped", traced)
+    monkeypatch.setattr(payloads, "FAULT_HELPER_MIN", 1 << 20)
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "a": torch.randn(3 << 20, generator=g),
+        "b": torch.randn(5, generator=g),
+        "c": torch.randn(1 << 20, generator=g),
+    }
+    uri = f"{s3_uri}/helped.fpk"
+    fp.save(state, uri)
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert len(seen) == 1 and len(ended) == 1
+    spans = [(ctypes_addr(v), len(v)) for views in seen[0] for v in views]
+    tensors = [(t.data_ptr(), t.numel() * t.element_size()) for t in out.values()]
+    assert spans and all(any(p <= a and a + n <= p + m for p, m in tensors) for a, n in spans)
+    # the first bytes were read ahead (views of that buffer, faulted in by its own read): not handed over
+    assert sum(n for _, n in spans) < sum(m for _, m in tensors)
+
+    seen.clear()
+    ckptio.load_into({k: torch.zeros_like(v) for k, v in state.items()}, uri)  # the caller's tensors
+    fp.save(state, str(tmp_path / "local.fpk"))
+    ckptio.load(str(tmp_path / "local.fpk"), mmap=False)
+    assert not any(views for targets in seen for views in targets)
+
+
+def ctypes_addr(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def test_remote_full_load_reads_footer_and_metadata_from_its_read_ahead_without_a_copy(s3_uri, monkeypatch):
     from ckptio.formats.fastpickle import read as fpk_read
 

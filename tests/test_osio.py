@@ -410,3 +410,52 @@ def test_a_read_that_never_tells_the_size_gives_back_what_was_faulted_in_past_it
     pages = -(-size // PAGE)
     res = _resident(buf)
     assert all(res[:pages]) and not any(res[pages:]), sum(res)
+
+
+@needs_populate
+def test_fault_in_striped_populates_every_buffer_of_every_read():
+    """Every page of every read's buffers ends resident; bytes a read wrote meanwhile stay intact."""
+    reads = [[_fresh(3 << 20), _fresh((1 << 20) + PAGE)], [_fresh(PAGE)], [], [_fresh(5 << 20)]]
+    reads[1][0][:5] = b"hello"  # written before its page was populated: kept
+    done = osio.fault_in_striped(reads, threading.Event())
+    assert done == sum(len(v) for views in reads for v in views)
+    assert all(all(_resident(v)) for views in reads for v in views)
+    assert bytes(reads[1][0][:5]) == b"hello"
+
+
+def test_fault_in_striped_takes_a_step_of_each_read_in_turn_and_stops_when_asked(monkeypatch):
+    """The reads stream in side by side, so each gets its next ``step`` in turn (a read's first pages are
+    resident early, whichever read it is), and a set ``stop`` ends it at the next step."""
+    calls: list[tuple[int, int]] = []
+    stop = threading.Event()
+    monkeypatch.setattr(osio, "_load_madvise", lambda: True)
+    monkeypatch.setattr(osio, "_populate_ok", True)
+    monkeypatch.setattr(osio, "prefault_range", lambda addr, n, least: calls.append((addr, n)))
+    a, b = osio.anonymous(3 << 20), osio.anonymous(1 << 20)
+    base = {id(a): ctypes_addr(a), id(b): ctypes_addr(b)}
+    osio.fault_in_striped([[a], [b]], stop)
+    mib = 1 << 20
+    want = [(base[id(a)], mib), (base[id(b)], mib), (base[id(a)] + mib, mib), (base[id(a)] + 2 * mib, mib)]
+    assert calls == want
+    calls.clear()
+
+    def stop_after_two(addr: int, n: int, least: int) -> None:
+        calls.append((addr, n))
+        if len(calls) == 2:
+            stop.set()
+
+    monkeypatch.setattr(osio, "prefault_range", stop_after_two)
+    assert osio.fault_in_striped([[a], [b]], stop) == 2 * mib
+    assert len(calls) == 2
+    assert osio.fault_in_striped([[a]], stop) == 0  # stopped before it starts
+
+
+def test_fault_in_striped_is_a_no_op_without_madvise(monkeypatch):
+    monkeypatch.setattr(osio, "_populate_ok", False)
+    assert osio.fault_in_striped([[osio.anonymous(1 << 20)]], threading.Event()) == 0
+
+
+def ctypes_addr(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
