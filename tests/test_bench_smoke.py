@@ -343,3 +343,16 @@ def test_peer_credentials_are_set_only_during_a_peer_call(monkeypatch):
     call({}, "s3://b/k")
     assert seen[0]["AWS_ACCESS_KEY_ID"] == "bench" and "AWS_SESSION_TOKEN" not in seen[0]
     assert os.environ["AWS_ACCESS_KEY_ID"] == "users-own" and os.environ["AWS_SESSION_TOKEN"] == "users-token"
+
+
+def test_incremental_benchmark_restores_in_rounds_next_to_the_raw_floor(tmp_path, capsys, monkeypatch):
+    """--restores N: N interleaved restores of each step 5 and the plain-preadv floor under them (the
+    incremental step's content objects and the other step's file), the roots removed after."""
+    from ckptio.bench import incremental
+
+    monkeypatch.setattr(incremental.tempfile, "tempdir", str(tmp_path))
+    assert incremental.main(["--size", "4", "--repeats", "1", "--targets", "local", "--restores", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 more interleaved restores of step 5" in out and "n=3" in out, out
+    assert "floor, the same bytes by plain preadv" in out and "objects / file" in out, out
+    assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import shutil
 import statistics
@@ -82,6 +83,71 @@ def run_saves(root: str, fmt: str, incremental: bool, size: int, frozen: bool = 
     return out
 
 
+def _step_file(root: str) -> str:
+    return glob.glob(os.path.join(root, f"{SAVES:012d}", "*.fpk"))[0]
+
+
+def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int = 2) -> float:
+    """Seconds to read ``(path, offset, length)`` pieces back to back into ``out`` with ``preadv``, the
+    pieces dealt out to ``threads`` threads in turn: the floor under a restore of those bytes."""
+    import concurrent.futures as cf
+
+    spans, pos = [], 0
+    for path, off, n in files:
+        spans.append((path, off, out[pos : pos + n]))
+        pos += n
+
+    def read(mine: list[tuple[str, int, memoryview]]) -> None:
+        for path, off, view in mine:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = 0
+                while got < len(view):
+                    k = os.preadv(fd, [view[got:]], off + got)
+                    if k <= 0:
+                        raise OSError(f"{path}: short read")
+                    got += k
+            finally:
+                os.close(fd)
+
+    t = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as ex:
+        list(ex.map(read, [spans[i::threads] for i in range(threads)]))
+    return time.perf_counter() - t
+
+
+def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int) -> dict[str, list[float]]:
+    """``rounds`` interleaved restores of step 5 from each root, and the raw reads under them: the
+    incremental step's content objects (in its recipe's order) and the other step's file, both cut into
+    the same number of pieces (the recipe's blocks; the file in as many equal slices)."""
+    from ..checkpointer import Checkpointer
+    from ..incremental.recipe import parse_recipe
+    from ..incremental.store import CONTENT_DIR
+
+    cks = {"full": Checkpointer(full_root, format=fmt), "inc": Checkpointer(inc_root, format=fmt, incremental=True)}
+    target = _zeros(workload_f(size, SAVES))
+    inc_file, full_file = _step_file(inc_root), _step_file(full_root)
+    with open(inc_file, "rb") as f:
+        recipe = parse_recipe(f.read(), inc_file)
+    content = os.path.join(inc_root, CONTENT_DIR)
+    blocks = [(os.path.join(content, h[:2], h), 0, n) for h, n in zip(recipe.hashes, recipe.lengths, strict=True)]
+    total = os.path.getsize(full_file)
+    k = len(blocks)
+    whole = [(full_file, i * total // k, (i + 1) * total // k - i * total // k) for i in range(k)]
+    out = memoryview(bytearray(max(total, recipe.size)))
+    res: dict[str, list[float]] = {"full": [], "inc": [], "raw file": [], "raw blocks": []}
+    for r in range(rounds):
+        order = ["full", "inc", "raw file", "raw blocks"]
+        for name in order[r % 4 :] + order[: r % 4]:
+            if name in cks:
+                t = time.perf_counter()
+                cks[name].load(target, step=SAVES)
+                res[name].append(time.perf_counter() - t)
+            else:
+                res[name].append(raw_reads(whole if name == "raw file" else blocks, out))
+    return res
+
+
 def _zeros(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
@@ -111,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="local,s3", help="comma-separated: local, s3")
     p.add_argument("--workload", default="F", choices=["F", "W1"], help="F: 90%% frozen; W1: every byte changes")
     p.add_argument("--s3-size", type=int, default=256, help="state size in MiB on S3 (moto; default 256)")
+    p.add_argument(
+        "--restores", type=int, default=0, help="local .fpk: this many more interleaved restore rounds (and floor)"
+    )
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     frozen = args.workload == "F"
@@ -119,13 +188,17 @@ def main(argv: list[str] | None = None) -> int:
             size = min(args.size, args.s3_size) << 20 if name == "s3" else args.size << 20
             times: dict[bool, list[list[float]]] = {False: [], True: []}
             written: dict[bool, list[int]] = {}
-            for _ in range(args.repeats):
+            keep = name == "local" and args.restores > 0 and args.format == "fpk"
+            roots: dict[bool, str] = {}
+            for rep in range(args.repeats):
                 for inc in (False, True):
                     root = f"{base.rstrip('/')}/{uuid.uuid4().hex[:8]}-{'inc' if inc else 'full'}"
                     res = run_saves(root, args.format, inc, size, frozen)
                     times[inc].append([t for t, _ in res])
                     written[inc] = [w for _, w in res[:SAVES]]
-                    if name == "local":
+                    if keep and rep == args.repeats - 1:
+                        roots[inc] = root
+                    elif name == "local":
                         shutil.rmtree(root, ignore_errors=True)
             print(f"== {name} workload {args.workload} ({args.format}, {size >> 20} MiB, median of {args.repeats})")
             print(f"{'save':>4} {'full s':>8} {'inc s':>8} {'full MiB':>9} {'inc MiB':>9} {'inc %':>6}")
@@ -150,5 +223,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_spread([r[SAVES] for r in times[False]], 's')}, incremental {inc_load:.3f} s "
                 f"{_spread([r[SAVES] for r in times[True]], 's')}; incremental / non-incremental {_spread(per)}"
             )
+            if roots:
+                rr = restore_rounds(roots[False], roots[True], args.format, size, args.restores)
+                for root in roots.values():
+                    shutil.rmtree(root, ignore_errors=True)
+                per = [i / f for f, i in zip(rr["full"], rr["inc"], strict=True)]
+                floor = [b / f for f, b in zip(rr["raw file"], rr["raw blocks"], strict=True)]
+                print(
+                    f"{args.restores} more interleaved restores of step {SAVES}: non-incremental "
+                    f"{statistics.median(rr['full']):.3f} s, incremental {statistics.median(rr['inc']):.3f} s; "
+                    f"incremental / non-incremental {_spread(per)}"
+                )
+                print(
+                    f"  floor, the same bytes by plain preadv: one file {statistics.median(rr['raw file']):.3f} s, "
+                    f"the content objects {statistics.median(rr['raw blocks']):.3f} s; objects / file {_spread(floor)}"
+                )
             print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0

@@ -155,17 +155,18 @@ def read_payloads(
         fresh.append([view_of(i) for i in run if i not in into])
     if verify:
         src.checks_payloads()
-    stop = threading.Event()
-    helper = None
+    helper = stop = None
     if not src.local and sum(len(v) for views in fresh for v in views) >= FAULT_HELPER_MIN:
+        stop = threading.Event()
         helper = shared_pool().submit(fault_in_striped, fresh, stop)
     try:
         try:
             _run_jobs(jobs, src.concurrency)
         finally:
-            stop.set()
-            if helper is not None and not helper.cancel():  # not queued behind other work: ends at its next step
-                helper.result()
+            if helper is not None and stop is not None:
+                stop.set()
+                if not helper.cancel():  # not queued behind other work: it ends at its next step
+                    helper.result()
         src.wait_ahead()
         for i, at, n in copies:
             src.readinto(mvs[i][at - meta.storages[i][0] :][:n], at)  # copied from the range read ahead
