@@ -22,6 +22,7 @@ import mmap as _mmap
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -282,7 +283,12 @@ FAULT_AHEAD_STEP = 256 << 10  # bytes populated between two looks at whether to 
 
 
 def fault_in_ahead(
-    buf: memoryview, size: Callable[[], int | None], sized: threading.Event, stop: Callable[[], bool], guess: int
+    buf: memoryview,
+    size: Callable[[], int | None],
+    sized: threading.Event,
+    stop: Callable[[], bool],
+    guess: int,
+    late: tuple[float, Callable[[], None]] | None = None,
 ) -> int:
     """Fault in the pages of ``buf`` (fresh private anonymous memory, page-aligned: :func:`anonymous`)
     that a read in flight is about to write, on a thread that would otherwise only wait for it. The
@@ -295,9 +301,12 @@ def fault_in_ahead(
     (``MADV_DONTNEED``: they read as zeros after), so a small object keeps no more resident memory
     than its own pages. Returns how far it populated (or tried to), less what it gave back; where the
     size is not known by then, the caller gives back with :func:`give_back` once it is. Populating a
-    page the read has already written leaves it as it is."""
+    page the read has already written leaves it as it is. ``late = (seconds, fn)``: ``fn()`` is called
+    (once, on this thread) if the size is still unknown that long after the call, while it waits.
+    Returns 0 at once where there is nothing to do (``late`` is then the caller's)."""
     if not len(buf) or not _load_madvise():
         return 0
+    due = time.monotonic() + late[0] if late is not None else 0.0
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     done = 0
     while _populate_ok and not stop():
@@ -306,6 +315,11 @@ def fault_in_ahead(
         if done >= end:
             if told is not None:
                 break
+            if late is not None:  # the guess is populated: wait for the size, until it is late
+                if not sized.wait(max(0.0, due - time.monotonic())):
+                    late[1]()
+                late = None
+                continue
             sized.wait()  # the guess is populated: the rest once the size is known
             continue
         n = min(FAULT_AHEAD_STEP, end - done)

@@ -135,6 +135,17 @@ def _ckptio_isolation() -> Iterator[None]:
     ckptio.reset()
 
 
+@pytest.fixture(autouse=True)
+def _no_early_end(monkeypatch) -> None:
+    """Remote .fpk loads read an object's end with its first range only when a test asks (it sets
+    ``read.TAIL_EARLY`` / ``read.SLOW_STORE``): whether the loopback servers are "slow" (the first reply
+    later than 10-15 ms) depends on how busy the machine is, and tests count requests and bytes."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 3600.0)
+    monkeypatch.setattr(fpk_read, "SLOW_STORE", 3600.0)
+
+
 def _unique(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 

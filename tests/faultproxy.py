@@ -21,7 +21,8 @@ Faults (``kind``):
 * ``ignore_range``: forward without the ``Range`` header, as a server that ignores it would
   (the whole object comes back with 200).
 
-A rule matches requests by ``method`` and a substring of the path (``path``); it fires on the
+A rule matches requests by ``method``, a substring of the path (``path``) and the start of the ``Range``
+header (``range``: ``"bytes=-"`` for suffix ranges only); it fires on the
 ``nth`` matching request (1-based) and the ``times - 1`` after it, or with probability
 ``fraction`` on each matching request (seeded, so runs repeat), at most ``limit`` times in all.
 Every request is recorded in ``requests`` with the fault applied to it.
@@ -57,6 +58,7 @@ class Fault:
     path: str = ""
     before: bool = False
     stall: float = 5.0
+    range: str | None = None  # the Range header starts with this (None: any request)
     seen: int = 0
     fired: int = 0
 
@@ -66,8 +68,12 @@ class Fault:
         if self.nth is None and not self.fraction:
             self.nth = 1
 
-    def matches(self, method: str, path: str) -> bool:
-        return (self.method is None or self.method == method) and self.path in path
+    def matches(self, method: str, path: str, range_header: str = "") -> bool:
+        return (
+            (self.method is None or self.method == method)
+            and self.path in path
+            and (self.range is None or range_header.startswith(self.range))
+        )
 
     def fire(self, rng: random.Random) -> bool:
         self.seen += 1
@@ -155,7 +161,7 @@ class FaultProxy(LoopbackProxy):
 
             def _relay(self) -> None:
                 body = self._body()
-                fault = proxy._pick(self.command, self.path)
+                fault = proxy._pick(self.command, self.path, self.headers.get("Range") or "")
                 seen = Seen(self.command, self.path, dict(self.headers.items()), fault.kind if fault else None)
                 with proxy._lock:
                     proxy.requests.append(seen)
@@ -210,10 +216,10 @@ class FaultProxy(LoopbackProxy):
 
         self._serve(Handler, Server)
 
-    def _pick(self, method: str, path: str) -> Fault | None:
+    def _pick(self, method: str, path: str, range_header: str = "") -> Fault | None:
         with self._lock:
             for f in self.faults:
-                if f.matches(method, path) and f.fire(self._rng):
+                if f.matches(method, path, range_header) and f.fire(self._rng):
                     return f
         return None
 

@@ -51,3 +51,59 @@ def test_scatter_reads_stream_across_buffers_and_requests(store, request):
     mb.write(mu, data)
     mem = [memoryview(bytearray(n)) for n in sizes]
     assert mb.readv(mu, mem, 0) == len(data) and b"".join(bytes(v) for v in mem) == data  # per buffer, in place
+
+
+def test_a_server_ignoring_suffix_ranges_is_read_by_offset(s3_faults, monkeypatch):
+    """A server that answers ``Range: bytes=-N`` with the whole object (200): the end of the object is
+    read again by offset (the reply told the size), the load is exact, and the backend asks for no more
+    suffixes; a suffix read lies in its buffer as aligned as in the object."""
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 0.0)  # the size is late whatever the store's speed
+    b, u = ckptio.resolve(s3_faults.uri + "/tail.bin")
+    data = os.urandom(MiB + 13)
+    b.write(u, data)
+    buf = memoryview(bytearray(1000 + 63))
+    fut = b.start_read_tail(u, buf, 64)
+    assert fut is not None and fut.result() == 1000
+    at = (len(data) - 1000) % 64
+    assert bytes(buf[at : at + 1000]) == data[-1000:]
+    small = memoryview(bytearray(4096))
+    assert b.start_read_tail(u + "-none", small) is not None  # a missing object: the future's error
+    with pytest.raises(FileNotFoundError):
+        b.start_read_tail(u + "-none", small).result()
+
+    g = torch.Generator().manual_seed(4)
+    state = {"a": torch.randn(3 << 20, generator=g), "z": torch.randn(5, generator=g)}
+    uri = s3_faults.uri + "/ignored.fpk"
+    ckptio.dump(state, uri)
+    s3_faults.add(Fault("ignore_range", method="GET", range="bytes=-", fraction=1.0))
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert s3_faults.fired("ignore_range") == 1
+    assert ckptio.resolve(uri)[0].suffix_reads is False  # this backend asks no more
+    s3_faults.requests.clear()
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert not [r for r in s3_faults.requests if (r.headers.get("Range") or "").startswith("bytes=-")]
+
+
+@pytest.mark.parametrize("kind", ["reset", "status", "truncate"])
+def test_a_suffix_read_that_fails_once_is_retried(s3_faults, monkeypatch, kind):
+    """The early read of an object's end goes through the retry policy as every GET does: a broken,
+    refused or short reply is retried and the load is exact."""
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 0.0)
+    g = torch.Generator().manual_seed(6)
+    state = {"a": torch.randn(3 << 20, generator=g), "z": torch.randn(5, generator=g)}
+    uri = s3_faults.uri + f"/retried-{kind}.fpk"
+    ckptio.dump(state, uri)
+    s3_faults.add(Fault(kind, method="GET", range="bytes=-", nth=1))
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert s3_faults.fired(kind) == 1

@@ -459,3 +459,34 @@ def ctypes_addr(view: memoryview) -> int:
     import ctypes
 
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+@pytest.mark.parametrize("fault_in", [None, 1 << 20])
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_start_sized_calls_late_once_when_the_size_is_late_and_never_when_it_is_not(fault_in, delay):
+    """``late=(seconds, fn)``: ``fn`` runs once, on the caller's thread before start_sized returns, when
+    the reply has not told the size by then (with or without a fault-in meanwhile); not when it has."""
+    import concurrent.futures as cf
+
+    from ckptio.backends.base import start_sized
+
+    class Slow:
+        def start_read_head(self, uri, buf, on_size):
+            fut: cf.Future[int] = cf.Future()
+
+            def reply() -> None:
+                time.sleep(delay)
+                on_size(10)
+                buf[:10] = b"0123456789"
+                fut.set_result(10)
+
+            threading.Thread(target=reply).start()
+            return fut
+
+    calls: list[str] = []
+    buf = osio.anonymous(4 << 20)
+    fut, size = start_sized(
+        Slow(), "x", buf, fault_in=fault_in, late=(0.1, lambda: calls.append(threading.current_thread().name))
+    )
+    assert size == 10 and fut.result() == 10 and bytes(buf[:10]) == b"0123456789"
+    assert calls == ([threading.current_thread().name] if delay else [])

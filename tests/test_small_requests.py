@@ -26,6 +26,7 @@ def _data_requests(proxy) -> list[str]:
 
 
 def test_small_fpk_is_one_put_and_one_get_to_load(proxy):
+    # (a store that answers in time: conftest's _no_early_end; the other case is the next test)
     state, uri = _state(), proxy.uri + "/small.fpk"
     proxy.clear()
     ckptio.dump(state, uri)
@@ -49,6 +50,65 @@ def test_fpk_load_requests_of_a_larger_object_fetch_each_byte_once(proxy):
     assert all(torch.equal(out[k], v) for k, v in state.items())
     assert all(r.method == "GET" and "Range" in r.headers for r in proxy.requests), proxy.requests  # no size lookup
     assert sum(r.bytes_out for r in proxy.requests) <= size + (64 << 10), proxy.requests
+
+
+@pytest.mark.parametrize("mib", [0, 24])
+def test_a_late_size_has_the_end_read_at_once_by_a_suffix_range(proxy, monkeypatch, mib):
+    """When the first reply has not told the size TAIL_EARLY after the load started (a remote store's
+    round trip), S3 reads the object's end at once with a suffix range (no size needed), so the layout
+    comes a round trip sooner: a small object is then two GETs in one round trip (the second's bytes go
+    unused), a larger one is still read once, byte for byte. GCS (no suffix reads here) is as before."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 0.0)  # the size is late whatever the store's speed
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(mib // 4)} if mib else _state()
+    state["odd"] = torch.randn(7, generator=g)  # the end's payloads: as aligned in their buffer as in the file
+    uri = proxy.uri + f"/late{mib}.fpk"
+    ckptio.dump(state, uri)
+    backend, key = ckptio.resolve(uri)
+    size = backend.stat(key).size
+    proxy.clear()
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert out["odd"].data_ptr() % 64 == 0
+    suffix = [r for r in proxy.requests if r.headers.get("Range", "").startswith("bytes=-")]
+    assert all(r.method == "GET" and "Range" in r.headers for r in proxy.requests), proxy.requests  # no HEAD
+    if proxy.uri.startswith("gs://"):
+        assert not suffix
+    else:
+        assert len(suffix) == 1 and suffix[0].headers["Range"] == f"bytes=-{fpk_read.TAIL_PREFETCH}"
+    if mib:
+        assert sum(r.bytes_out for r in proxy.requests) <= size + (64 << 10), proxy.requests  # each byte once
+    else:
+        assert len(proxy.requests) == 1 + len(suffix), proxy.requests
+
+
+def test_a_slow_store_has_the_end_read_with_the_first_range(s3_proxy, monkeypatch):
+    """A store whose first replies took over SLOW_STORE (moving average per backend) has the end of the
+    next large load requested with its first range, without waiting; a fast one does not."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(4)}
+    uri = s3_proxy.uri + "/slow.fpk"
+    ckptio.dump(state, uri)
+    backend = ckptio.resolve(uri)[0]
+    monkeypatch.setattr(fpk_read, "SLOW_STORE", 0.0)  # any store is slow
+    s3_proxy.clear()
+    ckptio.load(uri)  # the first load: no history, the end waits for the size (TAIL_EARLY: an hour)
+    assert not [r for r in s3_proxy.requests if r.headers.get("Range", "").startswith("bytes=-")]
+    assert fpk_read._first_reply[backend] > 0
+    s3_proxy.clear()
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert [r.headers["Range"] for r in s3_proxy.requests if r.headers.get("Range", "").startswith("bytes=-")] == [
+        f"bytes=-{fpk_read.TAIL_PREFETCH}"
+    ]
+    monkeypatch.setattr(fpk_read, "SLOW_STORE", 3600.0)  # a fast store
+    s3_proxy.clear()
+    ckptio.load(uri)
+    assert not [r for r in s3_proxy.requests if r.headers.get("Range", "").startswith("bytes=-")]
 
 
 def test_small_fpk_partial_load_still_reads_ranges(proxy):

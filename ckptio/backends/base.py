@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
@@ -337,6 +338,16 @@ class Backend(abc.ABC):
         stores start the request on their IO loop."""
         return shared_pool().submit(self.read_head, uri, buf, on_size)
 
+    def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
+        """The object's last ``n = min(len(buf) - align + 1, size)`` bytes into ``buf[p : p + n]``,
+        ``p = (size - n) % align`` (each byte then lies at an offset in ``buf`` congruent to its offset in
+        the object, modulo ``align``), in one request that needs no size (an object store's suffix
+        range), started in the background: a future of ``n``, done once they are in; once started it is
+        not cancelled (a reader that closes waits for it). None (this default) where the storage has no
+        such request: the caller reads the end once it knows the size.
+        """
+        return None
+
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
         """Fill the consecutive buffers ``views`` from the bytes at ``offset`` (a scatter read); returns
         the count (short at EOF). Object stores stream one request through several buffers; the default
@@ -523,6 +534,7 @@ def start_sized(
     started: Callable[[cf.Future[int]], None] | None = None,
     start: Callable[[Callable[[int], None]], cf.Future[int]] | None = None,
     fault_in: int | None = None,
+    late: tuple[float, Callable[[], None]] | None = None,
 ) -> tuple[cf.Future[int], int]:
     """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
     larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
@@ -533,7 +545,9 @@ def start_sized(
     ``fault_in``: ``buf`` is fresh anonymous memory (``osio.anonymous``), and the calling thread, instead
     of only waiting, faults in the pages the read will fill: ``fault_in`` bytes until the size is told,
     then up to the size (``osio.fault_in_ahead``); pages past the size are given back, also where the
-    size comes from a ``stat`` after the read."""
+    size comes from a ``stat`` after the read. ``late = (seconds, fn)``: ``fn()`` is called on this thread,
+    before this returns, if the reply has not told the size that long after the read started (a remote
+    store's round trip: the caller starts what it would otherwise start once it knows the size)."""
     told: list[int] = []
     ready, sized = threading.Event(), threading.Event()
     room = memoryview(buf).nbytes
@@ -553,11 +567,24 @@ def start_sized(
         sized.set()  # a read that ends without telling the size: a fault-in waiting for it stops
 
     fut.add_done_callback(done)
+    due = time.monotonic() + late[0] if late is not None else 0.0
     if started is not None:
         started(fut)
+    fired: list[bool] = []
+
+    def fire() -> None:
+        fired.append(True)
+        if late is not None:
+            late[1]()
+
     populated = 0
     if fault_in is not None:
-        populated = fault_in_ahead(memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in)
+        soon = (max(0.0, due - time.monotonic()), fire) if late is not None else None
+        populated = fault_in_ahead(
+            memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in, late=soon
+        )
+    if late is not None and not fired and not sized.is_set() and not sized.wait(max(0.0, due - time.monotonic())):
+        fire()
     ready.wait()
     if told:
         return fut, told[0]

@@ -89,6 +89,7 @@ class S3Backend(ObjectStoreBackend):
     name = "s3"
     scheme = "s3"
     classify = staticmethod(classify)
+    suffix_reads = True  # S3 and its compatibles answer "Range: bytes=-N" with the last N bytes
 
     def __init__(
         self,
@@ -245,11 +246,13 @@ class S3Backend(ObjectStoreBackend):
         pin: _ranged.VersionPin | None = None,
     ) -> int:
         stall = self.policy.stall_timeout
+        # start < 0: the last -start bytes (a suffix range, no size needed; ``end`` is not used)
+        rng = f"bytes={start}" if start < 0 else f"bytes={start}-{end - 1}"
 
         async def once(s3: Any) -> int:
             cond = {"IfMatch": pin.token} if pin is not None and pin.token else {}
             try:
-                resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **cond)
+                resp = await s3.get_object(Bucket=bucket, Key=key, Range=rng, **cond)
             except ClientError as e:
                 code = e.response.get("Error", {}).get("Code")
                 if code == "InvalidRange":
@@ -268,10 +271,13 @@ class S3Backend(ObjectStoreBackend):
                     body.close()
                     raise
             try:
-                if on_size is not None:  # in the try: the body is closed whatever on_size raises
+                size = None
+                if on_size is not None or start < 0:  # in the try: the body is closed whatever this raises
                     size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
-                    if size is not None:
-                        on_size(size)
+                if on_size is not None and size is not None:
+                    on_size(size)
+                if start < 0:
+                    _retry.check_suffix_status(status, -start, size, uri)
                 _retry.check_ranged_status(status, start, uri)
                 async with _retry.StallWatch(stall) as watch:
                     for view in into:  # the body streams through the buffers in order
@@ -286,10 +292,12 @@ class S3Backend(ObjectStoreBackend):
                             break
             finally:
                 body.close()
-            _retry.check_range(end - start, total, headers.get("content-range"), headers.get("content-length"))
+            want = -start if start < 0 else end - start
+            _retry.check_range(want, total, headers.get("content-range"), headers.get("content-length"))
             return total
 
-        return await self._op(uri, f"ranged read of bytes {start}-{end - 1}", once)
+        what = f"read of the last {-start} bytes" if start < 0 else f"ranged read of bytes {start}-{end - 1}"
+        return await self._op(uri, what, once)
 
     _sized_get_range = _get_range  # ``into`` is read after ``on_size``: see ObjectStoreBackend._get_range
 

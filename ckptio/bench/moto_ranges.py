@@ -1,8 +1,8 @@
 """moto's S3 server with ranged GETs that read only their range, as S3 serves them.
 
-moto answers ``GET`` with ``Range: bytes=a-b`` by reading the whole object out of its buffer (a temporary
-file past 16 MiB) and slicing it, so a ranged read costs time in proportion to the *object's* size: a
-1 MiB range took 0.016 s from a 1 MiB object, 0.097 s from a 64 MiB one and 0.33 s from a 256 MiB one
+moto answers ``GET`` with ``Range: bytes=a-b`` (or ``bytes=-n``) by reading the whole object out of its
+buffer (a temporary file past 16 MiB) and slicing it, so a ranged read costs time in proportion to the
+*object's* size: a 1 MiB range took 0.016 s from a 1 MiB object, 0.097 s from a 64 MiB one and 0.33 s from a 256 MiB one
 (moto 5.2, this machine). Real object stores do not behave like that, and it penalises any reader that
 splits one large object into parallel ranges (ckptio's ``.fpk`` and ``.pt`` loads, s3fs's block reads)
 against formats stored as many smaller objects (DCP's files). ``ckptio bench --profile realistic``, which
@@ -20,7 +20,9 @@ import threading
 from typing import Any
 
 _RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
-_request = threading.local()  # the current GET's explicit byte range (first, last), else None
+_SUFFIX = re.compile(r"^bytes=-(\d+)$")
+# the current GET's byte range: (first, last), or (None, n) for its last n bytes; else None
+_request = threading.local()
 
 
 class _Window(bytes):
@@ -57,8 +59,11 @@ def patch() -> None:
     value = fake_key.__dict__["value"]  # the property
 
     def ranged_key_response(self: Any, request: Any, full_url: str, headers: Any) -> Any:
-        m = _RANGE.match(request.headers.get("range") or "") if request.method == "GET" else None
+        header = (request.headers.get("range") or "") if request.method == "GET" else ""
+        m, tail = _RANGE.match(header), _SUFFIX.match(header)
         _request.range = (int(m[1]), int(m[2])) if m and int(m[1]) <= int(m[2]) else None
+        if tail and int(tail[1]):
+            _request.range = (None, int(tail[1]))
         try:
             return key_response(self, request, full_url, headers)
         finally:
@@ -67,6 +72,8 @@ def patch() -> None:
     def ranged_value(self: Any) -> bytes:
         rng = getattr(_request, "range", None)
         size = self.size
+        if rng is not None and rng[0] is None:  # the last n bytes
+            rng = (max(0, size - rng[1]), size - 1)
         if rng is None or rng[0] >= size:  # not a ranged GET, or one moto answers with an error
             return value.fget(self)
         first, last = rng[0], min(rng[1], size - 1)

@@ -66,6 +66,9 @@ class ObjectStoreBackend(Backend):
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
     _options: dict[str, Any]  # the constructor's arguments, set by the subclass (see with_options)
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
+    # the store answers a suffix range ("Range: bytes=-N") with the object's last N bytes, so
+    # start_read_tail needs no size (a server that ignores it is caught, and read again by offset)
+    suffix_reads = False
 
     def __init__(
         self,
@@ -254,6 +257,57 @@ class ObjectStoreBackend(Backend):
         # a subclass's hooks from before this existed: its read_head on the shared pool, with the pin it takes
         kw = {"pin": pin} if pin is not None and _hook_takes(cls.read_head, "pin") else {}
         return shared_pool().submit(self.read_head, uri, buf, on_size, **kw)
+
+    def start_read_tail(
+        self, uri: str, buf: Buffer, align: int = 1, *, pin: VersionPin | None = None
+    ) -> cf.Future[int] | None:
+        """:meth:`Backend.start_read_tail`: one suffix-range GET on the IO loop, where the class says the
+        store has them (``suffix_reads``) and its hook tells the size before it writes a byte
+        (``_sized_get_range``: the bytes' place in ``buf`` follows from the size); else None. A server that
+        answers with the whole object (200) has its body dropped and the range read again by offset (the
+        reply told the size), and this backend asks for no more suffixes."""
+        cls = type(self)
+        mv = memoryview(buf).cast("B")
+        room = len(mv) - max(1, align) + 1
+        if not self.suffix_reads or room <= 0 or cls._get_range is not getattr(cls, "_sized_get_range", None):
+            return None
+        bucket, key = self._split(uri)
+        into: list[memoryview] = []
+        fut: cf.Future[int] = cf.Future()
+        fut.set_running_or_notify_cancel()
+
+        def place(size: int) -> memoryview:
+            n = min(room, size)
+            p = (size - n) % max(1, align)
+            return mv[p : p + n]
+
+        def on_size(size: int) -> None:
+            into[:] = [place(size)]  # before the body: the hook reads the list after it calls this
+
+        async def go() -> None:
+            try:
+                try:
+                    n = await self._get_range(uri, bucket, key, -room, 0, into, on_size=on_size, pin=pin)
+                    if not into:  # no size in the reply: where its bytes belong is unknown
+                        raise _retry.SuffixIgnoredError(uri, room, None)
+                except _retry.SuffixIgnoredError as e:
+                    if e.size is None:
+                        raise
+                    self.suffix_reads = False  # this instance: the server ignores them
+                    view = place(e.size)
+                    n = await self._get_range(uri, bucket, key, e.size - len(view), e.size, [view], pin=pin)
+            except BaseException as e:
+                out = self.translate(e, uri) if isinstance(e, Exception) else e
+                if out is not e:
+                    out.__suppress_context__ = True
+                fut.set_exception(out)
+                if not isinstance(e, Exception):
+                    raise
+                return
+            fut.set_result(n)
+
+        start(self._loop, go())
+        return fut
 
     def _get_head(
         self,
@@ -490,6 +544,9 @@ class _PinnedReads(ForwardingBackend):
 
     def start_read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> cf.Future[int]:
         return self.inner.start_read_head(uri, buf, on_size, **self._pin_kw("read_head", uri))
+
+    def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
+        return self.inner.start_read_tail(uri, buf, align, **({"pin": self._pin} if uri == self.uri else {}))
 
     def stat(self, uri: str) -> ObjectInfo:
         info = self.inner.stat(uri)

@@ -321,6 +321,22 @@ class StallWatch:
         return out
 
 
+class SuffixIgnoredError(TransferError):
+    """A suffix range (``Range: bytes=-N``) answered 200 with the whole object, larger than ``N`` bytes:
+    the server ignored the header. ``size``: the object's size, from the reply's length."""
+
+    def __init__(self, uri: str, n: int | str = 0, size: int | None = None) -> None:
+        super().__init__(errno.EIO, f"read of the last {n} bytes of {uri}: the server ignored the suffix range", uri)
+        self.size = size
+
+
+def check_suffix_status(status: int | None, n: int, size: int | None, uri: str) -> None:
+    """A suffix range of ``n`` bytes answered 200 is the whole object: the last ``n`` bytes only if the
+    object has no more (``size``, from the reply); else :class:`SuffixIgnoredError`."""
+    if status == 200 and (size is None or size > n):
+        raise SuffixIgnoredError(uri, n, size)
+
+
 def check_ranged_status(status: int | None, start: int, uri: str) -> None:
     """A ranged GET from ``start`` > 0 answered 200 (not 206) carries the object from byte 0: the
     server ignored ``Range``. Raise instead of handing those bytes back as if they were the range."""

@@ -24,6 +24,7 @@ never disappears or appears by accident):
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -94,6 +95,12 @@ class CountingBackend(ForwardingBackend):
         n = self.inner.read_head(uri, buf, on_size)
         self._add(n)
         return n
+
+    def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
+        fut = self.inner.start_read_tail(uri, buf, align)
+        if fut is not None:
+            fut.add_done_callback(lambda f: None if f.exception() else self._add(f.result()))
+        return fut
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return _CountingWriter(self.inner.open_writer(uri, mode=mode, durable=durable), self._add)
