@@ -107,3 +107,72 @@ def test_a_suffix_read_that_fails_once_is_retried(s3_faults, monkeypatch, kind):
     out = ckptio.load(uri)
     assert all(torch.equal(out[k], v) for k, v in state.items())
     assert s3_faults.fired(kind) == 1
+
+
+def test_a_refused_suffix_range_is_read_by_offset_and_not_asked_again(s3_faults, monkeypatch):
+    """A server that refuses ``bytes=-N`` (400) fails only the early read of the end: the load reads it
+    by offset, and the backend asks for no more suffixes."""
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 0.0)
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(3 << 20, generator=g), "z": torch.randn(5, generator=g)}
+    uri = s3_faults.uri + "/refused.fpk"
+    ckptio.dump(state, uri)
+    s3_faults.add(Fault("status", status=400, code="InvalidArgument", method="GET", range="bytes=-", fraction=1.0))
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert s3_faults.fired("status") == 1 and ckptio.resolve(uri)[0].suffix_reads is False
+
+
+def test_an_unused_suffix_read_that_stalls_does_not_hold_a_small_load(s3_faults, monkeypatch):
+    """A small object comes whole with the first range: the early read of its end is not waited for."""
+    import time
+
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    monkeypatch.setattr(fpk_read, "TAIL_EARLY", 0.0)
+    state = {"w": torch.arange(100.0)}
+    uri = s3_faults.uri + "/stalled.fpk"
+    ckptio.dump(state, uri)
+    s3_faults.add(Fault("stall", method="GET", range="bytes=-", before=True, stall=3.0, fraction=1.0))
+    t = time.monotonic()
+    out = ckptio.load(uri)
+    assert time.monotonic() - t < 2.0 and torch.equal(out["w"], state["w"])
+
+
+def test_suffix_replies_must_be_the_objects_last_bytes():
+    from ckptio.objectstore import retry as _retry
+
+    _retry.check_suffix_status(206, 100, 1000, "s3://b/k", "bytes 900-999/1000")
+    _retry.check_suffix_status(206, 100, 50, "s3://b/k", "bytes 0-49/50")
+    _retry.check_suffix_status(200, 100, 50, "s3://b/k", None)  # the whole object, no larger than asked
+    for status, size, rng in [(206, 1000, "bytes 0-99/1000"), (206, 1000, "bytes 900-998/1000"), (206, 1000, None)]:
+        with pytest.raises(TransferError, match="last 100 bytes of s3://b/k"):
+            _retry.check_suffix_status(status, 100, size, "s3://b/k", rng)
+    with pytest.raises(_retry.SuffixIgnoredError):
+        _retry.check_suffix_status(200, 100, 1000, "s3://b/k", None)
+
+
+@pytest.mark.parametrize("part", [(5 << 20) + 1, 7_500_000])
+def test_views_of_ranges_read_ahead_are_aligned_whatever_the_part_size(s3_uri, monkeypatch, part):
+    """The ranges a remote load reads ahead start wherever ``part_size`` and the object's size put them;
+    a payload returned as a view of one is as aligned in memory as in the file, else it is copied."""
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(8)
+    # "b" lies past the first range (its end in the tail read ahead, which starts where part_size says)
+    state = {"a": torch.randn(part // 4 + 100, generator=g), "b": torch.randn(300, generator=g)}
+    for early in (3600.0, 0.0):
+        monkeypatch.setattr(fpk_read, "TAIL_EARLY", early)
+        uri = f"{s3_uri}/aligned-{part}-{early}.fpk"
+        ckptio.dump(state, uri)
+        out = ckptio.load(uri, backend_args={"part_size": part})
+        for k, v in state.items():
+            assert torch.equal(out[k], v) and out[k].data_ptr() % 64 == 0, (k, out[k].data_ptr() % 64)

@@ -343,8 +343,8 @@ class Backend(abc.ABC):
         ``p = (size - n) % align`` (each byte then lies at an offset in ``buf`` congruent to its offset in
         the object, modulo ``align``), in one request that needs no size (an object store's suffix
         range), started in the background: a future of ``n``, done once they are in; once started it is
-        not cancelled (a reader that closes waits for it). None (this default) where the storage has no
-        such request: the caller reads the end once it knows the size.
+        not cancelled, and it keeps ``buf`` alive while it writes. None (this default) where the storage
+        has no such request: the caller reads the end once it knows the size.
         """
         return None
 
@@ -535,6 +535,7 @@ def start_sized(
     start: Callable[[Callable[[int], None]], cf.Future[int]] | None = None,
     fault_in: int | None = None,
     late: tuple[float, Callable[[], None]] | None = None,
+    told: Callable[[], None] | None = None,
 ) -> tuple[cf.Future[int], int]:
     """``backend.start_read_head`` into ``buf``: the read's future and the object's size. For an object
     larger than ``buf`` this waits only for the size (a GET's headers, not its body), so the caller can
@@ -547,13 +548,16 @@ def start_sized(
     then up to the size (``osio.fault_in_ahead``); pages past the size are given back, also where the
     size comes from a ``stat`` after the read. ``late = (seconds, fn)``: ``fn()`` is called on this thread,
     before this returns, if the reply has not told the size that long after the read started (a remote
-    store's round trip: the caller starts what it would otherwise start once it knows the size)."""
-    told: list[int] = []
+    store's round trip: the caller starts what it would otherwise start once it knows the size). ``told()``:
+    called (on the read's thread) when the reply tells the size."""
+    told_size: list[int] = []
     ready, sized = threading.Event(), threading.Event()
     room = memoryview(buf).nbytes
 
     def on_size(n: int) -> None:
-        told.append(n)
+        if told is not None and not told_size:
+            told()
+        told_size.append(n)
         sized.set()
         if n > room:  # more to fetch than ``buf`` holds: the caller starts it while this body comes
             ready.set()
@@ -581,13 +585,13 @@ def start_sized(
     if fault_in is not None:
         soon = (max(0.0, due - time.monotonic()), fire) if late is not None else None
         populated = fault_in_ahead(
-            memoryview(buf), lambda: told[0] if told else None, sized, ready.is_set, fault_in, late=soon
+            memoryview(buf), lambda: told_size[0] if told_size else None, sized, ready.is_set, fault_in, late=soon
         )
     if late is not None and not fired and not sized.is_set() and not sized.wait(max(0.0, due - time.monotonic())):
         fire()
     ready.wait()
-    if told:
-        return fut, told[0]
+    if told_size:
+        return fut, told_size[0]
     fut.result()  # the read failed (its error), or it is done without telling the size (a user backend's)
     size = backend.stat(uri).size
     if populated:

@@ -277,7 +277,7 @@ class S3Backend(ObjectStoreBackend):
                 if on_size is not None and size is not None:
                     on_size(size)
                 if start < 0:
-                    _retry.check_suffix_status(status, -start, size, uri)
+                    _retry.check_suffix_status(status, -start, size, uri, headers.get("content-range"))
                 _retry.check_ranged_status(status, start, uri)
                 async with _retry.StallWatch(stall) as watch:
                     for view in into:  # the body streams through the buffers in order

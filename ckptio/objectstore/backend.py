@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from .. import uri as _uri
 from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer, start_sized
-from ..errors import InvalidURIError, MissingDependencyError, NotFoundError, replaced
+from ..errors import IntegrityError, InvalidURIError, MissingDependencyError, NotFoundError, replaced
 from ..osio import anonymous, bytes_of, fresh_bytes, zero
 from ..threads import Pool, shared_pool
 from ..wrappers.forwarding import ForwardingBackend
@@ -265,7 +265,9 @@ class ObjectStoreBackend(Backend):
         store has them (``suffix_reads``) and its hook tells the size before it writes a byte
         (``_sized_get_range``: the bytes' place in ``buf`` follows from the size); else None. A server that
         answers with the whole object (200) has its body dropped and the range read again by offset (the
-        reply told the size), and this backend asks for no more suffixes."""
+        reply told the size); one that refuses the range or answers another has the future fail (the
+        caller reads by offset); either way this backend asks for no more suffixes. The request's views
+        keep ``buf`` alive: a caller that does not use the bytes need not wait for it."""
         cls = type(self)
         mv = memoryview(buf).cast("B")
         room = len(mv) - max(1, align) + 1
@@ -300,6 +302,9 @@ class ObjectStoreBackend(Backend):
                 out = self.translate(e, uri) if isinstance(e, Exception) else e
                 if out is not e:
                     out.__suppress_context__ = True
+                refused = isinstance(e, Exception) and self.classify(e) == _retry.PERMANENT
+                if refused and not isinstance(out, (NotFoundError, IntegrityError)):
+                    self.suffix_reads = False  # refused or answered wrong (400, 501, another range): no more
                 fut.set_exception(out)
                 if not isinstance(e, Exception):
                     raise

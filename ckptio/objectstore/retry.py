@@ -330,11 +330,21 @@ class SuffixIgnoredError(TransferError):
         self.size = size
 
 
-def check_suffix_status(status: int | None, n: int, size: int | None, uri: str) -> None:
+def check_suffix_status(
+    status: int | None, n: int, size: int | None, uri: str, content_range: str | None = None
+) -> None:
     """A suffix range of ``n`` bytes answered 200 is the whole object: the last ``n`` bytes only if the
-    object has no more (``size``, from the reply); else :class:`SuffixIgnoredError`."""
+    object has no more (``size``, from the reply); else :class:`SuffixIgnoredError`. Answered 206, its
+    ``Content-Range`` must be the object's last ``min(n, size)`` bytes (a TransferError otherwise)."""
     if status == 200 and (size is None or size > n):
         raise SuffixIgnoredError(uri, n, size)
+    if status == 206 and size is not None:
+        span = (content_range or "")[6:].partition("/")[0] if (content_range or "").startswith("bytes ") else ""
+        first, _, last = span.partition("-")
+        if not (first.isdigit() and last.isdigit()) or (int(first), int(last)) != (size - min(n, size), size - 1):
+            raise TransferError(
+                errno.EIO, f"read of the last {n} bytes of {uri}: the server answered bytes {span!r} of {size}", uri
+            )
 
 
 def check_ranged_status(status: int | None, start: int, uri: str) -> None:

@@ -97,10 +97,7 @@ class CountingBackend(ForwardingBackend):
         return n
 
     def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
-        fut = self.inner.start_read_tail(uri, buf, align)
-        if fut is not None:
-            fut.add_done_callback(lambda f: None if f.exception() else self._add(f.result()))
-        return fut
+        return None  # declined: its bytes may overlap another read's (or go unused), and counted reads must not
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return _CountingWriter(self.inner.open_writer(uri, mode=mode, durable=durable), self._add)

@@ -18,8 +18,10 @@ once), and on a mismatch reads them again with those hashes, whose error names a
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import gc
 import io
 import os
@@ -65,10 +67,14 @@ FAULT_GUESS = 256 << 10
 # a round trip sooner. Through the realistic proxy (20 ms to the first byte), the end with the first
 # range, interleaved rounds: 32 MiB 0.239 -> 0.256, 256 MiB 0.493 -> 0.515 GB/s. A store that answers
 # sooner (loopback moto: 4 ms, 7 at p90) keeps one request for a small object: sent to it after 5 ms,
-# the second request took 1 MiB loads from 0.129 to 0.082 GB/s.
+# the second request took 1 MiB loads from 0.129 to 0.082 GB/s. A load that reports progress
+# (``progress=``) does not: its counted reads must not overlap.
 SLOW_STORE = 0.010
 TAIL_EARLY = 0.015
-_first_reply: weakref.WeakKeyDictionary[Backend, float] = weakref.WeakKeyDictionary()  # seconds, moving average
+# per store (the backend under wrappers such as a version pin): the seconds its last first replies took to
+# tell the size (headers, not bodies); a store is slow when the median of these is over SLOW_STORE
+_first_reply: weakref.WeakKeyDictionary[Backend, collections.deque[float]] = weakref.WeakKeyDictionary()
+_KEEP_REPLIES = 5
 LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
 
 
@@ -135,20 +141,21 @@ class Source:
         pass
 
 
-def _less(fut: cf.Future[int], k: int) -> cf.Future[int]:
-    """A future of ``fut``'s count less ``k`` (the bytes of a read ahead that another range holds), or its error."""
-    out: cf.Future[int] = cf.Future()
-    out.set_running_or_notify_cancel()
+def _address(view: memoryview) -> int:
+    """Where a (writable) view's bytes lie in memory; 0 for a read-only one (then offsets alone decide)."""
+    if view.readonly or not len(view):
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
-    def done(f: cf.Future[int]) -> None:
-        e = f.exception()
-        if e is not None:
-            out.set_exception(e)
-        else:
-            out.set_result(f.result() - k)
 
-    fut.add_done_callback(done)
-    return out
+def _store_of(backend: Backend) -> Backend:
+    """The backend under wrappers (a version pin, a counter): where a store's reply times are kept."""
+    for _ in range(8):
+        inner = getattr(backend, "inner", None)
+        if not isinstance(inner, Backend):
+            break
+        backend = inner
+    return backend
 
 
 def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: int) -> int:
@@ -197,7 +204,7 @@ class BackendSource(Source):
 
     def __init__(self, backend: Backend, uri: str) -> None:
         self.backend, self.name = backend.pin_version(uri), uri  # every read from one version of it
-        self._store = backend  # what the first replies' times are kept for
+        self._store = _store_of(backend)  # what the first replies' times are kept for
         self._size: int | None = None  # looked up on first use (a full load asks for it with its first read)
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
@@ -206,7 +213,6 @@ class BackendSource(Source):
             # no tail read past the footer: a read counted for progress must not overlap another
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
-        self._strays: list[cf.Future[int]] = []  # reads started whose bytes may go unused: close() waits for them
         self._pool: cf.Executor | None = None
         self._checked: Backend | None = None  # after checks_payloads: the backend whose reads check blocks
 
@@ -252,25 +258,28 @@ class BackendSource(Source):
         ends: list[cf.Future[int]] = []
 
         def start_end() -> None:  # the size is late: a remote round trip, which the end need not wait for
+            # not waited for by close() if its bytes go unused: the request's views keep the buffer alive
             end_f = self.backend.start_read_tail(self.name, end, ALIGN) if end is not None else None
             if end_f is not None:
                 ends.append(end_f)
-                self._strays.append(end_f)  # waited for by close(), whether its bytes are used or not
 
         past = _first_reply.get(self._store)
+        slow = past is not None and sorted(past)[len(past) // 2] > SLOW_STORE
         t0 = time.monotonic()
+        sized_at: list[float] = []
         head_f, size = start_sized(
             self.backend,
             self.name,
             first,
             lambda f: self._ahead.append((0, first[:0], f)),  # close() waits for the first read whatever happens
             fault_in=FAULT_GUESS,
-            late=(0.0 if past is not None and past > SLOW_STORE else TAIL_EARLY, start_end)
-            if end is not None
-            else None,
+            late=(0.0 if slow else TAIL_EARLY, start_end) if end is not None else None,
+            told=lambda: sized_at.append(time.monotonic()),
         )
-        took = time.monotonic() - t0
-        _first_reply[self._store] = took if past is None else 0.7 * past + 0.3 * took
+        if sized_at:
+            if past is None:
+                past = _first_reply[self._store] = collections.deque(maxlen=_KEEP_REPLIES)
+            past.append(sized_at[0] - t0)
         if self._size is None:
             self._size = size
         head = min(self.size, len(first))
@@ -281,12 +290,37 @@ class BackendSource(Source):
             got = min(len(end) - ALIGN + 1, self.size)
             at = (self.size - got) % ALIGN  # where it put them (Backend.start_read_tail)
             skip = max(head, self.size - got) - (self.size - got)
-            self._ahead.append((self.size - got + skip, end[at + skip : at + got], _less(ends[0], skip)))
+            lo, view = self.size - got + skip, end[at + skip : at + got]
+            self._ahead.append((lo, view, self._or_by_offset(ends[0], skip, view, lo)))
         elif tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
             start = max(head, (self.size - tail) // ALIGN * ALIGN)
             buf = anonymous(self.size - start)
             self._ahead.append((start, buf, self._pool.submit(self._fetch, buf, start)))
         self._ahead[0] = (0, first[:head], head_f)
+
+    def _or_by_offset(self, fut: cf.Future[int], skip: int, view: memoryview, offset: int) -> cf.Future[int]:
+        """A future of the suffix read ``fut``'s bytes that ``view`` holds (its count less ``skip``); if that
+        read failed (refused, or any other error: it only saves a round trip), ``view`` read by offset."""
+        out: cf.Future[int] = cf.Future()
+        out.set_running_or_notify_cancel()
+        pool = self._pool
+
+        def by_offset() -> None:
+            try:
+                out.set_result(self._fetch(view, offset))
+            except BaseException as e:  # noqa: BLE001 - handed on through the future
+                out.set_exception(e)
+
+        def done(f: cf.Future[int]) -> None:
+            if f.exception() is None:
+                out.set_result(f.result() - skip)
+            elif pool is not None:  # on the IO loop's thread: the read itself runs on the pool
+                pool.submit(by_offset)
+            else:
+                out.set_exception(f.exception())
+
+        fut.add_done_callback(done)
+        return out
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
@@ -363,8 +397,7 @@ class BackendSource(Source):
 
     def _within_ahead(self, offset: int, nbytes: int, align: int, wait: bool = True) -> memoryview | None:
         for off, data, fut in self._ahead:
-            # every range read ahead lies in its (page-aligned) buffer as aligned as in the file
-            if off <= offset and offset + nbytes <= off + len(data) and offset % align == 0:
+            if off <= offset and offset + nbytes <= off + len(data) and (offset - off + _address(data)) % align == 0:
                 if wait:
                     self._arrived(off, data, fut)
                 return data[offset - off : offset - off + nbytes]
@@ -392,11 +425,11 @@ class BackendSource(Source):
 
     def close(self) -> None:
         """The reads ahead that have not started are cancelled; those in flight end before this returns."""
-        futures = [fut for _, _, fut in self._ahead if not fut.cancel()] + self._strays
+        futures = [fut for _, _, fut in self._ahead if not fut.cancel()]
         self._pool = None
         if futures:
             cf.wait(futures)
-        self._ahead, self._strays = [], []
+        self._ahead = []
 
 
 class FileSource(Source):
