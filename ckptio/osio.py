@@ -219,6 +219,13 @@ _libc: Any = None
 _populate_ok = sys.platform == "linux"
 
 
+def address(view: memoryview) -> int:
+    """Where a writable view's bytes lie in memory (0 for a read-only or empty one)."""
+    if view.readonly or not len(view):
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def prefault(mv: memoryview) -> None:
     """Fault in a freshly allocated buffer with one ``madvise(MADV_POPULATE_WRITE)`` before reading into it.
 
@@ -341,9 +348,7 @@ def fault_in_striped(targets: Sequence[Sequence[memoryview]], stop: threading.Ev
         return 0
     spans: list[list[tuple[int, int]]] = []  # per read: (address, length) of its buffers, in order
     for views in targets:
-        spans.append(
-            [(ctypes.addressof(ctypes.c_char.from_buffer(v)), len(v)) for v in views if len(v) and not v.readonly]
-        )
+        spans.append([(address(v), len(v)) for v in views if len(v) and not v.readonly])
     done = 0
     at = [(0, 0)] * len(spans)  # per read: (buffer index, offset in it)
     while not stop.is_set():

@@ -711,9 +711,9 @@ def test_a_large_remote_load_has_its_fresh_tensors_faulted_in_by_a_helper(s3_uri
 
 
 def ctypes_addr(view: memoryview) -> int:
-    import ctypes
+    from ckptio import osio
 
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return osio.address(view)
 
 
 def test_remote_full_load_reads_footer_and_metadata_from_its_read_ahead_without_a_copy(s3_uri, monkeypatch):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import gc
 import io
 import os
@@ -37,7 +36,7 @@ import xxhash
 
 from ...backends.base import Backend, start_sized
 from ...errors import FormatError, IntegrityError
-from ...osio import anonymous, preadinto, preadv_into, translate_os_errors
+from ...osio import address, anonymous, preadinto, preadv_into, translate_os_errors
 from ...threads import Pool, shared_pool
 from .layout import (
     ALIGN,
@@ -62,8 +61,8 @@ HEAD_PREFETCH = 8 << 20
 # guessed, and a 6 KB one pays 0.2 ms of CPU, not 0.7 (GCS emulator, 91 rounds)
 FAULT_GUESS = 256 << 10
 # A remote load reads the object's end with its first range where that needs no size (an S3 suffix
-# range) and the store is slow to answer: its last first replies took over SLOW_STORE (a moving average
-# per backend), or this one has not told the size TAIL_EARLY after its request. The layout is then known
+# range) and the store is slow to answer: its last first replies took over SLOW_STORE (the median of
+# the last few, per store), or this one has not told the size TAIL_EARLY after its request. The layout is then known
 # a round trip sooner. Through the realistic proxy (20 ms to the first byte), the end with the first
 # range, interleaved rounds: 32 MiB 0.239 -> 0.256, 256 MiB 0.493 -> 0.515 GB/s. A store that answers
 # sooner (loopback moto: 4 ms, 7 at p90) keeps one request for a small object: sent to it after 5 ms,
@@ -139,13 +138,6 @@ class Source:
 
     def close(self) -> None:
         pass
-
-
-def _address(view: memoryview) -> int:
-    """Where a (writable) view's bytes lie in memory; 0 for a read-only one (then offsets alone decide)."""
-    if view.readonly or not len(view):
-        return 0
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _store_of(backend: Backend) -> Backend:
@@ -303,7 +295,7 @@ class BackendSource(Source):
         read failed (refused, or any other error: it only saves a round trip), ``view`` read by offset."""
         out: cf.Future[int] = cf.Future()
         out.set_running_or_notify_cancel()
-        pool = self._pool
+        pool = shared_pool()  # the load's pool (self._pool)
 
         def by_offset() -> None:
             try:
@@ -314,10 +306,8 @@ class BackendSource(Source):
         def done(f: cf.Future[int]) -> None:
             if f.exception() is None:
                 out.set_result(f.result() - skip)
-            elif pool is not None:  # on the IO loop's thread: the read itself runs on the pool
+            else:  # on the IO loop's thread: the read itself runs on the pool
                 pool.submit(by_offset)
-            else:
-                out.set_exception(f.exception())
 
         fut.add_done_callback(done)
         return out
@@ -397,7 +387,7 @@ class BackendSource(Source):
 
     def _within_ahead(self, offset: int, nbytes: int, align: int, wait: bool = True) -> memoryview | None:
         for off, data, fut in self._ahead:
-            if off <= offset and offset + nbytes <= off + len(data) and (offset - off + _address(data)) % align == 0:
+            if off <= offset and offset + nbytes <= off + len(data) and (offset - off + address(data)) % align == 0:
                 if wait:
                     self._arrived(off, data, fut)
                 return data[offset - off : offset - off + nbytes]
