@@ -3,6 +3,7 @@ real client could reach), and the script runs end to end and reports every clien
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -42,3 +43,7 @@ def test_the_ceiling_script_reports_every_client(capsys) -> None:
     ):
         assert out.count(name) == 2 - ("raw GET" in name or "fresh" in name), name  # save and load (raw GET: load)
     assert out.count("of the ceiling") >= 12
+    if importlib.util.find_spec("s3torchconnector") is not None:  # the bound against each of its APIs
+        for peer in ("S3Checkpoint", "DCP"):
+            for op in ("save", "load"):
+                assert f"{op}: the most any client could be faster than s3torchconnector {peer} here:" in out
