@@ -183,3 +183,33 @@ def _forget_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def all_of(futs: list[cf.Future[int]]) -> cf.Future[int]:
+    """A future of the sum of ``futs``' results once every one is done (not before: none is still
+    running when it is); the first failure's error if any failed, CancelledError if one was cancelled."""
+    out: cf.Future[int] = cf.Future()
+    out.set_running_or_notify_cancel()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def done(_: cf.Future[int] | None = None) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+        if any(f.cancelled() for f in futs):
+            out.set_exception(cf.CancelledError())
+            return
+        errors = [e for e in (f.exception() for f in futs) if e is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(sum(f.result() for f in futs))
+
+    if not futs:
+        left[0] = 1
+        done()
+    for f in futs:
+        f.add_done_callback(done)
+    return out

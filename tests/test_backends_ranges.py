@@ -109,6 +109,47 @@ def test_a_suffix_read_that_fails_once_is_retried(s3_faults, monkeypatch, kind):
     assert s3_faults.fired(kind) == 1
 
 
+@pytest.mark.parametrize("kind", ["reset", "status", "truncate"])
+def test_a_middle_range_that_fails_once_is_retried(s3_faults, kind):
+    """A mid-sized object's middle, read ahead once the size is known, goes through the retry policy as
+    every GET does: a broken, refused or short reply of its first range is retried and the load is exact."""
+    import torch
+
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(8)
+    state = {"a": torch.randn(5 << 20, generator=g), "z": torch.randn(5, generator=g)}  # 20 MiB
+    uri = s3_faults.uri + f"/middle-{kind}.fpk"
+    ckptio.dump(state, uri)
+    head = min(ckptio.resolve(uri)[0].part_size, fpk_read.HEAD_PREFETCH)
+    s3_faults.add(Fault(kind, method="GET", range=f"bytes={head}-", nth=1))  # the middle's first range
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert s3_faults.fired(kind) == 1
+
+
+def test_a_middle_range_that_keeps_failing_fails_the_load_naming_the_object(s3_faults):
+    """Refused for good (403): the load raises the store's error naming the object, once every range
+    read ahead has ended (nothing is still writing into the buffers), and the next load works."""
+    import torch
+
+    from ckptio.errors import AccessDeniedError
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(9)
+    state = {"a": torch.randn(5 << 20, generator=g), "z": torch.randn(5, generator=g)}
+    uri = s3_faults.uri + "/middle-denied.fpk"
+    ckptio.dump(state, uri)
+    head = min(ckptio.resolve(uri)[0].part_size, fpk_read.HEAD_PREFETCH)
+    s3_faults.add(Fault("status", status=403, code="AccessDenied", method="GET", range=f"bytes={head}-", fraction=1.0))
+    with pytest.raises(AccessDeniedError) as ei:
+        ckptio.load(uri)
+    assert "middle-denied.fpk" in str(ei.value)
+    s3_faults.clear()
+    out = ckptio.load(uri)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_a_refused_suffix_range_is_read_by_offset_and_not_asked_again(s3_faults, monkeypatch):
     """A server that refuses ``bytes=-N`` (400) fails only the early read of the end: the load reads it
     by offset, and the backend asks for no more suffixes."""

@@ -15,6 +15,7 @@ import ckptio
 from ckptio import fastpickle as fp
 from ckptio.errors import AlreadyExistsError, FormatError, IntegrityError
 from ckptio.formats.fastpickle import layout as fpk_layout
+from ckptio.formats.fastpickle import read as fpread
 from ckptio.formats.fastpickle import write as fpk_write
 
 # ---- comparing values exactly ------------------------------------------------------------------
@@ -686,6 +687,7 @@ def test_a_large_remote_load_has_its_fresh_tensors_faulted_in_by_a_helper(s3_uri
 
     monkeypatch.setattr(payloads, "fault_in_striped", traced)
     monkeypatch.setattr(payloads, "FAULT_HELPER_MIN", 1 << 20)
+    monkeypatch.setattr(fpread, "MIDDLE_MAX", 1 << 20)  # a large object: its middle is read into its tensors
     g = torch.Generator().manual_seed(5)
     state = {
         "a": torch.randn(3 << 20, generator=g),

@@ -8,6 +8,8 @@ checkpoint is one data object; ``read`` of a small object is one GET with no HEA
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 import ckptio
 from ckptio import dcp as cd
+from ckptio.formats.fastpickle import pacing
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -107,7 +110,7 @@ def test_a_slow_store_has_the_end_read_with_the_first_range(s3_proxy, monkeypatc
     s3_proxy.clear()
     ckptio.load(uri)  # the first load: no history, the end waits for the size (TAIL_EARLY: an hour)
     assert not [r for r in s3_proxy.requests if r.headers.get("Range", "").startswith("bytes=-")]
-    assert len(fpk_read._first_reply[backend]) == 1  # the time its first reply took to tell the size
+    assert len(pacing.first_replies[backend]) == 1  # the time its first reply took to tell the size
     s3_proxy.clear()
     out = ckptio.load(uri)
     assert all(torch.equal(out[k], v) for k, v in state.items())
@@ -118,6 +121,72 @@ def test_a_slow_store_has_the_end_read_with_the_first_range(s3_proxy, monkeypatc
     s3_proxy.clear()
     ckptio.load(uri)
     assert not [r for r in s3_proxy.requests if r.headers.get("Range", "").startswith("bytes=-")]
+
+
+def test_a_mid_sized_objects_middle_is_read_once_the_size_is_known(proxy, monkeypatch):
+    """An object larger than the first range and at most MIDDLE_MAX: the bytes between the first range
+    and the end are requested as soon as the first reply tells the size, not after the end's reply
+    (which told the layout) as a larger object's payloads are; each byte is read once and the payloads
+    there come back as views of one buffer, laid out as in the file and exact. ``mmap=False`` (no views)
+    reads each payload into a tensor of its own, once the layout is known."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(4)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(6)}  # 24 MiB: 4 MiB payloads
+    uri = proxy.uri + "/middle.fpk"
+    ckptio.dump(state, uri)
+    backend, key = ckptio.resolve(uri)
+    size = backend.stat(key).size
+    head = min(backend.part_size, fpk_read.HEAD_PREFETCH)
+    calls: list[tuple[int, int, float, float]] = []  # (offset, bytes, start, end) of the reads past the head
+    real = fpk_read.BackendSource._fetch
+
+    def fetch(self, mv, offset):
+        t = time.monotonic()
+        if offset + len(mv) == size:  # the end: the layout comes late
+            time.sleep(0.3)
+        try:
+            return real(self, mv, offset)
+        finally:
+            calls.append((offset, len(mv), t, time.monotonic()))
+
+    monkeypatch.setattr(fpk_read.BackendSource, "_fetch", fetch)
+    for mmap in (None, False):
+        calls.clear()
+        proxy.clear()
+        out = ckptio.load(uri, mmap=mmap)
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+        ranges = sorted((o, o + n) for o, n, _, _ in calls)
+        tail_read = next(c for c in calls if c[0] + c[1] == size)
+        others = [c for c in calls if c is not tail_read]
+        if mmap is None:
+            assert ranges[0][0] == head and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # once each
+            assert len(others) >= 2 and all(n >= pacing.MIDDLE_PIECE or o + n == tail_read[0] for o, n, _, _ in others)
+            assert all(t < tail_read[3] - 0.2 for _, _, t, _ in others)  # not waiting for the end's reply
+            assert out["w4"].data_ptr() - out["w2"].data_ptr() == 2 * (4 << 20)  # views of one buffer
+            assert sum(r.bytes_out for r in proxy.requests) <= size + (64 << 10)
+        else:
+            assert others and all(t >= tail_read[3] for _, _, t, _ in others)  # once the layout is known
+            assert len({out[k].untyped_storage().data_ptr() for k in state}) == len(state)
+
+
+def test_the_middle_is_read_in_ranges_one_connection_streams_for_two_round_trips():
+    """pacing.middle_piece: ``n`` over the connections, at least MIDDLE_PIECE, at least what one
+    connection of the store moved (median of its last first ranges) in two of its first replies (median),
+    at most part_size; the history is the store's own."""
+    from ckptio.backends.memory import MemoryBackend
+
+    store, other, mib = MemoryBackend(), MemoryBackend(), 1 << 20
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE  # no history yet
+    for s in (0.008, 0.009, 0.010):
+        pacing.note_first_reply(store, s)
+    pacing.conn_rates[store] = collections.deque([0.6e9, 0.7e9, 0.1e9])
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == int(2 * 0.6e9 * 0.009)  # a fast connection
+    assert pacing.middle_piece(other, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE
+    assert pacing.middle_piece(store, 24 * mib, 16, 8 * mib) == 8 * mib  # part_size caps it
+    pacing.conn_rates[store] = collections.deque([0.09e9])  # 90 MB/s, 9 ms: 1.6 MB, the floor
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE
+    assert pacing.middle_piece(store, 120 * mib, 16, 16 * mib) == 120 * mib // 16  # shared out
 
 
 def test_small_fpk_partial_load_still_reads_ranges(proxy):

@@ -122,3 +122,33 @@ def test_pools_still_run_tasks_while_the_interpreter_exits(tmp_path):
     assert out.stdout.split("\n")[:4] == ["[0, 1] ZeroDivisionError", "True True True", "True True", "True"], (
         out.stdout + out.stderr
     )
+
+
+def test_all_of_ends_once_every_future_has():
+    """threads.all_of: the sum of the results; a failure is reported only once the others are done too
+    (a read ahead must not be still writing into a buffer its caller gives up); none: 0 at once."""
+    import concurrent.futures as cf
+    import threading
+
+    assert threads.all_of([]).result(timeout=1) == 0
+    futs: list[cf.Future[int]] = [cf.Future() for _ in range(3)]
+    out = threads.all_of(futs)
+    futs[0].set_result(2)
+    futs[1].set_exception(OSError("no"))
+    assert not out.done() and not out.cancel()  # running: a caller's close() waits for it
+    release = threading.Timer(0.05, futs[2].set_result, (5,))
+    release.start()
+    with pytest.raises(OSError, match="no"):
+        out.result(timeout=5)
+    assert futs[2].done()
+    ok = [cf.Future() for _ in range(2)]
+    total = threads.all_of(ok)
+    for i, f in enumerate(ok):
+        f.set_result(i + 3)
+    assert total.result(timeout=1) == 7
+    gone = [cf.Future(), cf.Future()]
+    either = threads.all_of(gone)
+    gone[0].cancel()
+    gone[1].set_result(1)
+    with pytest.raises(cf.CancelledError):
+        either.result(timeout=1)

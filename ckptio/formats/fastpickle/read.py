@@ -9,7 +9,9 @@ step's blocks) is read the same way, straight into the buffers. Remote full load
 and metadata, and the first payloads, in two requests); once the small one is in, the rest is read in
 ranged reads shared out evenly over ``concurrency`` connections (at most ``part_size`` each) that wait for
 nothing read ahead (a payload straddling the first range fetches only its part outside it), so each
-byte is fetched once; the header is checked as soon as it lands.
+byte is fetched once; the header is checked as soon as it lands. An object of up to ``MIDDLE_MAX`` has
+its middle read too as soon as the first reply tells the size (a load that may return views), so all of
+it is read ahead, in ranges sized from what the store's replies showed (:mod:`.pacing`).
 Payload checksums are verified over an incremental step's blocks too (``Backend.assembled``: a
 block's name proves its bytes are some stored block's, a payload checksum that they are this tensor's);
 a verified load reads them without their block hashes (``Backend.for_checked_reads``: each byte hashed
@@ -18,16 +20,15 @@ once), and on a mismatch reads them again with those hashes, whose error names a
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import contextlib
+import functools
 import gc
 import io
 import os
 import stat as _stat
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +38,8 @@ import xxhash
 from ...backends.base import Backend, start_sized
 from ...errors import FormatError, IntegrityError
 from ...osio import address, anonymous, preadinto, preadv_into, translate_os_errors
-from ...threads import Pool, shared_pool
+from ...threads import Pool, all_of, shared_pool
+from . import pacing
 from .layout import (
     ALIGN,
     CHUNK,
@@ -70,10 +72,16 @@ FAULT_GUESS = 256 << 10
 # (``progress=``) does not: its counted reads must not overlap.
 SLOW_STORE = 0.010
 TAIL_EARLY = 0.015
-# per store (the backend under wrappers such as a version pin): the seconds its last first replies took to
-# tell the size (headers, not bodies); a store is slow when the median of these is over SLOW_STORE
-_first_reply: weakref.WeakKeyDictionary[Backend, collections.deque[float]] = weakref.WeakKeyDictionary()
-_KEEP_REPLIES = 5
+# (a store is slow when the median of its last first replies' times to tell the size is over SLOW_STORE:
+# pacing.first_reply, kept per store, the backend under wrappers such as a version pin)
+# A full remote load of an object of up to MIDDLE_MAX bytes reads the part between its first range and its
+# end at once, once the first reply tells the size, not after the end's round trip has told the layout:
+# payloads there come back as views of that buffer, as those in the first range and the end do; in ranges
+# of pacing.middle_piece (fewer, longer ones where one connection of the store is fast). 32 MiB,
+# interleaved rounds: loopback moto 0.358 -> 0.425 and 0.416 -> 0.489 GB/s (1.13x -> 1.41x and 1.26x ->
+# 1.42x S3Checkpoint), 16 MiB 0.372 -> 0.415, 64 MiB unchanged (0.440); through the realistic proxy (20 ms,
+# 90 MB/s a connection), where the end already comes with the first range, unchanged (32 MiB 0.253 -> 0.249).
+MIDDLE_MAX = 64 << 20
 LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
 
 
@@ -227,7 +235,7 @@ class BackendSource(Source):
             self._size = self.backend.stat(self.name).size
         return self._size
 
-    def read_ahead(self) -> None:
+    def read_ahead(self, middle: bool = False) -> None:
         """For a full load: fetch the first ``min(part_size, HEAD_PREFETCH)`` bytes and the last
         ``prefetch``, two requests.
 
@@ -241,6 +249,11 @@ class BackendSource(Source):
         range), the second starts with the first, or as soon as the size is late, not once it is known:
         the layout comes a round trip sooner (for an object the first range holds whole, its bytes go
         unused). The rest is read in about ``concurrency`` ranges (at most ``part_size`` each).
+
+        ``middle`` (the payloads may be views of what holds them): for an object of up to
+        :data:`MIDDLE_MAX`, the bytes between the first range and the end are read too, as soon as the
+        size is known (:meth:`_read_middle`), instead of into each payload's tensor once the end has
+        told the layout: a round trip sooner where the end is not read with the first range.
         """
         self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
@@ -255,8 +268,8 @@ class BackendSource(Source):
             if end_f is not None:
                 ends.append(end_f)
 
-        past = _first_reply.get(self._store)
-        slow = past is not None and sorted(past)[len(past) // 2] > SLOW_STORE
+        past = pacing.first_reply(self._store)
+        slow = past is not None and past > SLOW_STORE
         t0 = time.monotonic()
         sized_at: list[float] = []
         head_f, size = start_sized(
@@ -269,9 +282,9 @@ class BackendSource(Source):
             told=lambda: sized_at.append(time.monotonic()),
         )
         if sized_at:
-            if past is None:
-                past = _first_reply[self._store] = collections.deque(maxlen=_KEEP_REPLIES)
-            past.append(sized_at[0] - t0)
+            pacing.note_first_reply(self._store, sized_at[0] - t0)
+            if size > len(first):  # the body fills the first range: its speed is one connection's
+                head_f.add_done_callback(functools.partial(pacing.note_body, self._store, len(first), sized_at[0]))
         if self._size is None:
             self._size = size
         head = min(self.size, len(first))
@@ -288,7 +301,21 @@ class BackendSource(Source):
             start = max(head, (self.size - tail) // ALIGN * ALIGN)
             buf = anonymous(self.size - start)
             self._ahead.append((start, buf, self._pool.submit(self._fetch, buf, start)))
+        mid_hi = min((a for a, _, _ in self._ahead[1:]), default=self.size)
+        if middle and self.size <= MIDDLE_MAX and mid_hi > head:
+            self._ahead.append((head, *self._read_middle(head, mid_hi)))
         self._ahead[0] = (0, first[:head], head_f)
+
+    def _read_middle(self, lo: int, hi: int) -> tuple[memoryview, cf.Future[int]]:
+        """Bytes ``[lo, hi)`` into fresh anonymous memory, each as aligned in it as in the file (payloads
+        there are returned as views of it), in parallel ranges of :func:`.pacing.middle_piece` bytes: the buffer
+        and a future of the count read."""
+        n = hi - lo
+        buf = anonymous(n + ALIGN)[lo % ALIGN :][:n]  # each byte as aligned as in the file
+        step = pacing.middle_piece(self._store, n, self.concurrency, self.part_size)
+        assert self._pool is not None  # read_ahead set it
+        futs = [self._pool.submit(self._fetch, buf[a : a + step], lo + a) for a in range(0, n, step)]
+        return buf, all_of(futs)
 
     def _or_by_offset(self, fut: cf.Future[int], skip: int, view: memoryview, offset: int) -> cf.Future[int]:
         """A future of the suffix read ``fut``'s bytes that ``view`` holds (its count less ``skip``); if that
@@ -484,11 +511,13 @@ def with_source(src: Source, fn: Callable[[Source], Any]) -> Any:
 # ------------------------------------------------------------------------------------------
 # metadata
 # ------------------------------------------------------------------------------------------
-def read_meta(src: Source, full: bool = False) -> Meta:
-    """The validated metadata. ``full``: every payload will be read (remote sources may read ahead)."""
+def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
+    """The validated metadata. ``full``: every payload will be read (remote sources may read ahead);
+    ``views``: payloads read ahead may be returned as views of what holds them (a remote source then
+    reads a small object's middle ahead too: :meth:`BackendSource.read_ahead`)."""
     ahead = src if full and isinstance(src, BackendSource) and not src.local else None
     if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
-        ahead.read_ahead()  # the object's size comes with its first request's headers
+        ahead.read_ahead(middle=views)  # the object's size comes with its first request's headers
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
