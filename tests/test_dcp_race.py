@@ -7,12 +7,14 @@ let the loser's data replace the winner's) and a few free races started at a sha
 GCS emulator does not make create-only writes atomic, so there a free race may let both saves
 return; the committed checkpoint must still be exactly one racer's state.
 
-Two ``Checkpointer`` saves of one step have one window more (documented in
+Two ``Checkpointer`` saves of one step have two windows more (documented in
 ``ckptio/checkpointer/core.py``): a save whose start falls between the other's DCP commit and its
 marker discards that DCP checkpoint as a crashed save's debris and commits its own data under the
-other's marker. The committed step is then exactly the losing racer's complete state (it loads and
-verifies; no foreign object is left), but the racer told "ok" is not the one whose state is
-committed. Free Checkpointer races check that guarantee; the forced order checks the winner's."""
+other's marker; one whose start falls between the other's marker and its ``latest.txt`` replaces
+that committed step as any step that is not the latest, and both saves return. The committed step
+is then exactly one racer's complete state (it loads and verifies; no foreign object is left), but
+it may not be the state of the racer told "ok", or both are told "ok". Free Checkpointer races check
+that guarantee; the forced order checks the winner's."""
 
 from __future__ import annotations
 
@@ -86,10 +88,11 @@ def check_outcome(
     checks ``ifGenerationMatch`` before an upload, not atomically; GCS does), so both DCP commits
     may land, the later one replacing the earlier. What is committed must still be exactly one
     racer's state, never a mix of their bytes. ``winner_committed=False``: the committed state may be
-    the loser's (the Checkpointer window in the module docstring), still exactly one racer's."""
+    the loser's, or both told "ok" (the Checkpointer windows in the module docstring), still exactly
+    one racer's."""
     winners = [s for s, o in outcomes.items() if o == "ok"]
     assert all(o == "ok" or o.startswith("AlreadyExistsError") for o in outcomes.values()), outcomes
-    assert len(winners) == 1 or (winners and not atomic_create), outcomes
+    assert len(winners) == 1 or (winners and not (atomic_create and winner_committed)), outcomes
     got, ckpt = committed(uri, kind)
     exact = [
         s

@@ -8,7 +8,9 @@ Commit protocol of ``save(step, state)``:
    names, :func:`ckptio.dcp.discard`), never the whole directory: DCP names data objects per save,
    so of two saves of one step at once the first DCP commit wins and the other raises
    :class:`AlreadyExistsError` (only a save starting between another's DCP commit and its marker
-   replaces that one's data);
+   replaces that one's data, and one starting between another's marker and its pointer replaces
+   that committed step as any step that is not the latest: both then return, and the step holds
+   exactly the later one's complete state);
 2. the data objects are written (each atomic on its own; DCP commits its ``.metadata`` last;
    :mod:`.formats`);
 3. ``checkpoint.json`` (format, step, metrics, files) is written with ``mode="create"``: from here on the
