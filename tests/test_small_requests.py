@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 
 import pytest
@@ -168,6 +169,72 @@ def test_a_mid_sized_objects_middle_is_read_once_the_size_is_known(proxy, monkey
         else:
             assert others and all(t >= tail_read[3] for _, _, t, _ in others)  # once the layout is known
             assert len({out[k].untyped_storage().data_ptr() for k in state}) == len(state)
+
+
+def test_a_mid_sized_objects_middle_keeps_to_the_backends_concurrency(proxy, monkeypatch):
+    """The middle's ranges are read at most ``concurrency`` at once (the backend's bound on requests in
+    flight, which users lower for throttled stores), whatever the shared pool's size."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(12)}  # 48 MiB: ten 4 MiB middle ranges
+    uri = proxy.uri + "/middle-bound.fpk"
+    ckptio.dump(state, uri)
+    size = ckptio.resolve(uri)[0].stat(ckptio.resolve(uri)[1]).size
+    lock, now, most = threading.Lock(), [0], [0]
+    real = fpk_read.BackendSource._fetch
+
+    def fetch(self, mv, offset):
+        middle = offset + len(mv) < size  # not the end's read
+        with lock:
+            now[0] += middle
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.02)  # each range takes a while: the next would start meanwhile if allowed
+            return real(self, mv, offset)
+        finally:
+            with lock:
+                now[0] -= middle
+
+    monkeypatch.setattr(fpk_read.BackendSource, "_fetch", fetch)
+    for concurrency in (1, 2):
+        most[0] = 0
+        out = ckptio.load(uri, backend_args={"concurrency": concurrency})
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+        assert most[0] == concurrency, (concurrency, most[0])
+
+
+def test_a_load_failing_on_the_ends_stops_reading_its_middle(proxy, monkeypatch):
+    """A mid-sized object that is no .fpk fails once its head and end are in: no range of its middle
+    starts once the source is closing (the load waits only for those in flight), so it reads less
+    than the object."""
+    from ckptio.formats.fastpickle import read as fpk_read
+
+    uri = proxy.uri + "/not-fpk.fpk"
+    backend, key = ckptio.resolve(uri)
+    size = 60 << 20
+    backend.write(key, bytes(range(256)) * (size >> 8))  # 60 MiB of anything
+    starts: list[tuple[float, int]] = []  # (when, bytes) of each middle range started
+    closed: list[float] = []
+    real_fetch, real_close = fpk_read.BackendSource._fetch, fpk_read.BackendSource.close
+
+    def fetch(self, mv, offset):
+        if offset + len(mv) < size:  # a middle range
+            starts.append((time.monotonic(), len(mv)))
+            time.sleep(0.05)  # slow ranges: the load has failed before the middle is through
+        return real_fetch(self, mv, offset)
+
+    def close(self):
+        closed.append(time.monotonic())
+        real_close(self)
+
+    monkeypatch.setattr(fpk_read.BackendSource, "_fetch", fetch)
+    monkeypatch.setattr(fpk_read.BackendSource, "close", close)
+    proxy.clear()
+    with pytest.raises(ckptio.errors.FormatError, match="not a fastpickle file"):
+        ckptio.load(uri, backend_args={"concurrency": 2, "part_size": 8 << 20})  # more ranges than readers
+    assert starts and all(t < closed[0] for t, _ in starts)
+    assert sum(n for _, n in starts) < size - (9 << 20), starts  # the middle is 52 MiB less the end
 
 
 def test_the_middle_is_read_in_ranges_one_connection_streams_for_two_round_trips():

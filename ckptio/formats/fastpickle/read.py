@@ -215,6 +215,7 @@ class BackendSource(Source):
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
         self._pool: cf.Executor | None = None
         self._checked: Backend | None = None  # after checks_payloads: the backend whose reads check blocks
+        self._closing = threading.Event()  # close(): a read ahead in pieces starts no more of them
 
     def checks_payloads(self) -> None:
         fast = self.backend.for_checked_reads(self.name)
@@ -308,14 +309,29 @@ class BackendSource(Source):
 
     def _read_middle(self, lo: int, hi: int) -> tuple[memoryview, cf.Future[int]]:
         """Bytes ``[lo, hi)`` into fresh anonymous memory, each as aligned in it as in the file (payloads
-        there are returned as views of it), in parallel ranges of :func:`.pacing.middle_piece` bytes: the buffer
-        and a future of the count read."""
+        there are returned as views of it), in ranges of :func:`.pacing.middle_piece` bytes, at most
+        ``concurrency`` at once (the backend's bound on requests in flight), none started once the
+        source is closing (a load that failed on the head or the end waits only for those in flight):
+        the buffer and a future of the count read."""
         n = hi - lo
         buf = anonymous(n + ALIGN)[lo % ALIGN :][:n]  # each byte as aligned as in the file
         step = pacing.middle_piece(self._store, n, self.concurrency, self.part_size)
+        starts = iter(range(0, n, step))
+        lock = threading.Lock()
+
+        def reader() -> int:  # one connection's share: the next piece until none is left
+            total = 0
+            while not self._closing.is_set():
+                with lock:
+                    a = next(starts, None)
+                if a is None:
+                    break
+                total += self._fetch(buf[a : a + step], lo + a)
+            return total
+
         assert self._pool is not None  # read_ahead set it
-        futs = [self._pool.submit(self._fetch, buf[a : a + step], lo + a) for a in range(0, n, step)]
-        return buf, all_of(futs)
+        readers = min(max(1, self.concurrency), -(-n // step))
+        return buf, all_of([self._pool.submit(reader) for _ in range(readers)])
 
     def _or_by_offset(self, fut: cf.Future[int], skip: int, view: memoryview, offset: int) -> cf.Future[int]:
         """A future of the suffix read ``fut``'s bytes that ``view`` holds (its count less ``skip``); if that
@@ -442,6 +458,7 @@ class BackendSource(Source):
 
     def close(self) -> None:
         """The reads ahead that have not started are cancelled; those in flight end before this returns."""
+        self._closing.set()
         futures = [fut for _, _, fut in self._ahead if not fut.cancel()]
         self._pool = None
         if futures:
