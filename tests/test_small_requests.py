@@ -238,22 +238,31 @@ def test_a_load_failing_on_the_ends_stops_reading_its_middle(proxy, monkeypatch)
 
 
 def test_the_middle_is_read_in_ranges_one_connection_streams_for_two_round_trips():
-    """pacing.middle_piece: ``n`` over the connections, at least MIDDLE_PIECE, at least what one
-    connection of the store moved (median of its last first ranges) in two of its first replies (median),
-    at most part_size; the history is the store's own."""
+    """pacing.middle_piece: ``n`` in equal ranges, as many as the connections take, fewer where one would
+    be shorter than MIDDLE_PIECE or than what one connection of the store moved (median of its last
+    first ranges) in two of its first replies (median), none over part_size; the history is the
+    store's own."""
     from ckptio.backends.memory import MemoryBackend
 
     store, other, mib = MemoryBackend(), MemoryBackend(), 1 << 20
-    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE  # no history yet
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == 4 * mib  # no history yet: the floor
+    assert pacing.middle_piece(store, 26 * mib, 16, 16 * mib) == -(-26 * mib // 6)  # 6 equal, not 6 x 4 + 2
     for s in (0.008, 0.009, 0.010):
         pacing.note_first_reply(store, s)
-    pacing.conn_rates[store] = collections.deque([0.6e9, 0.7e9, 0.1e9])
-    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == int(2 * 0.6e9 * 0.009)  # a fast connection
-    assert pacing.middle_piece(other, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE
-    assert pacing.middle_piece(store, 24 * mib, 16, 8 * mib) == 8 * mib  # part_size caps it
+    pacing.conn_rates[store] = collections.deque([0.6e9, 0.7e9, 0.1e9])  # 10.8 MB in two 9 ms replies
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == 12 * mib  # 2 ranges of 12 MiB, not 10 + 10 + 4
+    assert pacing.middle_piece(store, 30 * mib, 16, 16 * mib) == 15 * mib  # 2 of at least 10.8 MB
+    assert pacing.middle_piece(other, 24 * mib, 16, 16 * mib) == 4 * mib
+    assert pacing.middle_piece(store, 40 * mib, 16, 8 * mib) == 8 * mib  # part_size caps it
     pacing.conn_rates[store] = collections.deque([0.09e9])  # 90 MB/s, 9 ms: 1.6 MB, the floor
-    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == pacing.MIDDLE_PIECE
+    assert pacing.middle_piece(store, 24 * mib, 16, 16 * mib) == 4 * mib
     assert pacing.middle_piece(store, 120 * mib, 16, 16 * mib) == 120 * mib // 16  # shared out
+    for n in (1, 5 * mib + 3, 63 * mib):
+        for part in (1, 3 * mib, 16 * mib):
+            p = pacing.middle_piece(store, n, 16, part)
+            k = -(-n // p)
+            assert 1 <= p <= part and k * p - n < k, (n, part, p)  # equal, within a byte
+            assert p >= min(part, 4 * mib, n) or k == -(-n // part), (n, part, p)  # the floor, or part_size's count
 
 
 def test_small_fpk_partial_load_still_reads_ranges(proxy):

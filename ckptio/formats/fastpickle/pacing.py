@@ -50,11 +50,17 @@ def note_body(store: Backend, n: int, sized: float, fut: cf.Future[int]) -> None
 
 
 def middle_piece(store: Backend, n: int, concurrency: int, part_size: int) -> int:
-    """The range of a read of ``n`` bytes from ``store`` read ahead: ``n`` shared over ``concurrency``
-    connections, at least MIDDLE_PIECE and what one connection streams in two of the store's first
-    replies (the medians of the last few), at most ``part_size``."""
+    """The range of a read of ``n`` bytes from ``store`` read ahead: ``n`` cut into equal ranges (so
+    they end together), as many as ``concurrency`` connections take, fewer where a range would be
+    shorter than MIDDLE_PIECE or than what one connection streams in two of the store's first replies
+    (the medians of the last few), none longer than ``part_size`` (which wins over the floor)."""
     least = MIDDLE_PIECE
     rates, reply = conn_rates.get(store), first_reply(store)
     if rates and reply is not None:
         least = max(least, int(2 * median(rates) * reply))
-    return max(1, min(part_size, max(least, -(-n // max(1, concurrency)))))
+    n, part_size = max(1, n), max(1, part_size)
+    piece = min(part_size, max(least, -(-n // max(1, concurrency))))
+    k = max(1, n // piece)  # ranges of at least ``piece``...
+    if -(-n // k) > part_size:
+        k = -(-n // part_size)  # ... unless that makes one longer than part_size
+    return -(-n // k)

@@ -77,10 +77,11 @@ TAIL_EARLY = 0.015
 # A full remote load of an object of up to MIDDLE_MAX bytes reads the part between its first range and its
 # end at once, once the first reply tells the size, not after the end's round trip has told the layout:
 # payloads there come back as views of that buffer, as those in the first range and the end do; in ranges
-# of pacing.middle_piece (fewer, longer ones where one connection of the store is fast). 32 MiB,
-# interleaved rounds: loopback moto 0.358 -> 0.425 and 0.416 -> 0.489 GB/s (1.13x -> 1.41x and 1.26x ->
-# 1.42x S3Checkpoint), 16 MiB 0.372 -> 0.415, 64 MiB unchanged (0.440); through the realistic proxy (20 ms,
-# 90 MB/s a connection), where the end already comes with the first range, unchanged (32 MiB 0.253 -> 0.249).
+# of pacing.middle_piece (fewer, longer ones where one connection of the store is fast). Interleaved
+# rounds, loopback moto: 32 MiB 0.358 -> 0.425, 0.416 -> 0.489, 0.436 -> 0.486 GB/s (1.13-1.26x ->
+# 1.41-1.43x S3Checkpoint), 48 MiB 0.488 -> 0.553, 16 MiB 0.372 -> 0.415; through the realistic proxy
+# (20 ms, 90 MB/s a connection), where the end already comes with the first range, unchanged (32 MiB
+# 0.253 -> 0.249, 0.252 -> 0.251). Larger objects keep their payloads in tensors of their own.
 MIDDLE_MAX = 64 << 20
 LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
 
