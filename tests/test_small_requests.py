@@ -145,7 +145,7 @@ def test_a_mid_sized_objects_middle_is_read_once_the_size_is_known(proxy, monkey
     def fetch(self, mv, offset):
         t = time.monotonic()
         if offset + len(mv) == size:  # the end: the layout comes late
-            time.sleep(0.3)
+            time.sleep(1.0)
         try:
             return real(self, mv, offset)
         finally:
@@ -162,8 +162,8 @@ def test_a_mid_sized_objects_middle_is_read_once_the_size_is_known(proxy, monkey
         others = [c for c in calls if c is not tail_read]
         if mmap is None:
             assert ranges[0][0] == head and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # once each
-            assert len(others) >= 2 and all(n >= pacing.MIDDLE_PIECE or o + n == tail_read[0] for o, n, _, _ in others)
-            assert all(t < tail_read[3] - 0.2 for _, _, t, _ in others)  # not waiting for the end's reply
+            assert others and all(n >= pacing.MIDDLE_PIECE for _, n, _, _ in others)  # (how many: the store's pace)
+            assert all(t < tail_read[3] - 0.5 for _, _, t, _ in others)  # not waiting for the end's reply
             assert out["w4"].data_ptr() - out["w2"].data_ptr() == 2 * (4 << 20)  # views of one buffer
             assert sum(r.bytes_out for r in proxy.requests) <= size + (64 << 10)
         else:
@@ -233,7 +233,8 @@ def test_a_load_failing_on_the_ends_stops_reading_its_middle(proxy, monkeypatch)
     proxy.clear()
     with pytest.raises(ckptio.errors.FormatError, match="not a fastpickle file"):
         ckptio.load(uri, backend_args={"concurrency": 2, "part_size": 8 << 20})  # more ranges than readers
-    assert starts and all(t < closed[0] for t, _ in starts)
+    # (a reader that found the source open as close() began may start one more range)
+    assert starts and sum(t >= closed[0] for t, _ in starts) <= 2
     assert sum(n for _, n in starts) < size - (9 << 20), starts  # the middle is 52 MiB less the end
 
 
