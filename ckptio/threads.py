@@ -190,10 +190,13 @@ def all_of(futs: list[cf.Future[int]]) -> cf.Future[int]:
     running when it is); the first failure's error if any failed, CancelledError if one was cancelled."""
     out: cf.Future[int] = cf.Future()
     out.set_running_or_notify_cancel()
+    if not futs:
+        out.set_result(0)
+        return out
     left = [len(futs)]
     lock = threading.Lock()
 
-    def done(_: cf.Future[int] | None = None) -> None:
+    def done(_: cf.Future[int]) -> None:
         with lock:
             left[0] -= 1
             if left[0] > 0:
@@ -207,9 +210,6 @@ def all_of(futs: list[cf.Future[int]]) -> cf.Future[int]:
         else:
             out.set_result(sum(f.result() for f in futs))
 
-    if not futs:
-        left[0] = 1
-        done()
     for f in futs:
         f.add_done_callback(done)
     return out

@@ -24,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 from ckptio import fastpickle as fp
 from ckptio.errors import FormatError, IntegrityError
 from ckptio.formats.fastpickle import read as fpk_read
+from ckptio.formats.fastpickle.meta import read_meta
 from fpk_crafting import seal, split
 from test_fastpickle import assert_same, roundtrip
 
@@ -233,7 +234,7 @@ def lie_in_table(field_path, value) -> bytes:
 def test_lying_tables_are_rejected_before_allocation(field_path, value):
     data = lie_in_table(field_path, value)
     with pytest.raises(FormatError):
-        fpk_read.read_meta(fpk_read.FileSource(io.BytesIO(data)))  # rejected by validation, before any tensor exists
+        read_meta(fpk_read.FileSource(io.BytesIO(data)))  # rejected by validation, before any tensor exists
     with pytest.raises(FormatError):
         load_bytes(data)
 

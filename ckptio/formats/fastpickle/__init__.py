@@ -6,8 +6,9 @@ written with, and is read with, ``allow_pickle=True``.
 
 The package, by responsibility: :mod:`.layout` (the byte layout, dtype tables, metadata validation),
 :mod:`.encode` (object tree -> msgpack tree, tensor table, storages), :mod:`.write` (sinks, the byte
-stream), :mod:`.read` (sources, metadata), :mod:`.pacing` (what a remote store's replies showed, and the
-read sizes drawn from it), :mod:`.payloads` (payload reads and mappings), :mod:`.decode` (tree decoding,
+stream), :mod:`.read` (sources), :mod:`.meta` (the checked metadata), :mod:`.pacing` (what a remote
+store's replies showed, and the read sizes drawn from it), :mod:`.payloads` (payload reads and
+mappings), :mod:`.decode` (tree decoding,
 tensors from payloads), :mod:`.select` (partial loads), :mod:`.format` (the registered Format and
 ``save`` / ``load`` / ``inspect``). ``ckptio.fastpickle`` re-exports the public names.
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import statistics
 import time
 import weakref
 
@@ -27,14 +28,10 @@ first_replies: weakref.WeakKeyDictionary[Backend, collections.deque[float]] = we
 conn_rates: weakref.WeakKeyDictionary[Backend, collections.deque[float]] = weakref.WeakKeyDictionary()
 
 
-def median(xs: collections.deque[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def first_reply(store: Backend) -> float | None:
     """The median time the store's last first replies took to tell the size (None: none yet)."""
     past = first_replies.get(store)
-    return median(past) if past else None
+    return statistics.median_high(past) if past else None
 
 
 def note_first_reply(store: Backend, seconds: float) -> None:
@@ -57,7 +54,7 @@ def middle_piece(store: Backend, n: int, concurrency: int, part_size: int) -> in
     least = MIDDLE_PIECE
     rates, reply = conn_rates.get(store), first_reply(store)
     if rates and reply is not None:
-        least = max(least, int(2 * median(rates) * reply))
+        least = max(least, int(2 * statistics.median_high(rates) * reply))
     n, part_size = max(1, n), max(1, part_size)
     piece = min(part_size, max(least, -(-n // max(1, concurrency))))
     k = max(1, n // piece)  # ranges of at least ``piece``...

@@ -1,4 +1,5 @@
-"""Reading ``.fpk`` files: sources and the validated metadata (the payloads: :mod:`.payloads`).
+"""Reading ``.fpk`` files: the sources their bytes come from (the metadata: :mod:`.meta`; the payloads:
+:mod:`.payloads`).
 
 A source is a local file descriptor (a local file, or any backend's ``local_file``), an open binary
 file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
@@ -32,26 +33,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
-import xxhash
-
 from ...backends.base import Backend, start_sized
-from ...errors import FormatError, IntegrityError
+from ...errors import IntegrityError
 from ...osio import address, anonymous, preadinto, preadv_into, translate_os_errors
-from ...threads import Pool, all_of, shared_pool
+from ...threads import all_of, shared_pool
 from . import pacing
-from .layout import (
-    ALIGN,
-    CHUNK,
-    FOOTER,
-    FOOTER_MAGIC,
-    HEADER,
-    MAGIC,
-    VERSION,
-    Meta,
-    reason,
-    validate,
-)
+from .layout import ALIGN, CHUNK
 
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
 # ... and at most this much of the start (the header, the first payloads; a smaller object whole) in another:
@@ -293,19 +280,19 @@ class BackendSource(Source):
         # only the footer and (usually) the metadata: the layout is known after one small request, so the
         # reads of the rest start without waiting for a part_size body at 90 MB/s a connection
         tail = min(self.size - head, self.prefetch)
+        end_at = self.size  # where the range read for the end starts
         if tail and ends and end is not None:  # the suffix read: [size - got, size), less what the head holds
             got = min(len(end) - ALIGN + 1, self.size)
             at = (self.size - got) % ALIGN  # where it put them (Backend.start_read_tail)
             skip = max(head, self.size - got) - (self.size - got)
-            lo, view = self.size - got + skip, end[at + skip : at + got]
-            self._ahead.append((lo, view, self._or_by_offset(ends[0], skip, view, lo)))
+            end_at, view = self.size - got + skip, end[at + skip : at + got]
+            self._ahead.append((end_at, view, self._or_by_offset(ends[0], skip, view, end_at)))
         elif tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
-            start = max(head, (self.size - tail) // ALIGN * ALIGN)
-            buf = anonymous(self.size - start)
-            self._ahead.append((start, buf, self._pool.submit(self._fetch, buf, start)))
-        mid_hi = min((a for a, _, _ in self._ahead[1:]), default=self.size)
-        if middle and self.size <= MIDDLE_MAX and mid_hi > head:
-            self._ahead.append((head, *self._read_middle(head, mid_hi)))
+            end_at = max(head, (self.size - tail) // ALIGN * ALIGN)
+            buf = anonymous(self.size - end_at)
+            self._ahead.append((end_at, buf, self._pool.submit(self._fetch, buf, end_at)))
+        if middle and self.size <= MIDDLE_MAX and end_at > head:
+            self._ahead.append((head, *self._read_middle(head, end_at)))
         self._ahead[0] = (0, first[:head], head_f)
 
     def _read_middle(self, lo: int, hi: int) -> tuple[memoryview, cf.Future[int]]:
@@ -524,83 +511,3 @@ def with_source(src: Source, fn: Callable[[Source], Any]) -> Any:
             return fn(src)
     finally:
         src.close()
-
-
-# ------------------------------------------------------------------------------------------
-# metadata
-# ------------------------------------------------------------------------------------------
-def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
-    """The validated metadata. ``full``: every payload will be read (remote sources may read ahead);
-    ``views``: payloads read ahead may be returned as views of what holds them (a remote source then
-    reads a small object's middle ahead too: :meth:`BackendSource.read_ahead`)."""
-    ahead = src if full and isinstance(src, BackendSource) and not src.local else None
-    if ahead is not None:  # the header is checked once its request is in, while the payloads are being read
-        ahead.read_ahead(middle=views)  # the object's size comes with its first request's headers
-    name, size = src.name, src.size
-    if size < HEADER.size + FOOTER.size:
-        raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
-    # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
-    tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
-    header: bytes | memoryview = b""
-    deferred = ahead is not None
-    if ahead is not None:
-        tail = src.view(size - tail_len, tail_len)
-    elif src.concurrency > 1 and src.prefetch and not src.local:  # no request latency to hide locally
-        with Pool(2, thread_name_prefix="fpk-meta") as ex:
-            head_f = ex.submit(src.read, 0, HEADER.size)
-            tail = src.view(size - tail_len, tail_len)
-            header = head_f.result()
-    else:
-        header, tail = src.view(0, HEADER.size), src.view(size - tail_len, tail_len)
-    footer = tail[-FOOTER.size :]
-    meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
-    if not deferred and header[:8] != MAGIC:
-        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
-    if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
-        if deferred and src.view(0, HEADER.size)[:8] != MAGIC:
-            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
-        raise IntegrityError(
-            f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or has trailing bytes"
-        )
-    if version > VERSION:
-        raise FormatError(f"{name}: fastpickle version {version} is newer than this reader ({VERSION}); upgrade ckptio")
-    if rec_size != size:
-        raise IntegrityError(f"{name}: file is {size} bytes but its footer records {rec_size} (truncated or extended)")
-    if meta_off < HEADER.size or meta_off + meta_len + FOOTER.size != size:
-        raise IntegrityError(f"{name}: metadata range [{meta_off}, {meta_off + meta_len}) does not fit the file")
-    if meta_off >= size - tail_len:
-        meta_bytes = tail[meta_off - (size - tail_len) : -FOOTER.size]
-    else:
-        meta_bytes = src.view(meta_off, meta_len)
-
-    def check_header(header: bytes | memoryview) -> None:
-        hmagic, hversion, hflags, align = HEADER.unpack(header)
-        if hmagic != MAGIC:
-            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
-        h = xxhash.xxh3_64()
-        h.update(header)
-        h.update(meta_bytes)
-        if h.intdigest() != meta_hash:
-            raise IntegrityError(
-                f"{name}: metadata checksum mismatch (header or bytes [{meta_off}, {meta_off + meta_len}))"
-            )
-        if (hversion, hflags) != (version, flags) or align != ALIGN:
-            raise FormatError(f"{name}: header and footer disagree")
-
-    if not deferred:
-        check_header(header)
-    try:
-        try:
-            meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, use_list=True)
-            out = validate(meta, name, size, meta_off, flags)
-        except FormatError:
-            raise
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
-            raise FormatError(f"{name}: malformed metadata: {reason(e)}") from e
-    except FormatError:
-        if deferred:  # a checksum mismatch (corruption) explains malformed metadata better
-            check_header(src.view(0, HEADER.size))
-        raise
-    if deferred:  # verified before anything is decoded or returned; the footer's own checksum held
-        out.check = lambda: check_header(src.view(0, HEADER.size))
-    return out
