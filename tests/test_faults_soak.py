@@ -1,4 +1,4 @@
-"""Soak (``-m slow``): 200 save/resume cycles against S3 behind the fault proxy (two loops of 100 at
+"""Soak (``-m slow``): 200 save/resume cycles against S3 behind the fault proxy (four loops of 50 at
 once, each on its own root), with random injected faults and random SIGKILLs of the saving process.
 
 Each cycle forks a trainer that resumes from the latest checkpoint, checks that it restored
@@ -63,7 +63,7 @@ def _trainer(root: str, fmt: str, endpoint: str, out: int) -> None:
         os._exit(code)
 
 
-LOOPS = 2  # concurrent soak loops (own root, own fault proxy): the cycles mostly wait on stalls and kills
+LOOPS = 4  # concurrent soak loops (own root, own fault proxy): the cycles mostly wait on stalls and kills
 
 
 def _soak(proxy, root: str, fmt: str, cycles: int, seed: int) -> tuple[int, int | None, int, int]:
