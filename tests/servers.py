@@ -10,6 +10,7 @@ tests that check what the server saw.
 from __future__ import annotations
 
 import http.client
+import ssl
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -99,11 +100,19 @@ class LoopbackProxy:
     thread_name = "proxy"
     requests: list[Any]
 
-    def _serve(self, handler: type, server: type = ThreadingHTTPServer) -> None:
+    def _serve(self, handler: type, server: type = ThreadingHTTPServer, tls: ssl.SSLContext | None = None) -> None:
         self._lock = threading.Lock()
+        if tls is not None:  # https: each connection wrapped (its handshake on the handler's thread)
+
+            class TLSServer(server):  # type: ignore[valid-type,misc]
+                def get_request(self) -> tuple[Any, Any]:
+                    sock, addr = super().get_request()
+                    return tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+            server = TLSServer
         self._server = server(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self._server.server_address[1]}"
         self._thread: threading.Thread | None = None
 
     def start(self):
@@ -139,6 +148,7 @@ class CountingProxy(LoopbackProxy):
 
     upstream: str
     requests: list[Request] = field(default_factory=list)
+    tls: ssl.SSLContext | None = None  # serve https with this server context
     thread_name = "counting-proxy"
 
     def __post_init__(self) -> None:
@@ -161,7 +171,7 @@ class CountingProxy(LoopbackProxy):
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _relay
 
-        self._serve(Handler)
+        self._serve(Handler, tls=self.tls)
 
     def clear(self) -> None:
         with self._lock:

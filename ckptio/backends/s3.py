@@ -23,6 +23,10 @@ have to checksum the whole object again at completion. ``checksum="none"`` (also
 boto3's ``request_checksum_calculation`` is ``when_required``, in the environment or the AWS config
 file) is for S3-compatible stores that reject checksum headers.
 
+Ranged GETs go around the client (``direct_reads=True``, see :mod:`ckptio.objectstore.direct`): the
+client presigns each one and ``http.client`` reads its body straight into the caller's buffer; where
+a proxy or a client certificate applies, or a bucket refuses the presigned URL, the client sends them.
+
 Every request runs under the backend's :class:`~ckptio.objectstore.retry.RetryPolicy` (``max_attempts`` or
 ``retries``, ``deadline``, ``timeout``, ``stall_timeout``); botocore's own retries are off so the
 two never multiply. Parts of multipart uploads and ranges of reads are retried one by one.
@@ -43,6 +47,7 @@ from typing import Any
 
 from .. import uri as _uri
 from ..errors import MissingDependencyError, TransferError, replaced
+from ..objectstore import direct as _direct
 from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
@@ -62,9 +67,16 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     ) from _e
 
 # after the version check:
-from ..objectstore.s3_client import S3ClientConfig, credentials_from, own_retries  # noqa: E402
+from ..objectstore.s3_client import S3ClientConfig, credentials_from, direct_route, own_retries  # noqa: E402
 from ..objectstore.s3_multipart import MAX_PARTS, MIN_PART_SIZE, S3Writer  # noqa: E402
-from ..objectstore.s3_support import checksum_option, classify, translate  # noqa: E402
+from ..objectstore.s3_support import (  # noqa: E402
+    checksum_option,
+    classify,
+    error_code,
+    refuses_presigned,
+    reply_error,
+    translate,
+)
 
 # Ranged reads are ``part_size``: 16 MiB, within AWS's 8-16 MiB guidance, so that an object of a
 # few hundred MiB already keeps ``concurrency`` connections busy (one S3 connection moves ~90 MB/s).
@@ -81,6 +93,36 @@ UPLOAD_PART_SIZE = 8 * 1024 * 1024
 # into the caller's tensors, so more of them in flight costs no memory; uploads stay bounded by
 # max_buffer_bytes.
 S3_CONCURRENCY = 16
+# Direct reads GET a presigned URL at once (see S3Backend._direct_get); its lifetime only
+# has to cover the request's start.
+PRESIGNED_SECONDS = 900
+
+
+class _ClientReply:
+    """The client's GetObject reply as a direct GET's (status, lower-case headers, ``fill``, ``close``)."""
+
+    def __init__(self, resp: dict[str, Any], stall: float) -> None:
+        meta = resp.get("ResponseMetadata", {})
+        self.status, self.headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
+        self._body, self._stall = resp["Body"], stall
+
+    async def fill(self, into: list[memoryview]) -> int:
+        total = 0
+        async with _retry.StallWatch(self._stall) as watch:
+            for view in into:  # the body streams through the buffers in order
+                pos = 0
+                while pos < len(view):
+                    n = await watch(self._body.readinto(view[pos:]))
+                    if not n:
+                        break
+                    pos += n
+                total += pos
+                if pos < len(view):
+                    break
+        return total
+
+    def close(self) -> None:
+        self._body.close()
 
 
 class S3Backend(ObjectStoreBackend):
@@ -115,6 +157,7 @@ class S3Backend(ObjectStoreBackend):
         max_buffer_bytes: int | str = _multipart.DEFAULT_MAX_BUFFER_BYTES,
         upload_part_size: int | str | None = None,
         checksum: str | None = None,
+        direct_reads: bool = True,
     ) -> None:
         self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
@@ -153,6 +196,10 @@ class S3Backend(ObjectStoreBackend):
             provider=self._refresher.provider,
         )
         self.endpoint_url, self.region, self.anon = config.endpoint_url, config.region, config.anon
+        self.direct_reads = bool(direct_reads)
+        self._direct: _direct.DirectGets | None = None  # made by the first direct GET
+        self._indirect: set[str] = set()  # buckets whose GETs are the client's (see _direct_get)
+        self._connect_timeout = float(connect_timeout)
         self._fs = config.filesystem(
             connect_timeout=connect_timeout,
             read_timeout=min(float(read_timeout), self.policy.stall_timeout),
@@ -224,6 +271,9 @@ class S3Backend(ObjectStoreBackend):
         return translate(e, uri, checksum=self.checksum, endpoint_url=self.endpoint_url)
 
     def close_clients(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
         clients = [c for c in (self._client, *self._old_clients) if c is not None]
         self._client, self._old_clients = None, []
         for client in clients:
@@ -252,7 +302,11 @@ class S3Backend(ObjectStoreBackend):
         async def once(s3: Any) -> int:
             cond = {"IfMatch": pin.token} if pin is not None and pin.token else {}
             try:
-                resp = await s3.get_object(Bucket=bucket, Key=key, Range=rng, **cond)
+                reply: _direct.DirectResponse | _ClientReply | None = await self._direct_get(
+                    s3, bucket, key, rng, cond, stall
+                )
+                if reply is None:  # the client's own GET
+                    reply = _ClientReply(await s3.get_object(Bucket=bucket, Key=key, Range=rng, **cond), stall)
             except ClientError as e:
                 code = e.response.get("Error", {}).get("Code")
                 if code == "InvalidRange":
@@ -261,37 +315,22 @@ class S3Backend(ObjectStoreBackend):
                 if cond and (code == "PreconditionFailed" or status == 412):
                     raise replaced(uri, cond["IfMatch"]) from None
                 raise
-            body, total = resp["Body"], 0
-            meta = resp.get("ResponseMetadata", {})
-            status, headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
-            if pin is not None:
-                try:
-                    pin.check(uri, headers.get("etag"))
-                except Exception:
-                    body.close()
-                    raise
+            total = 0
+            status, headers = reply.status, reply.headers
             try:
+                if pin is not None:
+                    pin.check(uri, headers.get("etag"))
                 size = None
-                if on_size is not None or start < 0:  # in the try: the body is closed whatever this raises
+                if on_size is not None or start < 0:
                     size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
                 if on_size is not None and size is not None:
                     on_size(size)
                 if start < 0:
                     _retry.check_suffix_status(status, -start, size, uri, headers.get("content-range"))
                 _retry.check_ranged_status(status, start, uri)
-                async with _retry.StallWatch(stall) as watch:
-                    for view in into:  # the body streams through the buffers in order
-                        pos = 0
-                        while pos < len(view):
-                            n = await watch(body.readinto(view[pos:]))
-                            if not n:
-                                break
-                            pos += n
-                        total += pos
-                        if pos < len(view):
-                            break
+                total = await reply.fill(into)  # the body streams through the buffers in order
             finally:
-                body.close()
+                reply.close()
             want = -start if start < 0 else end - start
             _retry.check_range(want, total, headers.get("content-range"), headers.get("content-length"))
             return total
@@ -300,6 +339,45 @@ class S3Backend(ObjectStoreBackend):
         return await self._op(uri, what, once)
 
     _sized_get_range = _get_range  # ``into`` is read after ``on_size``: see ObjectStoreBackend._get_range
+
+    async def _direct_get(
+        self, s3: Any, bucket: str, key: str, rng: str, cond: dict[str, str], stall: float
+    ) -> _direct.DirectResponse | None:
+        """The GET sent around the client (see :mod:`ckptio.objectstore.direct`): its reply when it is a
+        body; the ``ClientError`` the client would raise for an error reply; None when this GET is the
+        client's to send: ``direct_reads`` off, a proxy, or a bucket that answered a direct GET with a
+        redirect or a refusal that may be about the presigned URL (the bucket's region, a policy
+        refusing query-string authentication: the client's own GETs for that bucket from then on)."""
+        if not self.direct_reads or bucket in self._indirect:
+            return None
+        url = await s3.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGNED_SECONDS
+        )
+        if self._direct is None:
+            ok, ssl_context = direct_route(s3, url)
+            if not ok:
+                self.direct_reads = False
+                return None
+            self._direct = _direct.DirectGets(
+                ssl_context=await asyncio.to_thread(ssl_context) if ssl_context else None,
+                connect_timeout=self._connect_timeout,
+                workers=2 * self.concurrency,
+            )
+        headers = {"Range": rng}
+        if cond:
+            headers["If-Match"] = cond["IfMatch"]
+        reply = await self._direct.get(url, headers, stall)
+        if reply.status < 300:
+            return reply
+        try:
+            body = await reply.error_body()
+        finally:
+            reply.close()
+        error = reply_error(reply.status, reply.headers, body, "GetObject")
+        if not refuses_presigned(reply.status, error_code(error)[0]):
+            raise error
+        self._indirect.add(bucket)
+        return None
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(

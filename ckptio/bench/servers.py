@@ -179,7 +179,7 @@ class TLSMotoServer(MotoServer):
     def __init__(self, directory: str) -> None:
         super().__init__()
         self.url = f"https://127.0.0.1:{self.port}"
-        self.ca_file, self._key_file = _self_signed_certificate(directory)
+        self.ca_file, self._key_file = self_signed_certificate(directory)
         import ssl
 
         self.ssl_context = ssl.create_default_context(cafile=self.ca_file)
@@ -188,7 +188,8 @@ class TLSMotoServer(MotoServer):
         return super().command() + ["-c", self.ca_file, "-k", self._key_file]
 
 
-def _self_signed_certificate(directory: str) -> tuple[str, str]:
+def self_signed_certificate(directory: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, as PEM files in ``directory``."""
     import datetime
     import ipaddress
 

@@ -6,6 +6,7 @@
 - :mod:`.ranged`: parallel ranged reads into the caller's buffer, and running on the IO loop;
 - :mod:`.multipart`: the bounded-memory streaming multipart writer;
 - :mod:`.body`: request bodies over the caller's memory (no copies in botocore or aiohttp);
+- :mod:`.direct`: GETs of presigned URLs whose bodies the kernel copies straight into the caller's memory;
 - :mod:`.retry`: the retry policy, error classes and credential refresh every request runs under;
 - :mod:`.s3_support`: S3-only machinery (error classification and translation, credentials files,
   the signer);

@@ -3,7 +3,9 @@ keeps its request hooks: :class:`S3ClientConfig` turns the endpoint, region and 
 (``credentials_file``, the environment, a ``credential_provider``) into one s3fs filesystem with
 botocore's retries off; :func:`own_retries` hooks every aiobotocore client it opens (retries left to
 :class:`~ckptio.objectstore.retry.RetryPolicy`, the prehashed ``s3v4`` signer); :func:`credentials_from`
-reads what a ``credential_provider`` returns.
+reads what a ``credential_provider`` returns; :func:`direct_route` tells whether a presigned GET may go
+around the client's HTTP session (:mod:`.direct`), with that session's TLS settings. The aiobotocore
+names these reach into are in this module only.
 
 Imported by :mod:`ckptio.backends.s3` after its client-version check (it imports s3fs and botocore).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import s3fs
@@ -120,7 +123,36 @@ def own_retries(client: Any) -> Any:
             events.register_first(
                 f"choose-signer.s3.{op}", choose_prehashed_signer, unique_id=f"ckptio-prehashed-sha256-{op}"
             )
+    if events is not None:
+        events.register_first("choose-signer.s3.GetObject", presign_v4, unique_id="ckptio-presign-v4")
     return client
+
+
+def presign_v4(signature_version: Any = None, **kwargs: Any) -> str | None:
+    """choose-signer hook: GetObject URLs are presigned with SigV4 (``s3v4-query``), as requests are
+    signed. botocore presigns them with S3's legacy SigV2 (``s3-query``) where the client's signature
+    version is not set (the endpoint rules say ``v4``), which AWS regions opened since 2014 refuse;
+    anything else (unsigned, SigV4a, S3 Express) is left to botocore."""
+    return "s3v4-query" if signature_version in ("s3-query", "v4-query") else None
+
+
+def direct_route(client: Any, url: str) -> tuple[bool, Callable[[], Any] | None]:
+    """Whether a GET of ``url``, which ``client`` presigned, may be sent around the client's HTTP
+    session, and (for ``https``) a function building the SSL context that session verifies hosts with
+    (it reads the CA bundle: call it off the IO loop). Not where a proxy applies to the URL or the
+    session presents a client certificate, nor with an aiobotocore whose session lacks what is read
+    here: such GETs stay the session's."""
+    hs = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    proxies = getattr(hs, "_proxy_config", None)
+    build = getattr(hs, "_build_verify_context", None)
+    if proxies is None or not callable(build) or getattr(hs, "_cert_file", None) or not hasattr(hs, "_cert_file"):
+        return False, None
+    try:
+        if proxies.proxy_url_for(url):
+            return False, None
+    except Exception:  # noqa: BLE001 - an unexpected configuration: the session's own way
+        return False, None
+    return True, (build if url.startswith("https:") else None)
 
 
 def credentials_from(creds: Any) -> tuple[str | None, str | None, str | None]:

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import os
+import re
 from typing import Any
 
 import aiohttp
@@ -65,6 +66,31 @@ def error_code(e: ClientError) -> tuple[str, int | None]:
     """The S3 error code and the HTTP status of a botocore ClientError."""
     code = str(e.response.get("Error", {}).get("Code", ""))
     return code, e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def reply_error(status: int, headers: dict[str, str], body: bytes, operation: str) -> ClientError:
+    """The botocore ``ClientError`` an S3 error reply makes (its XML's ``Code`` and ``Message``; the
+    status as the code when the body has none, as botocore does), for replies read outside botocore."""
+    text = body.decode("utf-8", "replace")
+    code = re.search(r"<Code>([^<]{1,200})</Code>", text)
+    message = re.search(r"<Message>([^<]{0,1000})</Message>", text)
+    return ClientError(
+        {
+            "Error": {"Code": code.group(1) if code else str(status), "Message": message.group(1) if message else ""},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": headers},
+        },
+        operation,
+    )
+
+
+def refuses_presigned(status: int, code: str) -> bool:
+    """Whether an error reply to a presigned GET may be about the way it was sent (a redirect to the
+    bucket's region, a signature or a bucket policy refusing query-string authentication), so that the
+    client's own signed GET may fare differently. Expired credentials are not: the retry policy
+    refreshes them, and the next URL is signed with the new ones."""
+    if code in _retry.EXPIRED_CODES:
+        return False
+    return 300 <= status < 400 or status in (401, 403) or (status == 400 and code.startswith("Authorization"))
 
 
 def classify(e: BaseException) -> str:
