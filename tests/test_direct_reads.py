@@ -6,6 +6,7 @@ way where the presigned URL is refused or a proxy applies, and no byte written a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import ssl
@@ -316,3 +317,129 @@ def test_https_direct_reads_verify_the_server_as_the_client_does(s3_uri, s3_endp
             backend.read(u)
         assert "CERTIFICATE_VERIFY_FAILED" in repr(info.value.__cause__) or "certificate" in str(info.value).lower()
         assert not [r for r in proxy.requests if r.method == "GET"]  # no request got through
+
+
+def test_a_read_cancelled_twice_still_waits_for_its_thread():
+    """A deadline and then a failing sibling range cancel one read twice: the second cancellation must
+    not end the wait for the worker thread, which would go on copying what the kernel had queued."""
+    n = 64 << 20
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+
+            def one(c: socket.socket = c) -> None:
+                with c:
+                    try:
+                        c.recv(65536)
+                        c.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % n)
+                        for _ in range(64):
+                            c.sendall(b"x" * (1 << 20))
+                    except OSError:
+                        pass
+
+            threading.Thread(target=one, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    gets = _direct.DirectGets(ssl_context=None, connect_timeout=5, workers=2)
+
+    async def go() -> list[int]:
+        late = []
+        for i in range(12):
+            reply = await gets.get(f"http://127.0.0.1:{srv.getsockname()[1]}/o", {}, stall=30)
+            buf = bytearray(n)
+            task = asyncio.ensure_future(reply.fill([memoryview(buf)]))
+            await asyncio.sleep(0.002 * (i % 6))
+            task.cancel()
+            for _ in range(2):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # (or it had ended first)
+                await task
+            written = n - buf.count(0)
+            time.sleep(0.05)
+            late.append(n - buf.count(0) - written)
+            reply.close()
+        return late
+
+    try:
+        assert asyncio.run(go()) == [0] * 12
+    finally:
+        gets.close()
+        srv.close()
+
+
+def test_retry_attempts_end_before_their_timeout_or_cancellation_returns():
+    """``RetryPolicy``'s per-attempt timeout returns only once the attempt has ended, even when the
+    waiting task is cancelled meanwhile (``asyncio.wait_for`` of Python 3.11 does not wait then)."""
+    from ckptio.objectstore.retry import within
+
+    ended: list[str] = []
+
+    async def attempt() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:  # cleaning up as a direct read does, whatever cancels it: waiting for its worker thread
+            thread = asyncio.ensure_future(asyncio.sleep(0.05))
+            while not thread.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([thread])
+            ended.append("attempt")
+
+    async def timed_out() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await within(attempt(), 0.05)
+        assert ended == ["attempt"]
+
+    async def cancelled_twice() -> None:
+        task = asyncio.ensure_future(within(attempt(), 10))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended == ["attempt", "attempt"]
+
+    asyncio.run(timed_out())
+    asyncio.run(cancelled_twice())
+
+
+def test_connection_errors_of_direct_gets_are_retried_and_name_the_host_only(s3_faults):
+    """A malformed reply (or DNS, TLS) on a direct GET is a connection error, retried as the client's
+    own are; what it says names the host, never the signed URL."""
+    from ckptio.objectstore.retry import TRANSIENT
+    from ckptio.objectstore.s3_support import classify
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                c.recv(65536)
+                c.sendall(b"HTTX/9 garbage\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    gets = _direct.DirectGets(ssl_context=None, connect_timeout=5, workers=2)
+    secret = "".join(["sig", "nature-value"])  # not in this file's text, which a traceback shows
+
+    async def go() -> None:
+        await gets.get(f"http://127.0.0.1:{srv.getsockname()[1]}/k?X-Amz-Signature={secret}", {}, stall=5)
+
+    try:
+        with pytest.raises(_direct.DirectConnectionError) as info:
+            asyncio.run(go())
+        assert classify(info.value) == TRANSIENT
+        shown = "".join(traceback.format_exception(info.value))
+        assert "127.0.0.1" in str(info.value) and secret not in shown
+    finally:
+        gets.close()
+        srv.close()

@@ -358,11 +358,11 @@ class S3Backend(ObjectStoreBackend):
             if not ok:
                 self.direct_reads = False
                 return None
-            self._direct = _direct.DirectGets(
-                ssl_context=await asyncio.to_thread(ssl_context) if ssl_context else None,
-                connect_timeout=self._connect_timeout,
-                workers=2 * self.concurrency,
-            )
+            context = await asyncio.to_thread(ssl_context) if ssl_context else None
+            if self._direct is None:  # the first of the GETs that built a context meanwhile
+                self._direct = _direct.DirectGets(
+                    ssl_context=context, connect_timeout=self._connect_timeout, workers=2 * self.concurrency
+                )
         headers = {"Range": rng}
         if cond:
             headers["If-Match"] = cond["IfMatch"]

@@ -40,6 +40,25 @@ T = TypeVar("T")
 ERROR_BODY_LIMIT = 64 * 1024  # an error's XML is a few hundred bytes; more is not read
 
 
+class DirectConnectionError(ConnectionError):
+    """A direct GET's connection failed (DNS, TLS, a malformed reply): transient, as the client's
+    own connection errors are; names the host, never the signed URL."""
+
+
+def _connection_error(e: BaseException, host: str) -> BaseException:
+    """What a direct GET raises for ``e``: timeouts, refused certificates, connection resets and
+    short bodies as they are (the retry policy knows them); the other errors of the connection (DNS,
+    TLS, a malformed reply) as a :class:`DirectConnectionError`, retried as the client's are."""
+    if isinstance(e, (TimeoutError, ssl.SSLCertVerificationError, ConnectionError, http.client.IncompleteRead)):
+        return e
+    if isinstance(e, (http.client.HTTPException, ssl.SSLError, socket.gaierror, OSError)):
+        text = str(e)
+        if "X-Amz-" in text or "Signature" in text or "?" in text:  # e.g. http.client's InvalidURL names the URL
+            text = "(message withheld: it names the signed URL)"
+        return DirectConnectionError(f"{type(e).__name__} from {host}: {text}"[:500])
+    return e
+
+
 class DirectResponse:
     """A reply's status and headers (names in lower case), its body still to be read. Read it with
     :meth:`fill` (or :meth:`error_body`) and :meth:`close` it in every case."""
@@ -63,11 +82,17 @@ class DirectResponse:
     async def fill(self, into: Sequence[memoryview]) -> int:
         """Stream the body through the consecutive buffers ``into``, in order; the bytes written (fewer
         than they hold when the body ends first)."""
-        return await self._gets._in_thread(self._sock, _fill, self._resp, into, self._stall)
+        try:
+            return await self._gets._in_thread(self._sock, _fill, self._resp, into, self._stall)
+        except Exception as e:
+            raise _connection_error(e, self._key[1]) from None
 
     async def error_body(self) -> bytes:
         """The first :data:`ERROR_BODY_LIMIT` bytes of the body (an error's XML)."""
-        return await self._gets._in_thread(self._sock, self._resp.read, ERROR_BODY_LIMIT)
+        try:
+            return await self._gets._in_thread(self._sock, self._resp.read, ERROR_BODY_LIMIT)
+        except Exception as e:
+            raise _connection_error(e, self._key[1]) from None
 
     def close(self) -> None:
         """Give the connection back for the next GET when the body was read to its end; else close it."""
@@ -111,10 +136,14 @@ class DirectGets:
         socks: list[socket.socket] = []  # the thread's socket, for a cancellation to shut down
         try:
             # nothing is written into the caller's memory yet: a cancellation need not wait for the thread
-            sent = await self._in_thread(socks, self._send, conn, reused, target, headers, stall, socks, wait=False)
-        except BaseException:
+            sent = await self._in_thread(
+                socks, self._send, conn, reused, target, headers, stall, socks, wait=False, abandoned=conn.close
+            )
+        except asyncio.CancelledError:
+            raise  # the thread may still be in connect/request/getresponse: closed when it ends (_in_thread)
+        except Exception as e:
             conn.close()
-            raise
+            raise _connection_error(e, key[1]) from None
         return DirectResponse(self, key, conn, sent, stall)
 
     def close(self) -> None:
@@ -187,7 +216,12 @@ class DirectGets:
 
     # ---- threads -----------------------------------------------------------------------------
     async def _in_thread(
-        self, sock: socket.socket | list[socket.socket], fn: Callable[..., T], *args: Any, wait: bool = True
+        self,
+        sock: socket.socket | list[socket.socket],
+        fn: Callable[..., T],
+        *args: Any,
+        wait: bool = True,
+        abandoned: Callable[[], None] | None = None,
     ) -> T:
         """``fn(*args)`` on a worker thread reading ``sock`` (or the sockets this list holds once the
         thread has opened them). Cancelled: the socket is shut down (the thread's read returns at
@@ -204,10 +238,19 @@ class DirectGets:
             for one in sock if isinstance(sock, list) else [sock]:
                 _shut(one)
             if wait:
-                with contextlib.suppress(BaseException):
-                    await fut
-            else:  # its outcome is nobody's: retrieved, so that asyncio does not report it
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                # asyncio.wait never cancels ``fut``: a second cancellation (a deadline, then a sibling's
+                # failure) must not end this wait before the thread has left the caller's memory
+                while not fut.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([fut])
+
+            def drop(f: asyncio.Future) -> None:  # its outcome is nobody's: retrieved, its resources freed
+                if not f.cancelled():
+                    f.exception()
+                if abandoned is not None:
+                    abandoned()
+
+            fut.add_done_callback(drop)
             raise
 
 

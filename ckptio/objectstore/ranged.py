@@ -18,6 +18,7 @@ from fsspec.asyn import sync
 
 from ..errors import replaced
 from ..threads import exit_safe
+from .retry import settle as _retry_settle
 
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
@@ -94,8 +95,8 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     for t in pending:
         t.cancel()
-    if pending:
-        await asyncio.wait(pending)
+    for t in pending:  # each has left the caller's buffers, even if this task is cancelled meanwhile
+        await _retry_settle(t)
     errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # every one retrieved
     first = next((e for e in errors if e is not None), None)
     if first is not None:

@@ -209,7 +209,7 @@ class RetryPolicy:
             try:
                 if limit <= 0:
                     raise asyncio.TimeoutError()
-                return await asyncio.wait_for(fn(), limit)
+                return await within(fn(), limit)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
@@ -248,6 +248,38 @@ class RetryPolicy:
                 await asyncio.sleep(delay)
                 if on_retry is not None:
                     await on_retry(e)
+
+
+async def settle(task: asyncio.Future) -> None:
+    """Wait until ``task`` is done, however often the waiting task is cancelled meanwhile (the
+    cancellation is raised afterwards): an attempt's buffers are the caller's until it has ended."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+            task.cancel()
+    if cancelled:
+        raise asyncio.CancelledError()
+
+
+async def within(coro: Awaitable[Any], limit: float) -> Any:
+    """``asyncio.wait_for(coro, limit)`` that never returns (timed out or cancelled) before ``coro``
+    has ended; ``asyncio.wait_for`` of Python 3.11 returns when cancelled while it cancels ``coro``."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait([task], timeout=limit)
+    except asyncio.CancelledError:
+        task.cancel()
+        await settle(task)
+        raise
+    if not done:
+        task.cancel()
+        await settle(task)
+        if task.cancelled():
+            raise asyncio.TimeoutError()
+    return task.result()
 
 
 class CredentialRefresher:
