@@ -13,6 +13,7 @@ import ssl
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import pytest
 
@@ -319,11 +320,14 @@ def test_https_direct_reads_verify_the_server_as_the_client_does(s3_uri, s3_endp
         assert not [r for r in proxy.requests if r.method == "GET"]  # no request got through
 
 
-def test_a_read_cancelled_twice_still_waits_for_its_thread():
-    """A deadline and then a failing sibling range cancel one read twice: the second cancellation must
-    not end the wait for the worker thread, which would go on copying what the kernel had queued."""
-    n = 64 << 20
+def _serve_each(answer: Callable[[socket.socket], None]) -> socket.socket:
+    """A loopback listener answering each connection with ``answer(conn)`` on its own thread (the
+    connection closed after; a client gone meanwhile ignored); close the returned socket to stop."""
     srv = socket.create_server(("127.0.0.1", 0))
+
+    def one(c: socket.socket) -> None:
+        with c, contextlib.suppress(OSError):
+            answer(c)
 
     def serve() -> None:
         while True:
@@ -331,20 +335,24 @@ def test_a_read_cancelled_twice_still_waits_for_its_thread():
                 c, _ = srv.accept()
             except OSError:
                 return
-
-            def one(c: socket.socket = c) -> None:
-                with c:
-                    try:
-                        c.recv(65536)
-                        c.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % n)
-                        for _ in range(64):
-                            c.sendall(b"x" * (1 << 20))
-                    except OSError:
-                        pass
-
-            threading.Thread(target=one, daemon=True).start()
+            threading.Thread(target=one, args=(c,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_a_read_cancelled_twice_still_waits_for_its_thread():
+    """A deadline and then a failing sibling range cancel one read twice: the second cancellation must
+    not end the wait for the worker thread, which would go on copying what the kernel had queued."""
+    n = 64 << 20
+
+    def one(c: socket.socket) -> None:
+        c.recv(65536)
+        c.sendall(b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n\r\n" % n)
+        for _ in range(64):
+            c.sendall(b"x" * (1 << 20))
+
+    srv = _serve_each(one)
     gets = _direct.DirectGets(ssl_context=None, connect_timeout=5, workers=2)
 
     async def go() -> list[int]:
@@ -415,19 +423,11 @@ def test_connection_errors_of_direct_gets_are_retried_and_name_the_host_only(s3_
     from ckptio.objectstore.retry import TRANSIENT
     from ckptio.objectstore.s3_support import classify
 
-    srv = socket.create_server(("127.0.0.1", 0))
+    def one(c: socket.socket) -> None:
+        c.recv(65536)
+        c.sendall(b"HTTX/9 garbage\r\n\r\n")
 
-    def serve() -> None:
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            with c:
-                c.recv(65536)
-                c.sendall(b"HTTX/9 garbage\r\n\r\n")
-
-    threading.Thread(target=serve, daemon=True).start()
+    srv = _serve_each(one)
     gets = _direct.DirectGets(ssl_context=None, connect_timeout=5, workers=2)
     secret = "".join(["sig", "nature-value"])  # not in this file's text, which a traceback shows
 
