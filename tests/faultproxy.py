@@ -20,6 +20,8 @@ Faults (``kind``):
   ``Content-Length`` shrunk to match (only a client that checks ``Content-Range`` notices).
 * ``ignore_range``: forward without the ``Range`` header, as a server that ignores it would
   (the whole object comes back with 200).
+* ``corrupt``: forward, then send the response with one bit of its body flipped (headers as the
+  server sent them: only a checksum of the body notices).
 
 A rule matches requests by ``method``, a substring of the path (``path``) and the start of the ``Range``
 header (``range``: ``"bytes=-"`` for suffix ranges only); it fires on the
@@ -41,7 +43,7 @@ from urllib.parse import urlsplit
 
 from servers import LoopbackProxy, ProxyHandler
 
-KINDS = ("status", "expired", "reset", "stall", "truncate", "ignore_range")
+KINDS = ("status", "expired", "reset", "stall", "truncate", "ignore_range", "corrupt")
 
 
 @dataclass
@@ -185,6 +187,9 @@ class FaultProxy(LoopbackProxy):
                 status, reason, headers, data = self._forward(body, ("range",) if kind == "ignore_range" else ())
                 seen.status = status
                 if kind == "ignore_range":
+                    kind = None
+                if kind == "corrupt" and data:  # one bit of the body flipped in flight; headers as sent
+                    data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0x01]) + data[len(data) // 2 + 1 :]
                     kind = None
                 head_len = next((v for k, v in headers if k.lower() == "content-length"), None)
                 if kind is None:

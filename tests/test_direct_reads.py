@@ -443,3 +443,24 @@ def test_connection_errors_of_direct_gets_are_retried_and_name_the_host_only(s3_
     finally:
         gets.close()
         srv.close()
+
+
+def test_a_body_damaged_in_flight_is_caught_by_the_checksum_s3_sent_and_read_again(s3_faults):
+    """A direct GET asks for checksums as the client's GETs do (``x-amz-checksum-mode``, signed into the
+    URL) and checks the body against the ``x-amz-checksum-crc32`` S3 sends with a reply holding the whole
+    object: a bit flipped in flight is read again, not returned."""
+    data = os.urandom(1 << 20)
+    uri = s3_faults.uri + "/damaged.bin"
+    ckptio.put(data, uri)  # one PUT, with its CRC32
+    backend, u = ckptio.resolve(uri)
+    s3_faults.add(Fault("corrupt", method="GET", nth=1))
+    s3_faults.requests.clear()
+    assert backend.read(u) == data
+    gets = _gets(s3_faults)
+    assert [g.fault for g in gets] == ["corrupt", None]
+    assert all(SIGNED in g.path and "x-amz-checksum-mode" in g.path for g in gets)
+    assert all(g.headers.get("x-amz-checksum-mode") == "ENABLED" for g in gets)
+    s3_faults.add(Fault("corrupt", method="GET", fraction=1.0))  # damaged every time: the read fails
+    b2, u2 = ckptio.resolve(uri, max_attempts=2)
+    with pytest.raises(OSError, match="damaged.bin"):
+        b2.read(u2)

@@ -60,14 +60,20 @@ check_versions("s3", MIN_VERSIONS)
 
 try:
     import s3fs  # noqa: F401 - the dependency named in the message below
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError, FlexibleChecksumError
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"s3:// needs s3fs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[s3]'"
     ) from _e
 
 # after the version check:
-from ..objectstore.s3_client import S3ClientConfig, credentials_from, direct_route, own_retries  # noqa: E402
+from ..objectstore.s3_client import (  # noqa: E402
+    S3ClientConfig,
+    body_checksum,
+    credentials_from,
+    direct_route,
+    own_retries,
+)
 from ..objectstore.s3_multipart import MAX_PARTS, MIN_PART_SIZE, S3Writer  # noqa: E402
 from ..objectstore.s3_support import (  # noqa: E402
     checksum_option,
@@ -106,7 +112,8 @@ class _ClientReply:
         self.status, self.headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
         self._body, self._stall = resp["Body"], stall
 
-    async def fill(self, into: list[memoryview]) -> int:
+    async def fill(self, into: list[memoryview], checksum: Any = None) -> int:
+        """The body through ``into``; botocore checks the checksum S3 sent (``checksum`` is not used)."""
         total = 0
         async with _retry.StallWatch(self._stall) as watch:
             for view in into:  # the body streams through the buffers in order
@@ -315,7 +322,7 @@ class S3Backend(ObjectStoreBackend):
                 if cond and (code == "PreconditionFailed" or status == 412):
                     raise replaced(uri, cond["IfMatch"]) from None
                 raise
-            total = 0
+            total, check = 0, None
             status, headers = reply.status, reply.headers
             try:
                 if pin is not None:
@@ -328,11 +335,19 @@ class S3Backend(ObjectStoreBackend):
                 if start < 0:
                     _retry.check_suffix_status(status, -start, size, uri, headers.get("content-range"))
                 _retry.check_ranged_status(status, start, uri)
-                total = await reply.fill(into)  # the body streams through the buffers in order
+                # a direct GET's body checked as botocore checks the client's: against the checksum S3
+                # sends with a reply holding the whole object (a stored one, not a composite of parts)
+                check = body_checksum(headers) if isinstance(reply, _direct.DirectResponse) else None
+                total = await reply.fill(into, check)  # the body streams through the buffers in order
             finally:
                 reply.close()
             want = -start if start < 0 else end - start
             _retry.check_range(want, total, headers.get("content-range"), headers.get("content-length"))
+            read_whole = str(total) == headers.get("content-length")  # as botocore, only a body read to its end
+            if check is not None and read_whole and not check.matches():
+                raise FlexibleChecksumError(
+                    error_msg=f"the body of a {what} did not match its {check.header} (damaged in flight)"
+                )
             return total
 
         what = f"read of the last {-start} bytes" if start < 0 else f"ranged read of bytes {start}-{end - 1}"
@@ -350,8 +365,8 @@ class S3Backend(ObjectStoreBackend):
         refusing query-string authentication: the client's own GETs for that bucket from then on)."""
         if not self.direct_reads or bucket in self._indirect:
             return None
-        url = await s3.generate_presigned_url(
-            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGNED_SECONDS
+        url = await s3.generate_presigned_url(  # checksums asked for, as the client's GETs do
+            "get_object", Params={"Bucket": bucket, "Key": key, "ChecksumMode": "ENABLED"}, ExpiresIn=PRESIGNED_SECONDS
         )
         if self._direct is None:
             ok, ssl_context = direct_route(s3, url)
@@ -363,7 +378,7 @@ class S3Backend(ObjectStoreBackend):
                 self._direct = _direct.DirectGets(
                     ssl_context=context, connect_timeout=self._connect_timeout, workers=2 * self.concurrency
                 )
-        headers = {"Range": rng}
+        headers = {"Range": rng, "x-amz-checksum-mode": "ENABLED"}  # signed: a header of the presigned URL
         if cond:
             headers["If-Match"] = cond["IfMatch"]
         reply = await self._direct.get(url, headers, stall)

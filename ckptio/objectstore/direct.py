@@ -79,11 +79,11 @@ class DirectResponse:
         self.status: int = resp.status
         self.headers: dict[str, str] = {k.lower(): v for k, v in resp.getheaders()}
 
-    async def fill(self, into: Sequence[memoryview]) -> int:
+    async def fill(self, into: Sequence[memoryview], checksum: Any = None) -> int:
         """Stream the body through the consecutive buffers ``into``, in order; the bytes written (fewer
-        than they hold when the body ends first)."""
+        than they hold when the body ends first). ``checksum.update`` is given each piece as it lands."""
         try:
-            return await self._gets._in_thread(self._sock, _fill, self._resp, into, self._stall)
+            return await self._gets._in_thread(self._sock, _fill, self._resp, into, self._stall, checksum)
         except Exception as e:
             raise _connection_error(e, self._key[1]) from None
 
@@ -261,8 +261,9 @@ def _shut(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-def _fill(resp: Any, into: Sequence[memoryview], stall: float) -> int:
-    """On a worker thread: the body through the buffers ``into`` in order; the bytes written."""
+def _fill(resp: Any, into: Sequence[memoryview], stall: float, checksum: Any) -> int:
+    """On a worker thread: the body through the buffers ``into`` in order (each piece through
+    ``checksum.update`` too, while it is in the cache); the bytes written."""
     total = 0
     try:
         for view in into:
@@ -271,6 +272,8 @@ def _fill(resp: Any, into: Sequence[memoryview], stall: float) -> int:
                 n = resp.readinto(view[pos:])
                 if not n:
                     break
+                if checksum is not None:
+                    checksum.update(view[pos : pos + n])
                 pos += n
             total += pos
             if pos < len(view):

@@ -136,6 +136,36 @@ def presign_v4(signature_version: Any = None, **kwargs: Any) -> str | None:
     return "s3v4-query" if signature_version in ("s3-query", "v4-query") else None
 
 
+class BodyChecksum:
+    """The checksum S3 sent with a reply (``x-amz-checksum-<algorithm>``), and the running one of the
+    body as it is read (``update`` takes each piece in order, on any thread)."""
+
+    def __init__(self, header: str, expected: str, checksum: Any) -> None:
+        self.header, self.expected, self._checksum = header, expected, checksum
+
+    def update(self, piece: memoryview) -> None:
+        self._checksum.update(piece)
+
+    def matches(self) -> bool:
+        return bool(self._checksum.b64digest() == self.expected)
+
+
+def body_checksum(headers: dict[str, str]) -> BodyChecksum | None:
+    """What botocore checks a GetObject body against when the request asked for checksums
+    (``x-amz-checksum-mode: ENABLED``): the first of its algorithms, in its order, whose header the reply
+    carries as a whole-object checksum (not a composite ``...-N`` one); None when there is none.
+    Its checksum classes and order are botocore's private names, read here only."""
+    import botocore.httpchecksum as hc
+
+    classes = {**getattr(hc, "_CHECKSUM_CLS", {"crc32": hc.Crc32Checksum}), **getattr(hc, "_CRT_CHECKSUM_CLS", {})}
+    order = getattr(hc, "_ALGORITHMS_PRIORITY_LIST", ["crc64nvme", "crc32c", "crc32", "sha1", "sha256"])
+    for algorithm in order:
+        value = headers.get(f"x-amz-checksum-{algorithm}")
+        if value and "-" not in value and algorithm in classes:
+            return BodyChecksum(f"x-amz-checksum-{algorithm}", value, classes[algorithm]())
+    return None
+
+
 def direct_route(client: Any, url: str) -> tuple[bool, Callable[[], Any] | None]:
     """Whether a GET of ``url``, which ``client`` presigned, may be sent around the client's HTTP
     session, and (for ``https``) a function building the SSL context that session verifies hosts with
