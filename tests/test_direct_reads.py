@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -381,6 +382,25 @@ def test_a_read_cancelled_twice_still_waits_for_its_thread():
         srv.close()
 
 
+async def _wait_out(seconds: float) -> None:
+    """Clean up as a direct read does whatever cancels it: wait for its worker thread (here a sleep)."""
+    thread = asyncio.ensure_future(asyncio.sleep(seconds))
+    while not thread.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([thread])
+
+
+async def _cancel_twice(coro: Any, pause: float) -> None:
+    """Run ``coro`` as a task, cancel it, again after ``pause`` s, and see it end cancelled."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(pause)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_retry_attempts_end_before_their_timeout_or_cancellation_returns():
     """``RetryPolicy``'s per-attempt timeout returns only once the attempt has ended, even when the
     waiting task is cancelled meanwhile (``asyncio.wait_for`` of Python 3.11 does not wait then)."""
@@ -391,11 +411,8 @@ def test_retry_attempts_end_before_their_timeout_or_cancellation_returns():
     async def attempt() -> None:
         try:
             await asyncio.sleep(10)
-        finally:  # cleaning up as a direct read does, whatever cancels it: waiting for its worker thread
-            thread = asyncio.ensure_future(asyncio.sleep(0.05))
-            while not thread.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([thread])
+        finally:
+            await _wait_out(0.05)
             ended.append("attempt")
 
     async def timed_out() -> None:
@@ -404,13 +421,7 @@ def test_retry_attempts_end_before_their_timeout_or_cancellation_returns():
         assert ended == ["attempt"]
 
     async def cancelled_twice() -> None:
-        task = asyncio.ensure_future(within(attempt(), 10))
-        await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancel_twice(within(attempt(), 10), 0)
         assert ended == ["attempt", "attempt"]
 
     asyncio.run(timed_out())
@@ -464,3 +475,69 @@ def test_a_body_damaged_in_flight_is_caught_by_the_checksum_s3_sent_and_read_aga
     b2, u2 = ckptio.resolve(uri, max_attempts=2)
     with pytest.raises(OSError, match="damaged.bin"):
         b2.read(u2)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_either_way_a_damaged_whole_object_body_is_read_again(s3_faults, direct):
+    """botocore checks a body only when it is read past its end, which a read of exactly its range never
+    is: ckptio checks it itself, on the client's GETs as on direct ones."""
+    data = os.urandom(1 << 20)
+    uri = s3_faults.uri + "/damaged2.bin"
+    ckptio.put(data, uri)
+    backend, u = ckptio.resolve(uri, direct_reads=direct)
+    s3_faults.add(Fault("corrupt", method="GET", nth=1))
+    buf = bytearray(len(data))
+    assert backend.readinto(u, buf, 0) == len(data) and bytes(buf) == data
+    assert backend.read(u) == data
+    assert s3_faults.fired("corrupt") == 1
+
+
+@pytest.mark.parametrize(
+    "headers,checked",
+    [
+        ({}, True),  # a 200: the whole object
+        ({"content-range": "bytes 0-4999/5000"}, True),  # a range holding the whole object
+        ({"content-range": "bytes 0-999/5000"}, False),  # a part: a whole-object checksum is not its own
+        ({"content-range": "bytes 4000-4999/5000"}, False),
+        ({"etag": '"abc-3"'}, False),  # multipart, no type: a composite sent without its -N
+        ({"etag": '"abc-3"', "x-amz-checksum-type": "FULL_OBJECT"}, True),
+        ({"x-amz-checksum-type": "COMPOSITE"}, False),
+        ({"etag": '"abc"'}, True),
+    ],
+)
+def test_only_a_whole_object_checksum_of_a_whole_object_reply_is_checked(headers, checked):
+    import base64
+    import zlib
+
+    from ckptio.objectstore.s3_client import body_checksum
+
+    data = os.urandom(5000)
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    check = body_checksum({"x-amz-checksum-crc32": crc, **headers})
+    assert (check is not None) is checked
+    if check is not None:
+        check.update(memoryview(data))
+        assert check.matches()
+    for bad in ("notbase64!", crc + "-3", "AAAA"):  # not base64, composite, the wrong size
+        assert body_checksum({"x-amz-checksum-crc32": bad}) is None
+
+
+def test_a_cancelled_gather_ends_after_every_request_it_started():
+    """``gather_or_cancel`` cancelled (even twice) cancels its requests and returns only once each has
+    ended: a ranged read's requests write into the caller's buffers until then."""
+    from ckptio.objectstore.ranged import gather_or_cancel
+
+    ended: list[int] = []
+
+    async def request(i: int) -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await _wait_out(0.05 * (i + 1))
+            ended.append(i)
+
+    async def go() -> None:
+        await _cancel_twice(gather_or_cancel([request(i) for i in range(3)]), 0.06)
+        assert sorted(ended) == [0, 1, 2]
+
+    asyncio.run(go())

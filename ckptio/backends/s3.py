@@ -113,7 +113,8 @@ class _ClientReply:
         self._body, self._stall = resp["Body"], stall
 
     async def fill(self, into: list[memoryview], checksum: Any = None) -> int:
-        """The body through ``into``; botocore checks the checksum S3 sent (``checksum`` is not used)."""
+        """The body through ``into`` (each piece through ``checksum.update`` too: botocore checks only a
+        body read past its end, which a read of exactly its range never is)."""
         total = 0
         async with _retry.StallWatch(self._stall) as watch:
             for view in into:  # the body streams through the buffers in order
@@ -122,6 +123,8 @@ class _ClientReply:
                     n = await watch(self._body.readinto(view[pos:]))
                     if not n:
                         break
+                    if checksum is not None:
+                        checksum.update(view[pos : pos + n])
                     pos += n
                 total += pos
                 if pos < len(view):
@@ -335,9 +338,8 @@ class S3Backend(ObjectStoreBackend):
                 if start < 0:
                     _retry.check_suffix_status(status, -start, size, uri, headers.get("content-range"))
                 _retry.check_ranged_status(status, start, uri)
-                # a direct GET's body checked as botocore checks the client's: against the checksum S3
-                # sends with a reply holding the whole object (a stored one, not a composite of parts)
-                check = body_checksum(headers) if isinstance(reply, _direct.DirectResponse) else None
+                # the body checked against the checksum S3 sends with a reply holding the whole object
+                check = body_checksum(headers)
                 total = await reply.fill(into, check)  # the body streams through the buffers in order
             finally:
                 reply.close()
@@ -346,7 +348,8 @@ class S3Backend(ObjectStoreBackend):
             read_whole = str(total) == headers.get("content-length")  # as botocore, only a body read to its end
             if check is not None and read_whole and not check.matches():
                 raise FlexibleChecksumError(
-                    error_msg=f"the body of a {what} did not match its {check.header} (damaged in flight)"
+                    error_msg=f"the body of a {what} did not match its {check.header}: "
+                    f"expected {check.expected}, computed {check.computed()} (damaged in flight)"
                 )
             return total
 

@@ -92,11 +92,17 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    cancelled = False
+    try:
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:  # this task cancelled: every request is, and has ended before it returns
+        cancelled, pending = True, {t for t in tasks if not t.done()}
     for t in pending:
         t.cancel()
-    for t in pending:  # each has left the caller's buffers, even if this task is cancelled meanwhile
-        await _retry_settle(t)
+    # each has left the caller's buffers before this returns, even if this task is cancelled (again) meanwhile
+    await _retry_settle(*tasks)
+    if cancelled:
+        raise asyncio.CancelledError()
     errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # every one retrieved
     first = next((e for e in errors if e is not None), None)
     if first is not None:

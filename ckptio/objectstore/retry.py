@@ -250,16 +250,25 @@ class RetryPolicy:
                     await on_retry(e)
 
 
-async def settle(task: asyncio.Future) -> None:
-    """Wait until ``task`` is done, however often the waiting task is cancelled meanwhile (the
-    cancellation is raised afterwards): an attempt's buffers are the caller's until it has ended."""
+async def settle(*tasks: asyncio.Future) -> None:
+    """Wait until every one of ``tasks`` is done, however often the waiting task is cancelled meanwhile
+    (each cancellation is passed on to those still running, and raised once they have all ended): an
+    attempt's buffers are the caller's until it has ended. Their exceptions are retrieved (the caller
+    reads them from the tasks)."""
     cancelled = False
-    while not task.done():
+    while True:
+        running = [t for t in tasks if not t.done()]
+        if not running:
+            break
         try:
-            await asyncio.wait([task])
+            await asyncio.wait(running)
         except asyncio.CancelledError:
             cancelled = True
-            task.cancel()
+            for t in running:
+                t.cancel()
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()
     if cancelled:
         raise asyncio.CancelledError()
 

@@ -12,8 +12,11 @@ Imported by :mod:`ckptio.backends.s3` after its client-version check (it imports
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -146,23 +149,47 @@ class BodyChecksum:
     def update(self, piece: memoryview) -> None:
         self._checksum.update(piece)
 
+    def computed(self) -> str:
+        return str(self._checksum.b64digest())
+
     def matches(self) -> bool:
-        return bool(self._checksum.b64digest() == self.expected)
+        return self.computed() == self.expected
+
+
+_WHOLE_RANGE = re.compile(r"bytes 0-(\d+)/(\d+)")
 
 
 def body_checksum(headers: dict[str, str]) -> BodyChecksum | None:
-    """What botocore checks a GetObject body against when the request asked for checksums
-    (``x-amz-checksum-mode: ENABLED``): the first of its algorithms, in its order, whose header the reply
-    carries as a whole-object checksum (not a composite ``...-N`` one); None when there is none.
-    Its checksum classes and order are botocore's private names, read here only."""
+    """The checksum to check a GetObject body against, when the reply holds the whole object (no
+    ``Content-Range``, or ``bytes 0-(S-1)/S``) and carries a whole-object checksum: the first of
+    botocore's algorithms, in its order, whose header is there, valid base64 of its size, and not a
+    composite of the parts' (``x-amz-checksum-type: COMPOSITE``, a ``...-N`` value, or, without the type,
+    a multipart ETag ``"...-N"``); None otherwise. S3-compatible servers send whole-object checksums with
+    partial ranges, and composites without their ``-N``: neither is a body's. botocore's checksum
+    classes and order are private names, read here only."""
     import botocore.httpchecksum as hc
 
+    rng = headers.get("content-range")
+    if rng is not None:
+        m = _WHOLE_RANGE.fullmatch(rng.strip())
+        if m is None or int(m.group(1)) + 1 != int(m.group(2)):
+            return None
+    kind = headers.get("x-amz-checksum-type", "").upper()
+    if kind == "COMPOSITE" or (not kind and re.search(r"-\d+\"?$", headers.get("etag", ""))):
+        return None
     classes = {**getattr(hc, "_CHECKSUM_CLS", {"crc32": hc.Crc32Checksum}), **getattr(hc, "_CRT_CHECKSUM_CLS", {})}
     order = getattr(hc, "_ALGORITHMS_PRIORITY_LIST", ["crc64nvme", "crc32c", "crc32", "sha1", "sha256"])
     for algorithm in order:
         value = headers.get(f"x-amz-checksum-{algorithm}")
-        if value and "-" not in value and algorithm in classes:
-            return BodyChecksum(f"x-amz-checksum-{algorithm}", value, classes[algorithm]())
+        if not value or "-" in value or algorithm not in classes:
+            continue
+        checksum = classes[algorithm]()
+        try:
+            if len(base64.b64decode(value, validate=True)) != len(checksum.digest()):
+                continue
+        except (binascii.Error, ValueError):
+            continue
+        return BodyChecksum(f"x-amz-checksum-{algorithm}", value, checksum)
     return None
 
 
