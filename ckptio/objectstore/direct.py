@@ -51,7 +51,7 @@ def _connection_error(e: BaseException, host: str) -> BaseException:
     TLS, a malformed reply) as a :class:`DirectConnectionError`, retried as the client's are."""
     if isinstance(e, (TimeoutError, ssl.SSLCertVerificationError, ConnectionError, http.client.IncompleteRead)):
         return e
-    if isinstance(e, (http.client.HTTPException, ssl.SSLError, socket.gaierror, OSError)):
+    if isinstance(e, (http.client.HTTPException, OSError)):  # OSError: ssl.SSLError and socket.gaierror too
         text = str(e)
         if "X-Amz-" in text or "Signature" in text or "?" in text:  # e.g. http.client's InvalidURL names the URL
             text = "(message withheld: it names the signed URL)"
