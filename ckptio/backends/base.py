@@ -322,6 +322,15 @@ class Backend(abc.ABC):
         mv[: len(data)] = data
         return len(data)
 
+    def readinto_each(self, uri: str, buf: Buffer, offset: int, each: Callable[[memoryview], Any]) -> int:
+        """:meth:`readinto`, handing consecutive parts of what it read to ``each`` in order as they land
+        (hashed while in the CPU cache where the storage reads in pieces: an incremental step's local
+        blocks). Default: ``readinto``, then ``each`` once."""
+        n = self.readinto(uri, buf, offset)
+        if n:
+            each(memoryview(buf).cast("B")[:n])
+        return n
+
     def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
         """Fill ``buf`` from byte 0 (``readinto``) and call ``on_size(size)`` once with the object's size,
         as early as the storage can tell it. Object stores take it from the GET's headers (one request
@@ -435,6 +444,12 @@ class Backend(abc.ABC):
         file (remote, memory). Local files yield their path, the node-local cache its verified entry.
         A missing object raises NotFoundError where the storage would have yielded a path."""
         yield None
+
+    def file_path(self, uri: str) -> str | None:
+        """Capability: the path of the plain local file holding ``uri``'s bytes, found without touching
+        the disk (it may not exist), for a reader opening many objects; None where objects are not plain
+        files at paths fixed by their URIs (remote, memory, the node-local cache)."""
+        return None
 
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
         """Capability: this backend for reading ``uri`` in several calls as one object: every read (and

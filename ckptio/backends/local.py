@@ -348,6 +348,9 @@ class LocalBackend(Backend):
         with self.get_local_path(uri) as path:
             yield path
 
+    def file_path(self, uri: str) -> str | None:
+        return local_path(uri)
+
     def with_options(self, **options: Any) -> Backend:
         opts = {"durable": self.durable, "part_size": self.part_size, "concurrency": self.concurrency}
         unknown = sorted(set(options) - set(opts))

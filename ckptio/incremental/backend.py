@@ -120,22 +120,35 @@ class IncrementalBackend(ForwardingBackend):
         return bytes(buf[:n])
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
+        return self._readinto(uri, buf, offset, None)
+
+    def readinto_each(self, uri: str, buf: Buffer, offset: int, each: Callable[[memoryview], Any]) -> int:
+        return self._readinto(uri, buf, offset, each)
+
+    def _readinto(self, uri: str, buf: Buffer, offset: int, each: Callable[[memoryview], Any] | None) -> int:
         r = self.recipe(uri)
         if r is None:
-            return self.inner.readinto(uri, buf, offset)
+            if each is None:
+                return self.inner.readinto(uri, buf, offset)
+            return self.inner.readinto_each(uri, buf, offset, each)
         mv = memoryview(buf).cast("B")
         end = min(offset + len(mv), r.size)
+        local = self.store.local_reads  # local content: more threads than the caller's only add contention
         jobs: list[Callable[[], None]] = []
         for i in r.span(offset, end):
             lo, hi = r.offsets[i], r.offsets[i] + r.lengths[i]
             if offset <= lo and hi <= end:  # the whole block: straight into the caller's buffer
                 out = mv[lo - offset : hi - offset]
-                jobs.append(functools.partial(self.store.read_into, r.hashes[i], out, uri, self.check_blocks))
+                # handed on piece by piece as read where the blocks are read in order (local)
+                on = each if local else None
+                jobs.append(functools.partial(self.store.read_into, r.hashes[i], out, uri, self.check_blocks, on))
             else:
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
                 jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
-        if self.store.local_reads:  # local content: more threads than the caller's only add contention
+                if local and each is not None:
+                    jobs.append(functools.partial(each, part))
+        if local:
             for job in jobs:
                 job()
             return max(0, end - offset)
@@ -146,6 +159,8 @@ class IncrementalBackend(ForwardingBackend):
         finally:
             for f in futures:
                 f.result()
+        if each is not None and end > offset:
+            each(mv[: end - offset])
         return max(0, end - offset)
 
     def _read_part(self, h: str, out: memoryview, uri: str, length: int, skip: int) -> None:

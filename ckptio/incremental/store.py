@@ -7,9 +7,10 @@ already exists holds the same bytes (its name is their hash), so ``AlreadyExists
 Reads check each block's xxh3-128 (unless the caller checks every byte itself:
 ``Backend.for_checked_reads``); a mismatch, a short or missing object is an
 :class:`IntegrityError` naming the content object and the file that uses it. A content object the
-backend has as a local file (``Backend.local_file``) is read in :data:`HOT_PIECE` pieces into the
+backend has as a local file (``Backend.local_file``) is read in ``osio.HOT_PIECE`` pieces into the
 caller's buffer (faulted in first) and hashed piece by piece while each is still in the CPU cache,
-so the check costs a fraction of a second pass over memory; other storages read the block whole.
+so the check costs a fraction of a second pass over memory (a caller checking the bytes itself gets
+each piece too: ``each``); other storages read the block whole.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import xxhash
 
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError
-from ..osio import prefault, translate_os_errors
+from ..osio import preadinto, preadinto_each, prefault, translate_os_errors
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
-HOT_PIECE = 1 << 20  # local reads: bytes read, then hashed while in the CPU cache
 
 
 def block_hash(data: Buffer) -> str:
@@ -51,6 +52,11 @@ class BlockStore:
         self._fresh: set[str] = set()
         # a block was read from a local file: the storage is local (a read costs CPU time, not waiting)
         self.local_reads = False
+        # where the storage keeps content objects as plain files (Backend.file_path): each block is
+        # opened at its path, without a lookup per block (a restore opens one per 1-16 MiB)
+        files = backend.file_path(self.dir)
+        self._files = None if files is None else files.rstrip("/")
+        self.local_reads = files is not None
 
     def uri(self, h: str) -> str:
         """The content object of hash ``h`` (32 lowercase hex digits, checked by the recipe parser)."""
@@ -89,18 +95,34 @@ class BlockStore:
             return 0
         return memoryview(data).nbytes
 
-    def read_into(self, h: str, out: memoryview, file_uri: str, check: bool = True) -> None:
-        """Fill ``out`` (the block's length) with block ``h``, its hash checked (``check``; its length always)."""
+    def read_into(
+        self,
+        h: str,
+        out: memoryview,
+        file_uri: str,
+        check: bool = True,
+        each: Callable[[memoryview], Any] | None = None,
+    ) -> None:
+        """Fill ``out`` (the block's length) with block ``h``, its hash checked (``check``; its length always).
+        ``each``: called with consecutive parts of ``out`` in order as they are read (a local block's
+        pieces while still in the CPU cache; else the block once read)."""
         u = self.uri(h)
         try:
-            with self.backend.local_file(u) as path:
-                if path is None:
-                    n = self.backend.readinto(u, out, 0)
-                    ok = n == len(out) and (not check or block_hash(out) == h)
-                else:
-                    self.local_reads = True
-                    n, digest = _read_hashed(path, u, out, check)
-                    ok = n == len(out) and (not check or digest == h)
+            if self._files is not None:  # plain files: opened as they are, a missing one raises
+                self.local_reads = True
+                n, digest = _read_hashed(f"{self._files}/{h[:2]}/{h}", u, out, check, each)
+                ok = n == len(out) and (not check or digest == h)
+            else:
+                with self.backend.local_file(u) as path:
+                    if path is None:
+                        n = self.backend.readinto(u, out, 0)
+                        ok = n == len(out) and (not check or block_hash(out) == h)
+                        if ok and each is not None:
+                            each(out)
+                    else:
+                        self.local_reads = True
+                        n, digest = _read_hashed(path, u, out, check, each)
+                        ok = n == len(out) and (not check or digest == h)
         except FileNotFoundError:
             raise IntegrityError(f"{file_uri}: its content object {u} is missing") from None
         if not ok:
@@ -145,24 +167,28 @@ class BlockStore:
                 yield info, m.group(2)
 
 
-def _read_hashed(path: str, uri: str, out: memoryview, check: bool = True) -> tuple[int, str]:
-    """Read the local file ``path`` into ``out`` (faulted in first) in :data:`HOT_PIECE` pieces, each
-    hashed right after its read; returns (bytes read, hex xxh3-128 of them; "" unless ``check``: one read)."""
+def _read_hashed(
+    path: str, uri: str, out: memoryview, check: bool = True, each: Callable[[memoryview], Any] | None = None
+) -> tuple[int, str]:
+    """Read the local file ``path`` into ``out`` (faulted in first) in ``HOT_PIECE`` pieces, each hashed
+    (``check``) and handed to ``each`` right after its read; returns (bytes read, hex xxh3-128 of them;
+    "" unless ``check``). Neither: one read."""
     hasher = xxhash.xxh3_128() if check else None
-    step = HOT_PIECE if check else max(1, len(out))
+
+    def piece_in(piece: memoryview) -> None:
+        if hasher is not None:
+            hasher.update(piece)
+        if each is not None:
+            each(piece)
+
     prefault(out)
-    total = 0
     with translate_os_errors(uri):
         fd = os.open(path, os.O_RDONLY)
         try:
-            while total < len(out):
-                piece = out[total : total + step]
-                n = os.preadv(fd, [piece], total)
-                if n <= 0:
-                    break
-                if hasher is not None:
-                    hasher.update(piece[:n])
-                total += n
+            if hasher is None and each is None:
+                total = preadinto(fd, out, 0)
+            else:
+                total = preadinto_each(fd, out, 0, each if hasher is None else piece_in)  # type: ignore[arg-type]
         finally:
             os.close(fd)
     return total, "" if hasher is None else hasher.hexdigest()

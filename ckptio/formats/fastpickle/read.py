@@ -3,7 +3,8 @@
 
 A source is a local file descriptor (a local file, or any backend's ``local_file``), an open binary
 file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
-with one madvise first), each payload verified right after its read, or a private mapping with
+with one madvise first), each payload verified as it is read (in ``osio.HOT_PIECE`` pieces, each hashed
+while in the CPU cache: :meth:`Source.read_each`), or a private mapping with
 ``mmap=True``; a backend whose reads are local (``Backend.reads_local``: memory, an incremental
 step's blocks) is read the same way, straight into the buffers. Remote full load: the first
 ``min(part_size, HEAD_PREFETCH)`` bytes and the last ``TAIL_PREFETCH`` are read ahead (header, footer
@@ -35,7 +36,7 @@ from typing import Any
 
 from ...backends.base import Backend, start_sized
 from ...errors import IntegrityError
-from ...osio import address, anonymous, preadinto, preadv_into, translate_os_errors
+from ...osio import address, anonymous, preadinto, preadinto_each, preadv_into, translate_os_errors
 from ...threads import all_of, shared_pool
 from . import pacing
 from .layout import ALIGN, CHUNK
@@ -88,6 +89,15 @@ class Source:
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         raise NotImplementedError
+
+    def read_each(self, mv: memoryview, offset: int, each: Callable[[memoryview], Any]) -> int:
+        """:meth:`readinto`, handing consecutive parts of what it read to ``each`` in order as they come in
+        (a local source in ``osio.HOT_PIECE`` pieces, hashed while in the CPU cache). Default: the read,
+        then ``each`` once."""
+        n = self.readinto(mv, offset)
+        if n:
+            each(mv[:n])
+        return n
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
         """Fill consecutive buffers from consecutive bytes at ``offset``; returns the bytes read."""
@@ -173,6 +183,9 @@ class FdSource(Source):
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         return preadinto(self._fd(), mv, offset)
+
+    def read_each(self, mv: memoryview, offset: int, each: Callable[[memoryview], Any]) -> int:
+        return preadinto_each(self._fd(), mv, offset, each)
 
     def read(self, offset: int, n: int) -> bytes:
         data = os.pread(self._fd(), n, offset)  # small reads (header, footer, metadata): one call, no staging
@@ -345,6 +358,11 @@ class BackendSource(Source):
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
         return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+
+    def read_each(self, mv: memoryview, offset: int, each: Callable[[memoryview], Any]) -> int:
+        if not self.local or self._ahead:  # reads copied out of ranges read ahead: checked once whole
+            return super().read_each(mv, offset, each)
+        return _fill(lambda m, o: self.backend.readinto_each(self.name, m, o, each), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
         """Buffers that overlap a range read ahead are copied from it one by one; each run of the
