@@ -63,6 +63,8 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     except NotADirectoryError as e:
         raise NotDirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri) from e
     except OSError as e:
+        if e.errno == errno.ESPIPE:  # a positioned read of a pipe
+            raise TransferError(errno.ESPIPE, f"not a regular file (a pipe or a socket?): {uri}", uri) from e
         full = {
             errno.ENOSPC: "no space left on device",
             errno.EDQUOT: "disk quota exceeded",
@@ -73,6 +75,18 @@ def translate_os_errors(uri: str) -> Iterator[None]:
         if e.errno == errno.EROFS:
             raise AccessDeniedError(uri, "read-only file system") from e
         raise
+
+
+def open_for_reading(path: str) -> int:
+    """A read-only descriptor of ``path``. Non-blocking, so a pipe put where a file should be is read as
+    empty instead of waiting for a writer forever (a regular file reads as ever). For a file object:
+    ``open(path, "rb", opener=nonblocking)``."""
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def nonblocking(path: str, flags: int) -> int:
+    """An ``opener`` for :func:`open`: :func:`open_for_reading`'s non-blocking open, for any flags."""
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def preadinto(fd: int, mv: memoryview, offset: int) -> int:
@@ -287,15 +301,19 @@ def _load_madvise() -> bool:
     global _libc, _mincore, _populate_ok
     if _populate_ok and _libc is None:
         try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             # keeps the GIL (PyDLL): a page's residency is a quick look-up, and a thread that released
-            # the GIL for it waits to get it back behind another thread's Python (a restore of 1 GiB
-            # in 75 blocks on 2 threads paid for this in its wall time)
-            _mincore = ctypes.PyDLL(None).mincore
-            _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+            # the GIL for it would queue for it again behind another thread's Python
+            mincore = ctypes.PyDLL(None).mincore
+            mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         except (OSError, AttributeError):  # no libc symbol
             _populate_ok = False
+            return False
+        # published whole, _libc last: a thread seeing _libc set (two loads' first reads at once) finds
+        # both functions ready
+        _mincore = mincore
+        _libc = libc
     return _populate_ok
 
 

@@ -235,6 +235,7 @@ def bench_flat(b: Bench, name: str, sd: dict[str, torch.Tensor], targets: dict[s
         {
             "fastpickle load": load_case(b, ".fpk", fsave, fp.load),
             "fastpickle load mmap=True (+touch)": load_case(b, ".fpk", fsave, lambda p: fp.load(p, mmap=True)),
+            "fastpickle load mmap=False": load_case(b, ".fpk", fsave, lambda p: fp.load(p, mmap=False)),
             "torch.load(weights_only=True)": load_case(
                 b, ".pt", lambda p: torch.save(sd, p), lambda p: torch.load(p, weights_only=True)
             ),
@@ -244,6 +245,7 @@ def bench_flat(b: Bench, name: str, sd: dict[str, torch.Tensor], targets: dict[s
     ratio(med, "fastpickle load", "torch.load(weights_only=True)", targets.get("load_torch"))
     ratio(med, "fastpickle load", "safetensors load_file", targets.get("load_st"))
     ratio(med, "fastpickle load mmap=True (+touch)", "safetensors load_file", targets.get("load_st"))
+    ratio(med, "fastpickle load mmap=False", "safetensors load_file", targets.get("load_st"))
 
 
 def bench_mmap_lazy(b: Bench, nbytes: int) -> None:

@@ -16,6 +16,7 @@ each piece too: ``each``); other storages read the block whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
@@ -29,7 +30,7 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError
-from ..osio import preadinto, preadinto_each, prefault, translate_os_errors
+from ..osio import open_for_reading, preadinto, preadinto_each, prefault, translate_os_errors
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
@@ -123,8 +124,14 @@ class BlockStore:
                         self.local_reads = True
                         n, digest = _read_hashed(path, u, out, check, each)
                         ok = n == len(out) and (not check or digest == h)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no such file, or a file where its folder should be
             raise IntegrityError(f"{file_uri}: its content object {u} is missing") from None
+        except IsADirectoryError:
+            raise IntegrityError(f"{file_uri}: its content object {u} is a directory, not a file") from None
+        except OSError as e:
+            if e.errno != errno.ESPIPE:
+                raise
+            raise IntegrityError(f"{file_uri}: its content object {u} is not a regular file (a pipe?)") from None
         if not ok:
             raise IntegrityError(
                 f"{file_uri}: its content object {u} is damaged ({n} of {len(out)} bytes read, hash mismatch "
@@ -183,7 +190,7 @@ def _read_hashed(
 
     prefault(out)
     with translate_os_errors(uri):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_for_reading(path)  # a pipe put in its place: no wait for a writer
         try:
             if hasher is None and each is None:
                 total = preadinto(fd, out, 0)

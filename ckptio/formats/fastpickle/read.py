@@ -36,7 +36,7 @@ from typing import Any
 
 from ...backends.base import Backend, start_sized
 from ...errors import IntegrityError
-from ...osio import address, anonymous, preadinto, preadinto_each, preadv_into, translate_os_errors
+from ...osio import address, anonymous, open_for_reading, preadinto, preadinto_each, preadv_into, translate_os_errors
 from ...threads import all_of, shared_pool
 from . import pacing
 from .layout import ALIGN, CHUNK
@@ -506,7 +506,8 @@ def source_for(backend: Backend, uri: str) -> Source:
     with backend.local_file(uri) as path:
         if path is not None:
             with translate_os_errors(uri):
-                fd = os.open(path, os.O_RDONLY)  # the open file outlives the block (eviction only unlinks)
+                # the open file outlives the block (eviction only unlinks)
+                fd = open_for_reading(path)
             return FdSource(fd, uri, owned=True)
     return BackendSource(backend, uri)
 
