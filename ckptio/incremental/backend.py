@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..osio import prefault
 from ..threads import Pool
 from ..wrappers.forwarding import ForwardingBackend
 from .recipe import MAGIC, MAX_RECIPE_BYTES, Recipe, pack_recipe, parse_recipe
@@ -149,6 +150,8 @@ class IncrementalBackend(ForwardingBackend):
                 if local and each is not None:
                     jobs.append(functools.partial(each, part))
         if local:
+            # fresh memory populated in one call, not per block (nor page by page under the copies)
+            prefault(mv[: max(0, end - offset)])
             for job in jobs:
                 job()
             return max(0, end - offset)

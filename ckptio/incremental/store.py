@@ -8,7 +8,7 @@ Reads check each block's xxh3-128 (unless the caller checks every byte itself:
 ``Backend.for_checked_reads``); a mismatch, a short or missing object is an
 :class:`IntegrityError` naming the content object and the file that uses it. A content object the
 backend has as a local file (``Backend.local_file``) is read in ``osio.HOT_PIECE`` pieces into the
-caller's buffer (faulted in first) and hashed piece by piece while each is still in the CPU cache,
+caller's buffer (which the caller faults in first) and hashed piece by piece while each is still in the CPU cache,
 so the check costs a fraction of a second pass over memory (a caller checking the bytes itself gets
 each piece too: ``each``); other storages read the block whole.
 """
@@ -30,7 +30,7 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError
-from ..osio import open_for_reading, preadinto, preadinto_each, prefault, translate_os_errors
+from ..osio import open_for_reading, preadinto, preadinto_each, translate_os_errors
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
@@ -177,7 +177,7 @@ class BlockStore:
 def _read_hashed(
     path: str, uri: str, out: memoryview, check: bool = True, each: Callable[[memoryview], Any] | None = None
 ) -> tuple[int, str]:
-    """Read the local file ``path`` into ``out`` (faulted in first) in ``HOT_PIECE`` pieces, each hashed
+    """Read the local file ``path`` into ``out`` (faulted in by the caller) in ``HOT_PIECE`` pieces, each hashed
     (``check``) and handed to ``each`` right after its read; returns (bytes read, hex xxh3-128 of them;
     "" unless ``check``). Neither: one read."""
     hasher = xxhash.xxh3_128() if check else None
@@ -188,7 +188,6 @@ def _read_hashed(
         if each is not None:
             each(piece)
 
-    prefault(out)
     with translate_os_errors(uri):
         fd = open_for_reading(path)  # a pipe put in its place: no wait for a writer
         try:
