@@ -7,10 +7,11 @@ already exists holds the same bytes (its name is their hash), so ``AlreadyExists
 Reads check each block's xxh3-128 (unless the caller checks every byte itself:
 ``Backend.for_checked_reads``); a mismatch, a short or missing object is an
 :class:`IntegrityError` naming the content object and the file that uses it. A content object the
-backend has as a local file (``Backend.local_file``) is read in ``osio.HOT_PIECE`` pieces into the
-caller's buffer (which the caller faults in first) and hashed piece by piece while each is still in the CPU cache,
-so the check costs a fraction of a second pass over memory (a caller checking the bytes itself gets
-each piece too: ``each``); other storages read the block whole.
+backend has as a local file (``Backend.file_path``, ``Backend.local_file``) is read in
+``osio.HOT_PIECE`` pieces into the caller's buffer (which the caller faults in first) and hashed piece
+by piece while each is still in the CPU cache, so the check costs a fraction of a second pass over
+memory (a caller checking the bytes itself gets each piece too: ``each``); other storages read the
+block whole.
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ class BlockStore:
         self._lock = threading.Lock()
         self._known: set[str] = set()
         self._fresh: set[str] = set()
-        # a block was read from a local file: the storage is local (a read costs CPU time, not waiting)
-        self.local_reads = False
         # where the storage keeps content objects as plain files (Backend.file_path): each block is
         # opened at its path, without a lookup per block (a restore opens one per 1-16 MiB)
         files = backend.file_path(self.dir)
         self._files = None if files is None else files.rstrip("/")
+        # the storage is local (a read costs CPU time, not waiting): its files have paths, or a block
+        # was read from a local file (Backend.local_file)
         self.local_reads = files is not None
 
     def uri(self, h: str) -> str:
@@ -177,9 +178,9 @@ class BlockStore:
 def _read_hashed(
     path: str, uri: str, out: memoryview, check: bool = True, each: Callable[[memoryview], Any] | None = None
 ) -> tuple[int, str]:
-    """Read the local file ``path`` into ``out`` (faulted in by the caller) in ``HOT_PIECE`` pieces, each hashed
-    (``check``) and handed to ``each`` right after its read; returns (bytes read, hex xxh3-128 of them;
-    "" unless ``check``). Neither: one read."""
+    """Read the local file ``path`` into ``out`` (faulted in by the caller) in ``HOT_PIECE`` pieces, each
+    hashed (``check``) and handed to ``each`` right after its read; returns (bytes read, hex xxh3-128 of
+    them; "" unless ``check``). Neither: one read."""
     hasher = xxhash.xxh3_128() if check else None
 
     def piece_in(piece: memoryview) -> None:
