@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from . import registry as _registry
-from .backends.base import Backend, BytesReader, NodeCache, ObjectInfo
+from .backends.base import Backend, NodeCache, ObjectInfo
 from .backends.local import LocalBackend
+from .backends.readers import BytesReader
 from .context import resolve
 from .errors import CkptioError
 

@@ -503,7 +503,7 @@ def test_metadata_allows_what_torch_writers_store(tmp_path):
 
 
 def test_bytes_reader_is_a_seekable_file_without_copies():
-    from ckptio.backends.base import BytesReader
+    from ckptio.backends.readers import BytesReader
 
     buf = io.BytesIO()
     torch.save({"w": torch.arange(10)}, buf)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.backends.base import PiecesReader
+from ckptio.backends.readers import PiecesReader
 from ckptio.errors import IntegrityError, NotFoundError
 from conftest import UserDictBackend
 

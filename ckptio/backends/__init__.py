@@ -1,4 +1,5 @@
-"""Storage backends. ``base`` defines the interface; each other module is one storage."""
+"""Storage backends. ``base`` defines the interface, ``readers`` the seekable files read through it; each
+other module is one storage."""
 
 from .base import Backend, ObjectInfo, Writer
 

@@ -66,7 +66,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .. import torch_internals as _ti
-from ..backends.base import BytesReader
+from ..backends.readers import BytesReader
 from ..formats.torch import pickle_problem as _scan_problem
 
 __all__ = ["box_problem", "entry_problem", "pickle_problem", "tensor_problem", "zip_problem"]

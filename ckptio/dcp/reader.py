@@ -27,7 +27,8 @@ from torch.futures import Future
 
 from .. import torch_internals as _ti
 from .. import uri as _uri
-from ..backends.base import Backend, BytesReader
+from ..backends.base import Backend
+from ..backends.readers import BytesReader
 from ..errors import FormatError, IncompleteCheckpointError, IntegrityError
 from ..threads import Inline, executor
 from .checks import box_problem, entry_problem, pickle_problem, tensor_problem, zip_problem

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from .. import torch_internals as _ti
-from ..backends.base import Backend, BytesReader, PiecesReader, RangeReader, copy_to_file
+from ..backends.base import Backend, copy_to_file
+from ..backends.readers import BytesReader, PiecesReader, RangeReader
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor

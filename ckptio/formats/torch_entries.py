@@ -23,7 +23,8 @@ import zipfile
 from collections.abc import Iterable
 from typing import Any
 
-from ..backends.base import Backend, RangeReader
+from ..backends.base import Backend
+from ..backends.readers import RangeReader
 from ..errors import FormatError, IntegrityError
 from ..osio import anonymous
 from ..threads import Pool

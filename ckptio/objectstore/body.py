@@ -12,7 +12,8 @@ from typing import Any
 import aiohttp
 import aiohttp.payload
 
-from ..backends.base import Buffer, BytesReader
+from ..backends.base import Buffer
+from ..backends.readers import BytesReader
 
 SEND_CHUNK = 1024 * 1024  # what an upload hands the socket at a time
 
