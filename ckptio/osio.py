@@ -77,16 +77,26 @@ def translate_os_errors(uri: str) -> Iterator[None]:
         raise
 
 
-def open_for_reading(path: str) -> int:
-    """A read-only descriptor of ``path``. Non-blocking, so a pipe put where a file should be is read as
-    empty instead of waiting for a writer forever (a regular file reads as ever). For a file object:
-    ``open(path, "rb", opener=nonblocking)``."""
-    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-
-
 def nonblocking(path: str, flags: int) -> int:
-    """An ``opener`` for :func:`open`: :func:`open_for_reading`'s non-blocking open, for any flags."""
+    """``os.open`` non-blocking (an ``opener`` for :func:`open`), so a pipe put where a file should be is
+    read as empty instead of waiting for a writer forever (a regular file reads as ever)."""
     return os.open(path, flags | os.O_NONBLOCK)
+
+
+def open_for_reading(path: str) -> int:
+    """A read-only, :func:`nonblocking` descriptor of ``path`` (the caller closes it)."""
+    return nonblocking(path, os.O_RDONLY)
+
+
+@contextlib.contextmanager
+def reading(path: str, uri: str) -> Iterator[int]:
+    """:func:`open_for_reading` for the block, closed after it; OS errors name ``uri``."""
+    with translate_os_errors(uri):
+        fd = open_for_reading(path)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
 
 def preadinto(fd: int, mv: memoryview, offset: int) -> int:

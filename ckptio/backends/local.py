@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from .. import uri as _uri
 from ..errors import AccessDeniedError, AlreadyExistsError, NotDirectoryError, NotFoundError
-from ..osio import WriteBehind, bytes_of, fresh_bytes, nonblocking, open_for_reading, preadv_into, translate_os_errors
+from ..osio import WriteBehind, bytes_of, fresh_bytes, nonblocking, preadv_into, reading, translate_os_errors
 from ..osio import preadinto as _preadinto
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
@@ -209,37 +209,21 @@ class LocalBackend(Backend):
         self.durable = bool(durable)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        path = local_path(uri)
-        with translate_os_errors(uri):
-            fd = open_for_reading(path)
-            try:
-                if end is None:
-                    end = os.fstat(fd).st_size
-                out, view = fresh_bytes(max(0, end - start))
-                return bytes_of(out, view, _preadinto(fd, view, start))
-            finally:
-                os.close(fd)
+        with reading(local_path(uri), uri) as fd:
+            if end is None:
+                end = os.fstat(fd).st_size
+            out, view = fresh_bytes(max(0, end - start))
+            return bytes_of(out, view, _preadinto(fd, view, start))
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        mv = memoryview(buf).cast("B")
-        path = local_path(uri)
-        with translate_os_errors(uri):
-            fd = open_for_reading(path)
-            try:
-                return _preadinto(fd, mv, offset)
-            finally:
-                os.close(fd)
+        with reading(local_path(uri), uri) as fd:
+            return _preadinto(fd, memoryview(buf).cast("B"), offset)
 
     def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
         if type(self).readinto is not LocalBackend.readinto:  # a subclass that reads its own way
             return super().readv(uri, views, offset)
-        path = local_path(uri)
-        with translate_os_errors(uri):
-            fd = open_for_reading(path)
-            try:
-                return preadv_into(fd, [memoryview(v).cast("B") for v in views], offset)
-            finally:
-                os.close(fd)
+        with reading(local_path(uri), uri) as fd:
+            return preadv_into(fd, [memoryview(v).cast("B") for v in views], offset)
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         check_mode(mode)

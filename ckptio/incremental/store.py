@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
-import os
 import re
 import threading
 import time
@@ -31,7 +30,7 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError
-from ..osio import open_for_reading, preadinto, preadinto_each, translate_os_errors
+from ..osio import preadinto, preadinto_each, reading
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
@@ -189,13 +188,9 @@ def _read_hashed(
         if each is not None:
             each(piece)
 
-    with translate_os_errors(uri):
-        fd = open_for_reading(path)  # a pipe put in its place: no wait for a writer
-        try:
-            if hasher is None and each is None:
-                total = preadinto(fd, out, 0)
-            else:
-                total = preadinto_each(fd, out, 0, each if hasher is None else piece_in)  # type: ignore[arg-type]
-        finally:
-            os.close(fd)
+    with reading(path, uri) as fd:  # a pipe put in its place: no wait for a writer
+        if hasher is None and each is None:
+            total = preadinto(fd, out, 0)
+        else:
+            total = preadinto_each(fd, out, 0, each if hasher is None else piece_in)  # type: ignore[arg-type]
     return total, "" if hasher is None else hasher.hexdigest()
