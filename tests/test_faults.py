@@ -232,7 +232,34 @@ def test_permanent_read_failure_names_range_and_attempts(faults):
     with pytest.raises(TransferError) as ei:
         b.read(u)
     msg = str(ei.value)
+    # every attempt was cut short; the last one may end as a dropped connection (the server closes it
+    # mid-body), and the message then names the first error too
     assert u in msg and "ranged read of bytes" in msg and "attempt(s)" in msg and "Truncated" in msg
+
+
+def test_giving_up_names_the_first_error_when_the_last_differs():
+    import asyncio
+
+    from ckptio.objectstore import retry
+
+    errors = iter([retry.TruncatedBodyError("body ended after 3 of 9 bytes"), ConnectionResetError("reset")] * 2)
+
+    async def fail():
+        raise next(errors)
+
+    policy = RetryPolicy(max_attempts=2, base_delay=0.0, deadline=30.0)
+    run = policy.run(fail, uri="s3://bkt/k", what="read", classify=lambda e: retry.TRANSIENT, describe=repr)
+    with pytest.raises(TransferError) as ei:
+        asyncio.run(run)
+    msg = str(ei.value)
+    assert "last error: ConnectionResetError('reset')" in msg and "first error: TruncatedBodyError" in msg
+
+    async def reset():
+        raise ConnectionResetError("reset")
+
+    with pytest.raises(TransferError) as ei:  # the same error every time: said once
+        asyncio.run(policy.run(reset, uri="s3://bkt/k", what="read", classify=lambda e: retry.TRANSIENT, describe=repr))
+    assert "last error: ConnectionResetError('reset')" in str(ei.value) and "first error" not in str(ei.value)
 
 
 def _tight(faults, key: str, **options):

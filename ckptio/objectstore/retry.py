@@ -201,6 +201,7 @@ class RetryPolicy:
         start = time.monotonic()
         attempt = 0
         refreshed = 0
+        first = ""  # the first failure's description: a different last one must not hide it
         while True:
             attempt += 1
             remaining = self.deadline - (time.monotonic() - start)
@@ -225,6 +226,8 @@ class RetryPolicy:
                 if kind != TRANSIENT:
                     raise
                 out_of_time = elapsed + 0.001 >= self.deadline
+                said = describe(e)
+                first = first or said
                 if attempt >= self.max_attempts or out_of_time:
                     why = (
                         f"deadline of {self.deadline:g}s exceeded"
@@ -232,7 +235,8 @@ class RetryPolicy:
                         else f"gave up after {attempt} attempt(s) in {elapsed:.1f}s"
                     )
                     code = errno.ETIMEDOUT if isinstance(e, TimeoutError) or out_of_time else errno.EIO
-                    err = TransferError(code, f"{what} of {uri} failed: {why}; last error: {describe(e)}", uri)
+                    errors = f"last error: {said}" + (f"; first error: {first}" if first != said else "")
+                    err = TransferError(code, f"{what} of {uri} failed: {why}; {errors}", uri)
                     err.attempts = attempt
                     raise err from e
                 delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
@@ -240,7 +244,7 @@ class RetryPolicy:
                     "retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)",
                     what,
                     uri,
-                    describe(e),
+                    said,
                     attempt,
                     self.max_attempts,
                     delay,
