@@ -356,3 +356,24 @@ def test_incremental_benchmark_restores_in_rounds_next_to_the_raw_floor(tmp_path
     assert "3 more interleaved restores of step 5" in out and "n=3" in out, out
     assert "floor, the same bytes by plain preadv" in out and "objects / file" in out, out
     assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+def test_incremental_benchmark_restores_cold_then_from_the_cache_they_left(tmp_path, capsys, monkeypatch, fmt):
+    """--cold N: N interleaved restores of each step 5 with both checkpoints dropped from the page cache
+    before each, each followed by one from the page cache; any local format; the roots removed after."""
+    from ckptio.bench import incremental, measure
+
+    monkeypatch.setattr(incremental.tempfile, "tempdir", str(tmp_path))
+    dropped = []
+    real = measure.evict_local
+    monkeypatch.setattr(measure, "evict_local", lambda path: dropped.append(path) or real(path))
+    assert (
+        incremental.main(["--size", "4", "--repeats", "1", "--targets", "local", "--format", fmt, "--cold", "2"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "2 cold restores of step 5 (page cache dropped before each)" in out and "n=2" in out, out
+    assert "each followed by a restore from the page cache it left" in out, out
+    assert len(dropped) == 2 * 2 * 2  # both roots, before each of the 2 x 2 cold restores
+    assert "more interleaved restores" not in out  # --restores not asked for
+    assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())

@@ -151,6 +151,28 @@ def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: i
     return res
 
 
+def cold_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int) -> dict[str, list[float]] | None:
+    """``rounds`` interleaved restores of step 5 from each root, both roots dropped from the page cache
+    before each (a resumed job on a fresh node reads from the device), and each followed at once by a
+    restore from the page cache that read left behind ("again": a second load in the same job). None
+    where the page cache cannot be dropped (no ``posix_fadvise``)."""
+    from ..checkpointer import Checkpointer
+    from .measure import evict_local
+
+    cks = {"full": Checkpointer(full_root, format=fmt), "inc": Checkpointer(inc_root, format=fmt, incremental=True)}
+    target = _zeros(workload_f(size, SAVES))
+    res: dict[str, list[float]] = {"full": [], "inc": [], "full again": [], "inc again": []}
+    for r in range(rounds):
+        for name in ("full", "inc") if r % 2 == 0 else ("inc", "full"):
+            if not (evict_local(full_root) and evict_local(inc_root)):
+                return None
+            for key in (name, f"{name} again"):
+                t = time.perf_counter()
+                cks[name].load(target, step=SAVES)
+                res[key].append(time.perf_counter() - t)
+    return res
+
+
 def _zeros(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
@@ -172,6 +194,21 @@ def _spread(xs: list[float], unit: str = "x") -> str:
     return f"(per repeat: median {statistics.median(xs):.2f}{unit} [{min(xs):.2f}-{max(xs):.2f}], n={len(xs)})"
 
 
+def _print_cold(rc: dict[str, list[float]] | None, rounds: int) -> None:
+    if rc is None:
+        print("cold restores: skipped (this platform cannot drop files from the page cache)")
+        return
+    for label, f, i in (
+        (f"{rounds} cold restores of step {SAVES} (page cache dropped before each)", "full", "inc"),
+        ("  each followed by a restore from the page cache it left", "full again", "inc again"),
+    ):
+        per = [b / a for a, b in zip(rc[f], rc[i], strict=True)]
+        print(
+            f"{label}: non-incremental {statistics.median(rc[f]):.3f} s, incremental "
+            f"{statistics.median(rc[i]):.3f} s; incremental / non-incremental {_spread(per)}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=1024, help="state size in MiB (default 1024)")
@@ -183,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--restores", type=int, default=0, help="local .fpk: this many more interleaved restore rounds (and floor)"
     )
+    p.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        help="local: this many interleaved restores with the page cache dropped before each (and one right after)",
+    )
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     frozen = args.workload == "F"
@@ -191,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             size = min(args.size, args.s3_size) << 20 if name == "s3" else args.size << 20
             times: dict[bool, list[list[float]]] = {False: [], True: []}
             written: dict[bool, list[int]] = {}
-            keep = name == "local" and args.restores > 0 and args.format == "fpk"
+            warm = args.restores > 0 and args.format == "fpk"
+            keep = name == "local" and (warm or args.cold > 0)
             roots: dict[bool, str] = {}
             for rep in range(args.repeats):
                 for inc in (False, True):
@@ -226,10 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_spread([r[SAVES] for r in times[False]], 's')}, incremental {inc_load:.3f} s "
                 f"{_spread([r[SAVES] for r in times[True]], 's')}; incremental / non-incremental {_spread(per)}"
             )
-            if roots:
+            if roots and warm:
                 rr = restore_rounds(roots[False], roots[True], args.format, size, args.restores)
-                for root in roots.values():
-                    shutil.rmtree(root, ignore_errors=True)
                 per = [i / f for f, i in zip(rr["full"], rr["inc"], strict=True)]
                 floor = [b / f for f, b in zip(rr["raw file"], rr["raw blocks"], strict=True)]
                 print(
@@ -241,5 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"  floor, the same bytes by plain preadv: one file {statistics.median(rr['raw file']):.3f} s, "
                     f"the content objects {statistics.median(rr['raw blocks']):.3f} s; objects / file {_spread(floor)}"
                 )
+            if roots and args.cold > 0:  # after the warm rounds: a cold read leaves another page cache behind
+                _print_cold(cold_rounds(roots[False], roots[True], args.format, size, args.cold), args.cold)
+            for root in roots.values():
+                shutil.rmtree(root, ignore_errors=True)
             print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
