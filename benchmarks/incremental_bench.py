@@ -5,10 +5,8 @@ is :mod:`ckptio.bench.incremental`.
     python benchmarks/incremental_bench.py [--size 1024] [--s3-size 256] [--repeats 3] [--format fpk|pt|dcp]
         [--targets local,s3] [--workload F|W1] [--restores N] [--cold N]
 
-``--restores N`` (local, fpk): N more interleaved restores of the last repeat's two step-5 checkpoints, and
-the floor under them (the same bytes by plain ``preadv``: the content objects vs the one file).
-``--cold N`` (local): N interleaved restores of the same two checkpoints with both dropped from the page cache
-before each (``posix_fadvise``; a resume on a fresh node), each followed by one from the page cache that read left.
+``--restores N`` (local, fpk) and ``--cold N`` (local): more restores of the last repeat's two step-5
+checkpoints, from the page cache or with it dropped first (see :mod:`ckptio.bench.incremental`).
 
 Targets (issue 16): F: saves 2-5 write <= 12% of the logical bytes, >= 5x faster on S3, >= 3x locally;
 W1: incremental saves <= 1.1x the time of non-incremental ones; restores of step 5 no slower.

@@ -6,6 +6,11 @@ For each target (local with fsync; S3 on a moto server), five saves with
 ``Checkpointer(incremental=True)`` and five without, interleaved per repeat, then a restore of step 5
 from each; reported per save: the median seconds and the bytes written, the ratio of saves 2-5
 (non-incremental / incremental) and the restore times.
+
+Local only: ``--restores N`` adds N interleaved restores of the last repeat's two step-5 checkpoints
+from the page cache, and the plain-``preadv`` floor under them; ``--cold N`` adds N with both
+checkpoints dropped from the page cache before each (a resume on a fresh node), each followed by one
+from the page cache that read left (its folios differ from a just-written file's).
 """
 
 from __future__ import annotations
