@@ -94,7 +94,8 @@ def _step_file(root: str) -> str:
 
 def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int = 2) -> float:
     """Seconds to read ``(path, offset, length)`` pieces back to back into ``out`` with ``preadv``, the
-    pieces dealt out to ``threads`` threads in turn: the floor under a restore of those bytes."""
+    pieces dealt out to ``threads`` threads by bytes (the largest first, each to the thread with the
+    fewest so far; each thread's in order): the floor under a restore of those bytes."""
     import concurrent.futures as cf
 
     spans, pos = [], 0
@@ -115,9 +116,15 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
             finally:
                 os.close(fd)
 
+    shares: list[list[int]] = [[] for _ in range(threads)]
+    load = [0] * threads
+    for i in sorted(range(len(spans)), key=lambda i: -len(spans[i][2])):
+        k = load.index(min(load))
+        shares[k].append(i)
+        load[k] += len(spans[i][2])
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(read, [spans[i::threads] for i in range(threads)]))
+        list(ex.map(read, [[spans[i] for i in sorted(share)] for share in shares]))
     return time.perf_counter() - t
 
 

@@ -4,7 +4,8 @@ Writes: the writer cuts the byte stream into blocks: where a ``write`` call of a
 ``min_block`` bytes starts and ends (formats hand a tensor's payload over in one call: ``torch.save``
 does; the small records between become small blocks of their own), at a boundary the format marks
 (``Writer.mark_boundary``, between payloads) once the block has ``min_block`` bytes, and always at
-``max_block`` bytes; so an unchanged payload is an unchanged block, wherever it lies in the file. It
+``max_block`` bytes (the store's: 64 MiB on local files, else 16 MiB; a block it copies, at most
+``COPIED_MAX_BLOCK``); so an unchanged payload is an unchanged block, wherever it lies in the file. It
 hashes each block, writes the unknown ones (:class:`~.store.BlockStore`, up to ``concurrency`` at
 once) and, once they are all durable, writes the recipe at the object's own URI with the writer's
 mode. An object smaller than ``min_block`` is written plainly. A new block is uploaded from a copy,
@@ -49,7 +50,7 @@ from ..osio import prefault
 from ..threads import Pool
 from ..wrappers.forwarding import ForwardingBackend
 from .recipe import MAGIC, MAX_RECIPE_BYTES, Recipe, pack_recipe, parse_recipe
-from .store import BlockStore, block_hash
+from .store import COPIED_MAX_BLOCK, BlockStore, block_hash
 
 _PROBE = 64 << 10  # the first read of an object: a recipe of up to ~1,000 blocks is read whole at once
 _KEEP_BLOCKS = 4  # partly read blocks kept, for the small sequential reads of a buffered reader
@@ -269,12 +270,13 @@ class _BlockWriter(Writer):
         mv = memoryview(data).cast("B")
         n = len(mv)
         self._size += n
-        top = self._store.max_block
+        top = min(self._store.max_block, COPIED_MAX_BLOCK)  # a block copied: at most `concurrency` in memory
         if n >= self._store.min_block:  # a large write (a payload): blocks of its own, hashed in place
             if self._pending:
                 self._cut()
-            for i in range(0, n, top):
-                self._emit(mv[i : i + top], owned=borrowed)
+            step = self._store.max_block if borrowed else top
+            for i in range(0, n, step):
+                self._emit(mv[i : i + step], owned=borrowed)
             return n
         while len(mv):
             take = min(len(mv), top - len(self._pending))
