@@ -93,3 +93,36 @@ def test_a_store_saved_with_16_mib_blocks_upgrades_once(tmp_path, monkeypatch):
     loads_back(ck, 3)
     sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, ".content")) for f in fs]
     assert BIG in sizes and 16 * MiB not in sizes  # the sweep removed what only step 1 used
+
+
+def test_partial_reads_keep_at_most_64_mib_of_blocks(tmp_path):
+    """A buffered reader's small reads of a step fetch each block whole and keep the last few: 64 MiB of
+    them at most (four 16 MiB blocks, one 64 MiB one), so large local blocks do not raise that bound."""
+    from ckptio.incremental.direct import reader_for
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(BIG // 4, generator=g) for i in range(3)}
+    ck = Checkpointer(str(tmp_path / "run"), format="fpk", incremental=True)
+    ck.save(1, tensors)
+    step_dir = ck.uri(1)
+    (path,) = [p for p in (os.path.join(step_dir, f) for f in os.listdir(step_dir)) if _is_recipe(p)]
+    backend, uri = ckptio.resolve(path)
+    r = reader_for(backend, step_dir)
+    rec = r.recipe(uri)
+    assert rec is not None
+    big = [i for i, n in enumerate(rec.lengths) if n == BIG]
+    assert len(big) == 3
+    parts = {}
+    for i in big:  # a few bytes from the middle of each 40 MiB block: each fetched whole
+        at = rec.offsets[i] + BIG // 2
+        parts[at] = r.read_range(uri, at, at + 8)
+        kept = [len(f.result()) for f in r._blocks.values() if f.done()]
+        assert sum(kept) <= 64 * MiB and len(kept) == 1, kept
+    whole = r.read_range(uri)  # whole blocks, straight into the buffer
+    assert all(whole[at : at + 8] == data for at, data in parts.items())
+    assert all(torch.equal(ckptio.load(uri)[k], t) for k, t in tensors.items())
+
+
+def _is_recipe(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC

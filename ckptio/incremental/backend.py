@@ -53,7 +53,9 @@ from .recipe import MAGIC, MAX_RECIPE_BYTES, Recipe, pack_recipe, parse_recipe
 from .store import COPIED_MAX_BLOCK, BlockStore, block_hash
 
 _PROBE = 64 << 10  # the first read of an object: a recipe of up to ~1,000 blocks is read whole at once
-_KEEP_BLOCKS = 4  # partly read blocks kept, for the small sequential reads of a buffered reader
+# partly read blocks kept, for the small sequential reads of a buffered reader: up to this many bytes of
+# them (four 16 MiB blocks, one 64 MiB local one), the last one always
+_KEEP_BYTES = 64 << 20
 
 
 class IncrementalBackend(ForwardingBackend):
@@ -184,12 +186,13 @@ class IncrementalBackend(ForwardingBackend):
                     self._blocks.pop(h, None)
                 fut.set_exception(e)
                 raise
-            with self._lock:
-                while len(self._blocks) > _KEEP_BLOCKS:
+            with self._lock:  # blocks still being read count as nothing: the oldest of them stops it
+                kept = sum(len(f.result()) for f in self._blocks.values() if f.done())
+                while len(self._blocks) > 1 and kept > _KEEP_BYTES:
                     old = next(iter(self._blocks))
                     if not self._blocks[old].done():
                         break
-                    del self._blocks[old]
+                    kept -= len(self._blocks.pop(old).result())
         data = fut.result()
         out[:] = data[skip : skip + len(out)]
 
