@@ -126,3 +126,21 @@ def test_partial_reads_keep_at_most_64_mib_of_blocks(tmp_path):
 def _is_recipe(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(len(MAGIC)) == MAGIC
+
+
+def test_a_dcp_load_reads_whole_local_blocks_into_the_tensors(tmp_path, monkeypatch):
+    """DCP cuts a long range into the backend's part_size pieces: on a local incremental root those are
+    whole 64 MiB blocks, each read straight into the tensor, none through a copy of its block."""
+    from ckptio.incremental.backend import IncrementalBackend
+
+    g = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(80 * MiB // 4, generator=g), "b": torch.randn(BIG // 4, generator=g)}
+    ck = Checkpointer(str(tmp_path / "run"), format="dcp", incremental=True)
+    ck.save(1, {"model": tensors})
+    parts = []
+    real = IncrementalBackend._read_part
+    monkeypatch.setattr(IncrementalBackend, "_read_part", lambda self, *a: parts.append(a[3]) or real(self, *a))
+    got = {"model": {k: torch.zeros_like(t) for k, t in tensors.items()}}
+    assert Checkpointer(str(tmp_path / "run"), format="dcp").load(got, step=1) == 1
+    assert all(torch.equal(got["model"][k], t) for k, t in tensors.items())
+    assert not [n for n in parts if n > MiB], parts  # no payload block went through _read_part

@@ -54,7 +54,7 @@ from .store import COPIED_MAX_BLOCK, BlockStore, block_hash
 
 _PROBE = 64 << 10  # the first read of an object: a recipe of up to ~1,000 blocks is read whole at once
 # partly read blocks kept, for the small sequential reads of a buffered reader: up to this many bytes of
-# them (four 16 MiB blocks, one 64 MiB local one), the last one always
+# the read ones (four 16 MiB blocks, one 64 MiB local one), the one just read always
 _KEEP_BYTES = 64 << 20
 
 
@@ -63,6 +63,10 @@ class IncrementalBackend(ForwardingBackend):
 
     def __init__(self, inner: Backend, store: BlockStore, *, check_blocks: bool = True) -> None:
         super().__init__(inner)
+        # a whole number of the largest blocks: readers that cut a long range into part_size pieces (DCP's,
+        # an unverified .fpk load) read each payload's blocks straight into their targets, not each piece
+        # through a copy of its whole block (_read_part); a payload's first block starts where it starts
+        self.part_size = -(-self.part_size // store.max_block) * store.max_block
         self.check_blocks = check_blocks  # False: for_checked_reads' backend, block lengths checked only
         self._unchecked: IncrementalBackend | None = None
         self.name = inner.name
@@ -186,13 +190,13 @@ class IncrementalBackend(ForwardingBackend):
                     self._blocks.pop(h, None)
                 fut.set_exception(e)
                 raise
-            with self._lock:  # blocks still being read count as nothing: the oldest of them stops it
+            with self._lock:  # the oldest read ones go (blocks still being read are their readers')
                 kept = sum(len(f.result()) for f in self._blocks.values() if f.done())
-                while len(self._blocks) > 1 and kept > _KEEP_BYTES:
-                    old = next(iter(self._blocks))
-                    if not self._blocks[old].done():
+                for old in list(self._blocks):
+                    if kept <= _KEEP_BYTES:
                         break
-                    kept -= len(self._blocks.pop(old).result())
+                    if old != h and self._blocks[old].done():
+                        kept -= len(self._blocks.pop(old).result())
         data = fut.result()
         out[:] = data[skip : skip + len(out)]
 
