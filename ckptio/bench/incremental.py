@@ -128,16 +128,22 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
     return time.perf_counter() - t
 
 
+def _restorers(full_root: str, inc_root: str, fmt: str, size: int) -> tuple[dict[str, Any], Any]:
+    """The two roots' Checkpointers ("full", "inc") and a zeroed state to restore step 5 into."""
+    from ..checkpointer import Checkpointer
+
+    cks = {"full": Checkpointer(full_root, format=fmt), "inc": Checkpointer(inc_root, format=fmt, incremental=True)}
+    return cks, _zeros(workload_f(size, SAVES))
+
+
 def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int) -> dict[str, list[float]]:
     """``rounds`` interleaved restores of step 5 from each root, and the raw reads under them: the
     incremental step's content objects (in its recipe's order) and the other step's file, both cut into
     the same number of pieces (the recipe's blocks; the file in as many equal slices)."""
-    from ..checkpointer import Checkpointer
     from ..incremental.recipe import parse_recipe
     from ..incremental.store import CONTENT_DIR
 
-    cks = {"full": Checkpointer(full_root, format=fmt), "inc": Checkpointer(inc_root, format=fmt, incremental=True)}
-    target = _zeros(workload_f(size, SAVES))
+    cks, target = _restorers(full_root, inc_root, fmt, size)
     inc_file, full_file = _step_file(inc_root), _step_file(full_root)
     with open(inc_file, "rb") as f:
         recipe = parse_recipe(f.read(), inc_file)
@@ -168,11 +174,9 @@ def cold_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int)
     before each (a resumed job on a fresh node reads from the device), and each followed at once by a
     restore from the page cache that read left behind ("again": a second load in the same job). None
     where the page cache cannot be dropped (no ``posix_fadvise``)."""
-    from ..checkpointer import Checkpointer
     from .measure import evict_local
 
-    cks = {"full": Checkpointer(full_root, format=fmt), "inc": Checkpointer(inc_root, format=fmt, incremental=True)}
-    target = _zeros(workload_f(size, SAVES))
+    cks, target = _restorers(full_root, inc_root, fmt, size)
     res: dict[str, list[float]] = {"full": [], "inc": [], "full again": [], "inc again": []}
     for r in range(rounds):
         for name in ("full", "inc") if r % 2 == 0 else ("inc", "full"):

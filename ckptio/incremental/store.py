@@ -127,7 +127,6 @@ class BlockStore:
         u = self.uri(h)
         try:
             if self._files is not None:  # plain files: opened as they are, a missing one raises
-                self.local_reads = True
                 n, digest = _read_hashed(f"{self._files}/{h[:2]}/{h}", u, out, check, each)
                 ok = n == len(out) and (not check or digest == h)
             else:
