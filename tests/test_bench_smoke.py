@@ -377,3 +377,29 @@ def test_incremental_benchmark_restores_cold_then_from_the_cache_they_left(tmp_p
     assert len(dropped) == 2 * 2 * 2  # both roots, before each of the 2 x 2 cold restores
     assert "more interleaved restores" not in out  # --restores not asked for
     assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())
+
+
+def test_floors_measure_a_verified_fpk_load_with_the_least_python(capsys):
+    """The floor under the small loads (issue 35, 7b): the least a verified .fpk load does in Python
+    returns what ckptio returns, fails on a damaged payload as ckptio does, and is printed next to the
+    raw memcpy and ckptio, each row against the first."""
+    import torch
+
+    import ckptio
+    from ckptio.bench.floors import fpk_floor, main
+    from ckptio.errors import IntegrityError
+
+    state = {"w": torch.randn(5, 7), "b": torch.arange(3), "n": {"x": torch.ones(2, dtype=torch.bfloat16)}, "k": 3}
+    ckptio.dump(state, "memory://floors-test/s.fpk")
+    data = ckptio.get("memory://floors-test/s.fpk")
+    for one_buffer in (False, True):
+        out = fpk_floor(data, one_buffer)
+        assert out["k"] == 3 and torch.equal(out["w"], state["w"]) and torch.equal(out["n"]["x"], state["n"]["x"])
+        damaged = bytearray(data)
+        damaged[64] ^= 1  # the first payload's first byte
+        with pytest.raises(IntegrityError):
+            fpk_floor(bytes(damaged), one_buffer)
+    assert main(["--sizes", "6KiB", "--backends", "memory", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  load")]
+    assert [r[-1] for r in rows][0] == "1.00x" and len(rows) == 4
+    assert " ".join(rows[1][1:5]) == ".fpk verified, least Python" and rows[3][1:3] == ["ckptio", ".fpk"]

@@ -19,13 +19,28 @@ local (fsync everywhere)
                              what every DCP save through torch pays on top of its files
   loads: raw read; torch.load; raw DCP read (.metadata + unpickle + data readinto); torch dcp.load
   with a reader that reads nothing (torch's API on every DCP load)
+memory:// (the fixed costs of a small verified load)
+  raw memcpy                 the tensor bytes copied into one buffer and back into fresh tensors (the
+                             throughput baseline)
+  .fpk verified, least Python, a tensor per payload / one buffer
+                             the least a verified .fpk load does in Python, from the stored bytes:
+                             footer and metadata checksums, the metadata unpacked and validated
+                             (ckptio's own checks), each payload copied into a fresh tensor (or all
+                             into one buffer, payloads as views of it, as a small remote object's
+                             are) and its checksum checked, the tensors built and the tree decoded;
+                             none of ckptio's plumbing (URIs, sources, the parallel reader)
 S3 (moto) / GCS (emulator) on loopback
   raw 1 PUT / 1 GET          s3fs / gcsfs, the GET unpacked into fresh tensors (the throughput baseline)
+  raw GET + .fpk verified    the GET of the .fpk, then the one-buffer verified load above: the floor of
+                             a verified small load
   raw DCP                    overwrite check (one listing) + data PUT + .metadata PUT; load: .metadata
                              GET + data size (HEAD) + data GET: the requests ckptio's DCP makes
   raw GET + torch.load       the .pt load floor: torch's parse and copy on top of the bytes
 
-    python -m benchmarks.floors [--sizes 1MiB,32MiB] [--repeats 9] [--backends local,s3,gcs]
+Each table gives every row's median against its first row's (first row's time / this row's: >1 faster).
+
+    python -m benchmarks.floors [--sizes 1MiB,32MiB] [--repeats 9] [--backends local,memory,s3,gcs]
+    python -m benchmarks.floors --sizes 6KiB,1MiB --backends memory,gcs   # the small loads' floors
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ from ckptio import dcp
 from ckptio.bench.heap import trim_heap
 from ckptio.bench.impls import Impl, fsspec_baselines, local_baselines
 from ckptio.bench.targets import S3_CREDS
-from ckptio.bench.workload import make_state, nbytes, touch, u8, unpack
+from ckptio.bench.workload import make_state, nbytes, pack, touch, u8, unpack
 
 Op = Callable[[str], Any]  # takes a fresh name, returns what a load returns
 
@@ -240,6 +255,62 @@ def _dcp_load(state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tenso
     return out
 
 
+def fpk_floor(data: bytes, one_buffer: bool) -> Any:
+    """The least a verified ``.fpk`` load does in Python, from the object's bytes (see the module's
+    docstring): every check ckptio's reader makes of the footer, header and metadata, every payload's
+    checksum, into fresh memory; ``one_buffer``: one copy of the whole object, payloads as views of it."""
+    import msgpack
+    import xxhash
+
+    from ckptio.errors import IntegrityError
+    from ckptio.formats.fastpickle.decode import decode_tree, tensor_factory
+    from ckptio.formats.fastpickle.layout import FOOTER, HEADER, MAGIC, validate
+
+    size, src = len(data), memoryview(data)
+    meta_off, meta_len, meta_hash, _, _, flags, foot_hash, _ = FOOTER.unpack_from(data, size - FOOTER.size)
+    if xxhash.xxh3_64_intdigest(src[size - FOOTER.size : size - FOOTER.size + 48]) != foot_hash:
+        raise IntegrityError("footer")
+    whole = torch.empty(size if one_buffer else 0, dtype=torch.uint8)
+    if one_buffer:
+        src = memoryview(whole.numpy())  # type: ignore[arg-type]
+        src[:] = data
+    meta_bytes = src[meta_off : meta_off + meta_len]
+    h = xxhash.xxh3_64()
+    h.update(src[: HEADER.size])
+    h.update(meta_bytes)
+    if h.intdigest() != meta_hash or src[:8] != MAGIC:
+        raise IntegrityError("metadata")
+    meta = validate(msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False), "floor", size, meta_off, flags)
+    payloads = {}
+    for i, (off, n, checksum, _) in enumerate(meta.storages):
+        if one_buffer and n:  # a storage of its own over the payload's bytes, as ckptio's views are
+            t = torch.frombuffer(src[off : off + n], dtype=torch.uint8)
+        else:
+            t = torch.empty(n, dtype=torch.uint8)
+            memoryview(t.numpy())[:] = src[off : off + n]  # type: ignore[arg-type]
+        if xxhash.xxh3_64_intdigest(memoryview(t.numpy())) != checksum:  # type: ignore[arg-type]
+            raise IntegrityError(f"payload {i}")
+        payloads[i] = t
+    return decode_tree(meta, tensor_factory(meta, payloads, None), False)
+
+
+def memory_ops(state: dict[str, torch.Tensor]) -> tuple[dict[str, Op], dict[str, Op]]:
+    store: dict[str, Any] = {}
+    base = "memory://floors"
+
+    def keep(name: str) -> None:
+        store[name] = pack(state)
+
+    saves: dict[str, Op] = {"raw memcpy": keep, "ckptio .fpk": lambda n: ckptio.dump(state, f"{base}/{n}.fpk")}
+    loads: dict[str, Op] = {
+        "raw memcpy": lambda n: unpack(state, store.pop(n)),
+        ".fpk verified, least Python": lambda n: fpk_floor(ckptio.get(f"{base}/{n}.fpk"), False),
+        ".fpk verified, least Python, 1 buf": lambda n: fpk_floor(ckptio.get(f"{base}/{n}.fpk"), True),
+        "ckptio .fpk": lambda n: ckptio.load(f"{base}/{n}.fpk"),
+    }
+    return saves, loads
+
+
 def remote_ops(state: dict[str, torch.Tensor], fs: Any, base: str) -> tuple[dict[str, Op], dict[str, Op]]:
     """``base``: scheme://bucket; fs: the raw fsspec filesystem on the same server."""
     data, meta = [u8(t) for t in state.values()], _dcp_meta(state)
@@ -276,6 +347,7 @@ def remote_ops(state: dict[str, torch.Tensor], fs: Any, base: str) -> tuple[dict
         "raw 1 GET": lambda n: raw.load(state, f"{base}/{n}{raw.suffix}"),
         "raw DCP read (3 requests)": raw_dcp_read,
         "raw GET + torch.load": lambda n: torch.load(io.BytesIO(fs.cat_file(f"{path}/{n}.raw.pt")), weights_only=True),
+        "raw GET + .fpk verified": lambda n: fpk_floor(fs.cat_file(f"{path}/{n}.fpk"), True),
         "ckptio .fpk": lambda n: ckptio.load(f"{base}/{n}.fpk"),
         "ckptio .pt": lambda n: ckptio.load(f"{base}/{n}.pt"),
         "ckptio DCP": lambda n: _dcp_load(state, f"{base}/{n}.dcp"),
@@ -318,6 +390,8 @@ def _targets(which: list[str]) -> Iterator[list[tuple[str, Callable[..., tuple[d
         if "local" in which:
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-floors-", dir=os.getcwd()))
             out.append(("local", lambda s, root=root: local_ops(s, tempfile.mkdtemp(dir=root))))
+        if "memory" in which:
+            out.append(("memory", memory_ops))
         if "s3" in which:
             from ckptio.bench.servers import MotoServer, make_s3_bucket, moto_s3fs
 
@@ -351,11 +425,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, ops in targets:
             for size in sizes:
                 state = make_state(size)
-                times = measure(*ops(state), args.repeats)
-                print(f"== {name}, {nbytes(state) / 2**20:.1f} MiB, ms: median [min-max] of {args.repeats} ==")
-                for key, v in times.items():
-                    med = statistics.median(v) * 1e3
-                    print(f"  {key:34s} {med:9.2f}  [{min(v) * 1e3:.2f}-{max(v) * 1e3:.2f}]")
+                saves, loads = ops(state)
+                times = measure(saves, loads, args.repeats)
+                print(
+                    f"== {name}, {nbytes(state) / 2**20:.3f} MiB, ms: median [min-max] of {args.repeats}, "
+                    f"and the first row's median / this one's =="
+                )
+                for op, keys in (("save", list(saves)), ("load", list(loads))):
+                    ref = statistics.median(times[f"{op}  {keys[0]}"])
+                    for key in keys:
+                        v = times[f"{op}  {key}"]
+                        med = statistics.median(v)
+                        print(
+                            f"  {op}  {key:40s} {med * 1e3:9.3f}  [{min(v) * 1e3:.3f}-{max(v) * 1e3:.3f}]"
+                            f"  {ref / med:5.2f}x"
+                        )
                 sys.stdout.flush()
     return 0
 
