@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 
 import pytest
@@ -473,3 +474,31 @@ def test_stall_watch_ends_a_silent_body_and_lets_a_slow_steady_one_finish():
     with pytest.raises(StalledError):
         asyncio.run(silent())
     assert time.monotonic() - t0 < 5
+
+
+def test_a_guarded_read_ends_stalled_or_with_its_value_and_runs_in_the_callers_task():
+    """``stall_guard`` (a whole reply body) and ``within`` (one attempt): StalledError / TimeoutError once
+    their time is up, the value otherwise; on Python 3.11+ the read runs in the caller's own task (no task
+    a request, which cost a loop round each)."""
+    import asyncio
+
+    from ckptio.objectstore.retry import StalledError, stall_guard, within
+
+    async def read(delay: float) -> tuple[bytes, object]:
+        await asyncio.sleep(delay)
+        return b"body", asyncio.current_task()
+
+    async def main() -> None:
+        me = asyncio.current_task()
+        for guard in (lambda r: stall_guard(r, 0.2), lambda r: within(r, 0.2)):
+            body, task = await guard(read(0.01))
+            assert body == b"body" and (task is me or sys.version_info < (3, 11))
+            t0 = time.monotonic()
+            with pytest.raises(asyncio.TimeoutError) as ei:
+                await guard(read(30))
+            assert time.monotonic() - t0 < 5
+        assert isinstance(ei.value, asyncio.TimeoutError)
+        with pytest.raises(StalledError):
+            await stall_guard(read(30), 0.1)
+
+    asyncio.run(main())

@@ -338,8 +338,12 @@ class CredentialRefresher:
 
 
 async def stall_guard(read: Awaitable[Any], stall_timeout: float) -> Any:
-    """Await one read of a body; :class:`StalledError` if no bytes arrive for ``stall_timeout`` seconds."""
+    """Await one read of a body; :class:`StalledError` if no bytes arrive for ``stall_timeout`` seconds (in
+    the caller's task on Python 3.11+, as :func:`within`: ``asyncio.wait_for`` of 3.11 makes a task a read)."""
     try:
+        if _timeout is not None:
+            async with _timeout(stall_timeout):
+                return await read
         return await asyncio.wait_for(read, stall_timeout)
     except asyncio.TimeoutError:
         raise StalledError(f"no bytes received for {stall_timeout:g}s") from None
