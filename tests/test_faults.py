@@ -502,3 +502,53 @@ def test_a_guarded_read_ends_stalled_or_with_its_value_and_runs_in_the_callers_t
             await stall_guard(read(30), 0.1)
 
     asyncio.run(main())
+
+
+def test_a_cancelled_request_cleans_up_untimed_and_is_never_retried():
+    """A request cancelled from outside: its cleanup runs to the end even when its attempt's time runs
+    out meanwhile (as it did in a task of its own), and a request that turns the cancellation into an
+    error of its own (a connection error) ends the call cancelled, not retried as that error."""
+    import asyncio
+
+    from ckptio.objectstore.retry import RetryPolicy, classify_common, within
+
+    async def cleanup_case() -> list[str]:
+        log: list[str] = []
+
+        async def req() -> None:
+            try:
+                await asyncio.sleep(10)
+            finally:
+                await asyncio.sleep(0.2)  # past the attempt's 0.1 s
+                log.append("cleanup done")
+
+        t = asyncio.ensure_future(within(req(), 0.1))
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        return log
+
+    async def converted_case() -> int:
+        attempts = 0
+
+        async def req() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                raise ConnectionResetError("the request's own error") from None
+
+        policy = RetryPolicy(timeout=5, max_attempts=3, base_delay=0)
+        t = asyncio.ensure_future(
+            policy.run(req, uri="u", what="w", classify=lambda e: classify_common(e) or "permanent", describe=str)
+        )
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(t), 2)
+        return attempts
+
+    assert asyncio.run(cleanup_case()) == ["cleanup done"]
+    assert asyncio.run(converted_case()) == 1
