@@ -123,6 +123,18 @@ class Inline(cf.Executor):
         return f
 
 
+def deal(sizes: dict[int, int], workers: int) -> list[list[int]]:
+    """The keys of ``sizes`` shared out among ``workers`` by size: the largest first, each to the worker
+    with the least so far (each share in the order dealt)."""
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for i in sorted(sizes, key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        shares[k].append(i)
+        loads[k] += sizes[i]
+    return shares
+
+
 def executor(workers: int, name: str, nbytes: int | None = None) -> cf.Executor:
     """A pool of ``workers`` threads named ``name``, or :class:`Inline` when the work (``nbytes``, when
     given) is below :data:`PARALLEL_MIN`."""

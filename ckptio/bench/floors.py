@@ -270,9 +270,8 @@ def fpk_floor(data: bytes, one_buffer: bool) -> Any:
     meta_off, meta_len, meta_hash, _, _, flags, foot_hash, _ = FOOTER.unpack_from(data, size - FOOTER.size)
     if xxhash.xxh3_64_intdigest(src[size - FOOTER.size : size - FOOTER.size + 48]) != foot_hash:
         raise IntegrityError("footer")
-    whole = torch.empty(size if one_buffer else 0, dtype=torch.uint8)
-    if one_buffer:
-        src = memoryview(whole.numpy())  # type: ignore[arg-type]
+    if one_buffer:  # the views below keep this buffer alive
+        src = memoryview(torch.empty(size, dtype=torch.uint8).numpy())  # type: ignore[arg-type]
         src[:] = data
     meta_bytes = src[meta_off : meta_off + meta_len]
     h = xxhash.xxh3_64()

@@ -98,6 +98,8 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
     fewest so far; each thread's in order): the floor under a restore of those bytes."""
     import concurrent.futures as cf
 
+    from ..threads import deal
+
     spans, pos = [], 0
     for path, off, n in files:
         spans.append((path, off, out[pos : pos + n]))
@@ -116,12 +118,7 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
             finally:
                 os.close(fd)
 
-    shares: list[list[int]] = [[] for _ in range(threads)]
-    load = [0] * threads
-    for i in sorted(range(len(spans)), key=lambda i: -len(spans[i][2])):
-        k = load.index(min(load))
-        shares[k].append(i)
-        load[k] += len(spans[i][2])
+    shares = deal({i: len(span[2]) for i, span in enumerate(spans)}, threads)
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(threads) as ex:
         list(ex.map(read, [[spans[i] for i in sorted(share)] for share in shares]))

@@ -203,7 +203,8 @@ class RetryPolicy:
         attempt = 0
         refreshed = 0
         me = asyncio.current_task()
-        cancels = me.cancelling() if me is not None and hasattr(me, "cancelling") else 0
+        me = me if me is not None and hasattr(me, "cancelling") else None  # Python 3.11+: counts cancellations
+        cancels = me.cancelling() if me is not None else 0
         first = ""  # the first failure's description: a different last one must not hide it
         while True:
             attempt += 1
@@ -217,7 +218,7 @@ class RetryPolicy:
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                if me is not None and hasattr(me, "cancelling") and me.cancelling() > cancels:
+                if me is not None and me.cancelling() > cancels:
                     # cancelled from outside while the request turned that into an error of its own: the
                     # cancellation is the outcome, never a retry
                     raise asyncio.CancelledError() from e
@@ -335,9 +336,6 @@ async def _within_task(coro: Awaitable[Any], limit: float) -> Any:
     return task.result()
 
 
-_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
-
-
 class CredentialRefresher:
     """Calls ``provider`` at most once per expiry, however many requests see the error at once.
 
@@ -369,6 +367,9 @@ class CredentialRefresher:
         return True
 
 
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
 async def stall_guard(read: Awaitable[Any], stall_timeout: float) -> Any:
     """Await one read of a body; :class:`StalledError` if no bytes arrive for ``stall_timeout`` seconds (in
     the caller's task on Python 3.11+, as :func:`within`: ``asyncio.wait_for`` of 3.11 makes a task a read)."""
@@ -393,8 +394,8 @@ class StallWatch:
         self._cm: Any = None
 
     async def __aenter__(self) -> StallWatch:
-        if hasattr(asyncio, "timeout"):
-            self._cm = asyncio.timeout(self.stall_timeout)
+        if _timeout is not None:
+            self._cm = _timeout(self.stall_timeout)
             await self._cm.__aenter__()
         return self
 

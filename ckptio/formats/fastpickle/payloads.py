@@ -20,7 +20,7 @@ import xxhash
 
 from ...errors import IntegrityError
 from ...osio import fault_in_striped, prefault
-from ...threads import PARALLEL_MIN, Pool, shared_pool
+from ...threads import PARALLEL_MIN, Pool, deal, shared_pool
 from .layout import MAX_IOV, Meta, describe_payload
 from .read import HEAD_PREFETCH, Source
 
@@ -274,10 +274,5 @@ def verify_parallel(meta: Meta, idxs: list[int], mvs: dict[int, memoryview], thr
     first, each to the least loaded thread; in the calling thread below ``PARALLEL_MIN`` bytes."""
     if sum(meta.storages[i][1] for i in idxs) < PARALLEL_MIN:
         threads = 1
-    groups: list[list[int]] = [[] for _ in range(threads)]
-    loads = [0] * threads
-    for i in sorted(idxs, key=lambda i: -meta.storages[i][1]):
-        k = loads.index(min(loads))
-        groups[k].append(i)
-        loads[k] += meta.storages[i][1]
+    groups = deal({i: meta.storages[i][1] for i in idxs}, threads)
     _run_jobs([functools.partial(_verify, meta, g, mvs) for g in groups if g], threads)
