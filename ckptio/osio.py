@@ -50,31 +50,43 @@ def translate_os_errors(uri: str) -> Iterator[None]:
     """Re-raise OSErrors as ckptio errors naming ``uri`` (a ckptio error already names its object)."""
     try:
         yield
-    except CkptioError:
-        raise
-    except FileNotFoundError as e:
-        raise NotFoundError(uri) from e
-    except FileExistsError as e:
-        raise AlreadyExistsError(uri) from e
-    except PermissionError as e:
-        raise AccessDeniedError(uri) from e
-    except IsADirectoryError as e:
-        raise IsDirectoryError(errno.EISDIR, f"is a directory: {uri}", uri) from e
-    except NotADirectoryError as e:
-        raise NotDirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri) from e
     except OSError as e:
-        if e.errno == errno.ESPIPE:  # a positioned read of a pipe
-            raise TransferError(errno.ESPIPE, f"not a regular file (a pipe or a socket?): {uri}", uri) from e
-        full = {
-            errno.ENOSPC: "no space left on device",
-            errno.EDQUOT: "disk quota exceeded",
-            errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)",
-        }
-        if e.errno in full:
-            raise TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri) from e
-        if e.errno == errno.EROFS:
-            raise AccessDeniedError(uri, "read-only file system") from e
-        raise
+        err = translated(e, uri)
+        if err is e:
+            raise
+        try:
+            raise err from e
+        finally:  # the error's traceback holds this frame: no reference cycle (collected only by the gc)
+            del err
+
+
+def translated(e: OSError, uri: str) -> OSError:
+    """The ckptio error naming ``uri`` for the OSError ``e`` (``e`` itself for a ckptio error, which
+    names its object already, or an error with no better name)."""
+    if isinstance(e, CkptioError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return NotFoundError(uri)
+    if isinstance(e, FileExistsError):
+        return AlreadyExistsError(uri)
+    if isinstance(e, PermissionError):
+        return AccessDeniedError(uri)
+    if isinstance(e, IsADirectoryError):
+        return IsDirectoryError(errno.EISDIR, f"is a directory: {uri}", uri)
+    if isinstance(e, NotADirectoryError):
+        return NotDirectoryError(errno.ENOTDIR, f"a parent of {uri} is a file, not a directory", uri)
+    if e.errno == errno.ESPIPE:  # a positioned read of a pipe
+        return TransferError(errno.ESPIPE, f"not a regular file (a pipe or a socket?): {uri}", uri)
+    full = {
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EFBIG: "file too large (the process's file size limit, ulimit -f, or the filesystem's)",
+    }
+    if e.errno in full:
+        return TransferError(e.errno, f"{full[e.errno]} while writing {uri}", uri)
+    if e.errno == errno.EROFS:
+        return AccessDeniedError(uri, "read-only file system")
+    return e
 
 
 def nonblocking(path: str, flags: int) -> int:

@@ -152,6 +152,52 @@ def test_short_or_damaged_content_object_is_named(fmt, where, tmp_path, memory_u
 
 
 @pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+@pytest.mark.parametrize("kind", ["directory", "fifo", "file_for_folder", "denied", "io_error"])
+def test_a_content_object_that_cannot_be_read_is_named(fmt, kind, tmp_path, monkeypatch):
+    """A local content object replaced by a directory or a pipe (read as empty, never waited on), its
+    folder by a file, or one the OS refuses to open: the load fails with an error naming the content
+    object's URI (made only for the error) and what to do; nothing hangs."""
+    import errno
+    import shutil
+
+    from ckptio.errors import AccessDeniedError
+    from ckptio.incremental import store
+
+    root = str(tmp_path / "r")
+    ck = Checkpointer(root, format=fmt, incremental=True)
+    ck.save(1, make_state(1))
+    victim = next(p for p in content_files(root) if os.path.getsize(p) == 1 << 20)
+    name = os.path.basename(victim)
+    expect: type[Exception] = IntegrityError
+    if kind == "directory":
+        os.remove(victim)
+        os.mkdir(victim)
+        match = f"{name} is a directory"
+    elif kind == "fifo":
+        os.remove(victim)
+        os.mkfifo(victim)
+        match = f"{name} is not a regular file"
+    elif kind == "file_for_folder":
+        folder = os.path.dirname(victim)
+        shutil.rmtree(folder)
+        open(folder, "wb").close()
+        match = f"{name} is missing"
+    else:
+        err = (errno.EACCES, "Permission denied") if kind == "denied" else (errno.EIO, "Input/output error")
+        real = store.open_for_reading
+
+        def refuse(path: str) -> int:
+            if os.path.basename(path) == name:
+                raise OSError(*err, path)
+            return real(path)
+
+        monkeypatch.setattr(store, "open_for_reading", refuse)
+        expect, match = (AccessDeniedError, name) if kind == "denied" else (OSError, "Input/output error")
+    with pytest.raises(expect, match=match):
+        check(ck, 1)
+
+
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
 def test_recipe_reads_are_checked_by_their_blocks_and_the_format(fmt, tmp_path):
     """A recipe's bytes are checked against the blocks' 128-bit names as they are read, and by the
     format's own payload checksums (a block's name does not say it is the tensor's: test_incremental_trust);

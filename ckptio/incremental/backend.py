@@ -141,27 +141,21 @@ class IncrementalBackend(ForwardingBackend):
             return self.inner.readinto_each(uri, buf, offset, each)
         mv = memoryview(buf).cast("B")
         end = min(offset + len(mv), r.size)
-        local = self.store.local_reads  # local content: more threads than the caller's only add contention
+        if self.store.local_reads:  # local content: more threads than the caller's only add contention
+            return self._read_local(r, mv, offset, end, uri, each)
         jobs: list[Callable[[], None]] = []
         for i in r.span(offset, end):
             lo, hi = r.offsets[i], r.offsets[i] + r.lengths[i]
             if offset <= lo and hi <= end:  # the whole block: straight into the caller's buffer
-                out = mv[lo - offset : hi - offset]
-                # handed on piece by piece as read where the blocks are read in order (local)
-                on = each if local else None
-                jobs.append(functools.partial(self.store.read_into, r.hashes[i], out, uri, self.check_blocks, on))
+                jobs.append(
+                    functools.partial(
+                        self.store.read_into, r.hashes[i], mv[lo - offset : hi - offset], uri, self.check_blocks
+                    )
+                )
             else:
                 a, b = max(lo, offset), min(hi, end)
                 part = mv[a - offset : b - offset]
                 jobs.append(functools.partial(self._read_part, r.hashes[i], part, uri, r.lengths[i], a - lo))
-                if local and each is not None:
-                    jobs.append(functools.partial(each, part))
-        if local:
-            # fresh memory populated in one call, not per block (nor page by page under the copies)
-            prefault(mv[: max(0, end - offset)])
-            for job in jobs:
-                job()
-            return max(0, end - offset)
         futures = [self._executor().submit(job) for job in jobs[1:]]  # the caller's thread reads the first
         try:
             if jobs:
@@ -171,6 +165,30 @@ class IncrementalBackend(ForwardingBackend):
                 f.result()
         if each is not None and end > offset:
             each(mv[: end - offset])
+        return max(0, end - offset)
+
+    def _read_local(
+        self, r: Recipe, mv: memoryview, offset: int, end: int, uri: str, each: Callable[[memoryview], Any] | None
+    ) -> int:
+        """Local content: the blocks read in order in the caller's thread, each handed on to ``each`` piece
+        by piece as read. The hot path of a restore, run beside another thread's copies (where every line
+        of Python costs several times its quiet cost): no job objects, and no second fault-in where the
+        caller streams (``readinto_each``: the caller faults in its buffer, as fastpickle's reader does).
+        A 1 GiB restore from the page cache, incremental / full, three runs of 15 interleaved rounds: 1.031x,
+        1.022x, 1.027x -> 1.019x, 1.006x, 1.008x; a block's time outside its reads 220 -> 165 us (a full
+        file's payload: 75 us)."""
+        if each is None:  # fresh memory populated in one call, not per block (nor page by page under the copies)
+            prefault(mv[: max(0, end - offset)])
+        for i in r.span(offset, end):
+            lo, hi = r.offsets[i], r.offsets[i] + r.lengths[i]
+            if offset <= lo and hi <= end:  # the whole block: straight into the caller's buffer
+                self.store.read_into(r.hashes[i], mv[lo - offset : hi - offset], uri, self.check_blocks, each)
+            else:
+                a, b = max(lo, offset), min(hi, end)
+                part = mv[a - offset : b - offset]
+                self._read_part(r.hashes[i], part, uri, r.lengths[i], a - lo)
+                if each is not None:
+                    each(part)
         return max(0, end - offset)
 
     def _read_part(self, h: str, out: memoryview, uri: str, length: int, skip: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import os
 import re
 import threading
 import time
@@ -30,7 +31,7 @@ import xxhash
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError
-from ..osio import preadinto, preadinto_each, reading
+from ..osio import open_for_reading, preadinto, preadinto_each, translated
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
@@ -124,12 +125,14 @@ class BlockStore:
         """Fill ``out`` (the block's length) with block ``h``, its hash checked (``check``; its length always).
         ``each``: called with consecutive parts of ``out`` in order as they are read (a local block's
         pieces while still in the CPU cache; else the block once read)."""
-        u = self.uri(h)
+        # the hot path (plain files, a restore opens one per 1-64 MiB, beside another thread's copies, where
+        # every line of Python costs several times its quiet cost): the URI is only made for an error
         try:
             if self._files is not None:  # plain files: opened as they are, a missing one raises
-                n, digest = _read_hashed(f"{self._files}/{h[:2]}/{h}", u, out, check, each)
+                n, digest = _read_hashed(f"{self._files}/{h[:2]}/{h}", out, check, each)
                 ok = n == len(out) and (not check or digest == h)
             else:
+                u = self.uri(h)
                 with self.backend.local_file(u) as path:
                     if path is None:
                         n = self.backend.readinto(u, out, 0)
@@ -138,20 +141,28 @@ class BlockStore:
                             each(out)
                     else:
                         self.local_reads = True
-                        n, digest = _read_hashed(path, u, out, check, each)
+                        n, digest = _read_hashed(path, out, check, each)
                         ok = n == len(out) and (not check or digest == h)
         except (FileNotFoundError, NotADirectoryError):  # no such file, or a file where its folder should be
-            raise IntegrityError(f"{file_uri}: its content object {u} is missing") from None
+            raise IntegrityError(f"{file_uri}: its content object {self.uri(h)} is missing") from None
         except IsADirectoryError:
-            raise IntegrityError(f"{file_uri}: its content object {u} is a directory, not a file") from None
+            raise IntegrityError(f"{file_uri}: its content object {self.uri(h)} is a directory, not a file") from None
         except OSError as e:
-            if e.errno != errno.ESPIPE:
+            if e.errno == errno.ESPIPE:
+                raise IntegrityError(
+                    f"{file_uri}: its content object {self.uri(h)} is not a regular file (a pipe?)"
+                ) from None
+            err = translated(e, self.uri(h))
+            if err is e:
                 raise
-            raise IntegrityError(f"{file_uri}: its content object {u} is not a regular file (a pipe?)") from None
+            try:
+                raise err from e
+            finally:  # the error's traceback holds this frame (and ``out``): no reference cycle
+                del err
         if not ok:
             raise IntegrityError(
-                f"{file_uri}: its content object {u} is damaged ({n} of {len(out)} bytes read, hash mismatch "
-                "or short); every checkpoint using it fails to load"
+                f"{file_uri}: its content object {self.uri(h)} is damaged ({n} of {len(out)} bytes read, hash "
+                "mismatch or short); every checkpoint using it fails to load"
             )
 
     # ---- sweep ------------------------------------------------------------------------------------
@@ -191,22 +202,25 @@ class BlockStore:
 
 
 def _read_hashed(
-    path: str, uri: str, out: memoryview, check: bool = True, each: Callable[[memoryview], Any] | None = None
+    path: str, out: memoryview, check: bool = True, each: Callable[[memoryview], Any] | None = None
 ) -> tuple[int, str]:
     """Read the local file ``path`` into ``out`` (faulted in by the caller) in ``HOT_PIECE`` pieces, each
     hashed (``check``) and handed to ``each`` right after its read; returns (bytes read, hex xxh3-128 of
-    them; "" unless ``check``). Neither: one read."""
+    them; "" unless ``check``). Neither: one read. OS errors are the caller's to name."""
     hasher = xxhash.xxh3_128() if check else None
+    if hasher is None:
+        take = each
+    elif each is None:
+        take = hasher.update
+    else:
 
-    def piece_in(piece: memoryview) -> None:
-        if hasher is not None:
+        def take(piece: memoryview) -> None:
             hasher.update(piece)
-        if each is not None:
             each(piece)
 
-    with reading(path, uri) as fd:  # a pipe put in its place: no wait for a writer
-        if hasher is None and each is None:
-            total = preadinto(fd, out, 0)
-        else:
-            total = preadinto_each(fd, out, 0, each if hasher is None else piece_in)  # type: ignore[arg-type]
+    fd = open_for_reading(path)  # a pipe put in its place: no wait for a writer
+    try:
+        total = preadinto(fd, out, 0) if take is None else preadinto_each(fd, out, 0, take)
+    finally:
+        os.close(fd)
     return total, "" if hasher is None else hasher.hexdigest()

@@ -82,8 +82,6 @@ class Sink:
     ) -> None:
         self._write, self.fd, self.name, self.mark = write, fd, name, mark
         self._lend = lend or write
-        if fd is not None:  # every byte goes out on the descriptor, so one WriteBehind counts them all
-            self._write = self._lend = self._to_fd
         self._behind = WriteBehind(fd) if write_behind and fd is not None else None
 
     def expect(self, size: int) -> None:
@@ -93,12 +91,18 @@ class Sink:
 
     def write(self, data: Any) -> None:
         """Write bytes the caller may change as soon as this returns (a reused staging buffer)."""
-        self._write(data)
+        if self.fd is not None:  # every byte goes out on the descriptor, so one WriteBehind counts them all
+            self._to_fd(data)
+        else:
+            self._write(data)
 
     def lend(self, data: Any) -> None:
         """Write bytes that stay unchanged until the writer is closed (tensor memory for the length of a
         save, immutable bytes): a writer may keep a view instead of a copy (``Writer.write_borrowed``)."""
-        self._lend(data)
+        if self.fd is not None:
+            self._to_fd(data)
+        else:
+            self._lend(data)
 
     def _to_fd(self, data: Any) -> None:
         mv = memoryview(data).cast("B")

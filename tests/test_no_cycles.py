@@ -1,0 +1,110 @@
+"""Saves and loads leave no reference cycles behind.
+
+Memory in a cycle is freed only when Python's cyclic gc next runs: a save whose frames stay in a cycle
+(an error caught inside it, whose traceback holds the frame that kept it) keeps the caller's state
+alive after the save returns, and the gc then frees it, a GiB at a time, in the middle of whatever runs
+next (a restore measured 80 ms without, 300-500 ms when it met that collection). Each case runs once
+to import what it uses, then again with the gc off; what a collection then finds must hold nothing of
+ckptio's: no frame, traceback, exception, tensor, buffer or object of a ckptio class.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.checkpointer import Checkpointer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {f"w{i}": torch.randn(256, 256, generator=g) for i in range(4)}, "step": step}
+
+
+def _suspects(garbage: list) -> Iterator[str]:
+    import types
+
+    for o in garbage:
+        if isinstance(o, types.FrameType):
+            yield f"frame {o.f_code.co_filename}:{o.f_code.co_name}"
+        elif isinstance(o, (types.TracebackType, BaseException, torch.Tensor, memoryview, bytearray)):
+            yield type(o).__name__
+        elif type(o).__module__.startswith("ckptio"):
+            yield f"{type(o).__module__}.{type(o).__qualname__}"
+
+
+def _cycles_of(run: Callable[[int], None]) -> list[str]:
+    run(1)  # imports, caches, the first save's own objects
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        gc.garbage.clear()
+        for step in (2, 3):
+            run(step)
+        gc.collect()
+        return sorted(set(_suspects(gc.garbage)))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
+
+
+@pytest.mark.parametrize(
+    "fmt, incremental, keep_last",
+    [("fpk", False, None), ("fpk", True, 1), ("pt", False, None), ("dcp", False, 1), ("dcp", True, None)],
+)
+def test_checkpointer_saves_and_loads_leave_no_cycles(fmt, incremental, keep_last, tmp_path):
+    roots = iter(range(1000))
+
+    def run(step: int) -> None:
+        # a fresh root each time: the first save's look-ups of what is not there yet (errors caught inside)
+        ck = Checkpointer(str(tmp_path / f"r{next(roots)}"), format=fmt, incremental=incremental, keep_last=keep_last)
+        for s in (step, step + 1):
+            ck.save(s, _state(s))
+        target = _state(0)
+        assert ck.load(target) == step + 1
+        assert torch.equal(target["model"]["w0"], _state(step + 1)["model"]["w0"])
+
+    assert _cycles_of(run) == []
+
+
+@pytest.mark.parametrize("ext", ["fpk", "pt", "safetensors"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_dump_and_load_leave_no_cycles(ext, where, tmp_path, memory_uri):
+    base = str(tmp_path) if where == "local" else memory_uri
+
+    def run(step: int) -> None:
+        state = _state(step)["model"]
+        uri = f"{base}/s{step}.{ext}"
+        ckptio.dump(state, uri)
+        back = ckptio.load(uri)
+        assert torch.equal(back["w1"], state["w1"])
+        assert not ckptio.exists(f"{base}/missing-{step}.{ext}")
+
+    assert _cycles_of(run) == []
+
+
+def test_a_failed_load_leaves_nothing_but_its_error(tmp_path):
+    """The error a caller catches holds its traceback (the caller's to drop); once dropped, nothing of the
+    load stays in a cycle."""
+
+    def run(step: int) -> None:
+        try:
+            ckptio.load(str(tmp_path / f"nothing-{step}.fpk"))
+        except FileNotFoundError:
+            pass
+
+    assert _cycles_of(run) == []
