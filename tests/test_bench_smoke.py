@@ -346,16 +346,23 @@ def test_peer_credentials_are_set_only_during_a_peer_call(monkeypatch):
 
 
 def test_incremental_benchmark_restores_in_rounds_next_to_the_raw_floor(tmp_path, capsys, monkeypatch):
-    """--restores N: N interleaved restores of each step 5 and the plain-preadv floor under them (the
-    incremental step's content objects and the other step's file), the roots removed after."""
+    """--restores N: N interleaved restores of each step 5 and the floor under them (the incremental
+    step's content objects and the same ranges of the other step's file, read and hashed by plain code),
+    the roots removed after; the floor's reads land each range in order."""
     from ckptio.bench import incremental
 
     monkeypatch.setattr(incremental.tempfile, "tempdir", str(tmp_path))
     assert incremental.main(["--size", "4", "--repeats", "1", "--targets", "local", "--restores", "3"]) == 0
     out = capsys.readouterr().out
     assert "3 more interleaved restores of step 5" in out and "n=3" in out, out
-    assert "floor, the same bytes by plain preadv" in out and "objects / file" in out, out
+    assert "floor, the same bytes read and hashed by plain code" in out and "objects / file" in out, out
     assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())
+    data = os.urandom(3 << 20)
+    (tmp_path / "f").write_bytes(data)
+    out_buf = bytearray(len(data))
+    pieces = [(str(tmp_path / "f"), 2 << 20, 1 << 20), (str(tmp_path / "f"), 5, (2 << 20) - 5)]
+    assert incremental.raw_reads(pieces, memoryview(out_buf)) > 0
+    assert out_buf[: 1 << 20] == data[2 << 20 :] and out_buf[1 << 20 : -5] == data[5 : 2 << 20]
 
 
 @pytest.mark.parametrize("fmt", ["fpk", "dcp"])

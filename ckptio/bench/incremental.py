@@ -3,14 +3,16 @@
 Workload F: a state of ``size`` bytes, a frozen backbone (90%), a trainable head and the head's Adam
 moments (the other 10%, new every save). Workload W1: the same tensors, every byte new every save.
 For each target (local with fsync; S3 on a moto server), five saves with
-``Checkpointer(incremental=True)`` and five without, interleaved per repeat, then a restore of step 5
-from each; reported per save: the median seconds and the bytes written, the ratio of saves 2-5
+``Checkpointer(incremental=True)`` and five without (the two taking turns going first), then, once both
+roots are saved, a restore of step 5 from each by a new ``Checkpointer`` (as a resumed job), in the same
+order; reported per save: the median seconds and the bytes written, the ratio of saves 2-5
 (non-incremental / incremental) and the restore times.
 
 Local only: ``--restores N`` adds N interleaved restores of the last repeat's two step-5 checkpoints
-from the page cache, and the plain-``preadv`` floor under them; ``--cold N`` adds N with both
-checkpoints dropped from the page cache before each (a resume on a fresh node), each followed by one
-from the page cache that read left (its folios differ from a just-written file's).
+from the page cache, and the floor under them (the same bytes read and hashed by plain code);
+``--cold N`` adds N with both checkpoints dropped from the page cache before each (a resume on a fresh
+node), each followed by one from the page cache that read left (its folios differ from a just-written
+file's).
 """
 
 from __future__ import annotations
@@ -67,8 +69,7 @@ def targets(which: list[str]) -> Iterator[Iterator[tuple[str, str]]]:
 
 
 def run_saves(root: str, fmt: str, incremental: bool, size: int, frozen: bool = True) -> list[tuple[float, int]]:
-    """(seconds, bytes written) of each of the five saves into a fresh root, then (seconds, 0) of a
-    restore of the last one."""
+    """(seconds, bytes written) of each of the five saves into a fresh root."""
     from ..checkpointer import Checkpointer
 
     ck = Checkpointer(root, format=fmt, incremental=incremental)
@@ -81,11 +82,19 @@ def run_saves(root: str, fmt: str, incremental: bool, size: int, frozen: bool = 
         res = ck.last_save
         written = res.bytes_written if res is not None and res.bytes_written is not None else _logical(state)
         out.append((took, written))
-    target = _zeros(state)
+    return out
+
+
+def restore_once(root: str, fmt: str, incremental: bool, size: int) -> float:
+    """Seconds to restore step 5 of ``root`` as a resumed job does: a new ``Checkpointer``, into a fresh
+    zeroed state (allocated before the clock starts)."""
+    from ..checkpointer import Checkpointer
+
+    ck = Checkpointer(root, format=fmt, incremental=incremental)
+    target = _zeros(workload_f(size, SAVES))
     t = time.perf_counter()
     ck.load(target, step=SAVES)
-    out.append((time.perf_counter() - t, 0))
-    return out
+    return time.perf_counter() - t
 
 
 def _step_file(root: str) -> str:
@@ -93,11 +102,16 @@ def _step_file(root: str) -> str:
 
 
 def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int = 2) -> float:
-    """Seconds to read ``(path, offset, length)`` pieces back to back into ``out`` with ``preadv``, the
-    pieces dealt out to ``threads`` threads by bytes (the largest first, each to the thread with the
-    fewest so far; each thread's in order): the floor under a restore of those bytes."""
+    """Seconds to read ``(path, offset, length)`` pieces into ``out`` back to back as a verified restore
+    reads them, and no more: each piece's file opened, read in ``osio.HOT_PIECE`` pieces with ``preadv``,
+    each hashed (xxh3-64) right after its read, the pieces dealt out to ``threads`` threads by bytes (the
+    largest first, each to the thread with the fewest so far; each thread's in order): the floor under a
+    restore of those bytes."""
     import concurrent.futures as cf
 
+    import xxhash
+
+    from ..osio import preadinto_each
     from ..threads import deal
 
     spans, pos = [], 0
@@ -109,12 +123,8 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
         for path, off, view in mine:
             fd = os.open(path, os.O_RDONLY)
             try:
-                got = 0
-                while got < len(view):
-                    k = os.preadv(fd, [view[got:]], off + got)
-                    if k <= 0:
-                        raise OSError(f"{path}: short read")
-                    got += k
+                if preadinto_each(fd, view, off, xxhash.xxh3_64().update) < len(view):
+                    raise OSError(f"{path}: short read")
             finally:
                 os.close(fd)
 
@@ -134,9 +144,10 @@ def _restorers(full_root: str, inc_root: str, fmt: str, size: int) -> tuple[dict
 
 
 def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int) -> dict[str, list[float]]:
-    """``rounds`` interleaved restores of step 5 from each root, and the raw reads under them: the
-    incremental step's content objects (in its recipe's order) and the other step's file, both cut into
-    the same number of pieces (the recipe's blocks; the file in as many equal slices)."""
+    """``rounds`` interleaved restores of step 5 from each root, and the raw reads under them
+    (:func:`raw_reads`): the incremental step's content objects (in its recipe's order) and the same byte
+    ranges of the other step's file (the two steps' files have one layout: the same state, saved alike;
+    else the file in as many equal slices)."""
     from ..incremental.recipe import parse_recipe
     from ..incremental.store import CONTENT_DIR
 
@@ -149,6 +160,8 @@ def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: i
     total = os.path.getsize(full_file)
     k = len(blocks)
     whole = [(full_file, i * total // k, (i + 1) * total // k - i * total // k) for i in range(k)]
+    if total == recipe.size:
+        whole = [(full_file, off, n) for off, n in zip(recipe.offsets, recipe.lengths, strict=True)]
     # memory like the restore's targets (a torch allocation: huge pages where the kernel gives them, which
     # changes a read's speed by up to 2x here), touched
     buf = torch.ones(max(total, recipe.size), dtype=torch.uint8)
@@ -251,11 +264,19 @@ def main(argv: list[str] | None = None) -> int:
             keep = name == "local" and (warm or args.cold > 0)
             roots: dict[bool, str] = {}
             for rep in range(args.repeats):
-                for inc in (False, True):
-                    root = f"{base.rstrip('/')}/{uuid.uuid4().hex[:8]}-{'inc' if inc else 'full'}"
-                    res = run_saves(root, args.format, inc, size, frozen)
+                # the modes take turns going first, and each root is restored once both are saved (in the same
+                # order): neither restore runs right after its own saves, nor after the other root's removal
+                # (the kernel freeing GiBs of page cache meanwhile), which favoured whichever went first
+                order = (False, True) if rep % 2 == 0 else (True, False)
+                made: dict[bool, str] = {}
+                for inc in order:
+                    made[inc] = f"{base.rstrip('/')}/{uuid.uuid4().hex[:8]}-{'inc' if inc else 'full'}"
+                    res = run_saves(made[inc], args.format, inc, size, frozen)
                     times[inc].append([t for t, _ in res])
-                    written[inc] = [w for _, w in res[:SAVES]]
+                    written[inc] = [w for _, w in res]
+                for inc in order:
+                    times[inc][-1].append(restore_once(made[inc], args.format, inc, size))
+                for inc, root in made.items():
                     if keep and rep == args.repeats - 1:
                         roots[inc] = root
                     elif name == "local":
@@ -293,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"incremental / non-incremental {_spread(per)}"
                 )
                 print(
-                    f"  floor, the same bytes by plain preadv: one file {statistics.median(rr['raw file']):.3f} s, "
-                    f"the content objects {statistics.median(rr['raw blocks']):.3f} s; objects / file {_spread(floor)}"
+                    "  floor, the same bytes read and hashed by plain code: one file "
+                    f"{statistics.median(rr['raw file']):.3f} s, the content objects "
+                    f"{statistics.median(rr['raw blocks']):.3f} s; objects / file {_spread(floor)}"
                 )
             if roots and args.cold > 0:  # after the warm rounds: a cold read leaves another page cache behind
                 _print_cold(cold_rounds(roots[False], roots[True], args.format, size, args.cold), args.cold)
