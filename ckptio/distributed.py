@@ -146,7 +146,10 @@ def _settle(
     """The barrier: every rank learns every leader's status. Raises on every rank if any failed."""
     statuses = _exchange(mine, group, timeout, f"waiting for the node leaders to {what}")
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # the error's traceback holds this frame: no reference cycle through it
+            del error
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None and not s.ok]
     if failed:
         r, s = failed[0]
@@ -231,7 +234,10 @@ def _load_network(
             header, error = _Status(False, str(e) or repr(e), type(e).__name__), e
     headers = _exchange(header, group, timeout, f"waiting for rank {src} to open {uri}")
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # the error's traceback holds this frame: no reference cycle through it
+            del error
     head = headers[src]
     if not head.ok:
         raise RankFailedError(f"rank {src} failed to read {uri}: {head.error_type}: {head.value}")
@@ -256,7 +262,10 @@ def _load_network(
         )
         if int(flag.item()):
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:  # the error's traceback holds this frame: no reference cycle through it
+                    del error
             raise RankFailedError(f"rank {src} failed to read {uri} at byte {off} of {size}")
         _wait(
             dist.broadcast(buf[off : off + n], src_global, group=group, async_op=True),

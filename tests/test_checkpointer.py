@@ -296,8 +296,10 @@ def test_async_staging_buffers_are_reused(memory_uri):
     ck.save(2, {"w": w})
     assert ck._stager._bufs[("w",)] is buf and ck._stager.nbytes == w.numel() * 4
     ck.save(3, {"u": torch.randn(8)})  # the old buffers are dropped: memory stays bounded
-    ck.close()
+    ck.wait()
     assert list(ck._stager._bufs) == [("u",)]
+    ck.close()  # and close frees the rest
+    assert not ck._stager._bufs and ck._stager.nbytes == 0
 
 
 class FlakyError(OSError):

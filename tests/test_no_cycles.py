@@ -78,7 +78,8 @@ def test_checkpointer_saves_and_loads_leave_no_cycles(fmt, incremental, keep_las
         assert ck.load(target) == step + 1
         assert torch.equal(target["model"]["w0"], _state(step + 1)["model"]["w0"])
 
-    assert _cycles_of(run) == []
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
 
 
 @pytest.mark.parametrize("ext", ["fpk", "pt", "safetensors"])
@@ -94,7 +95,8 @@ def test_dump_and_load_leave_no_cycles(ext, where, tmp_path, memory_uri):
         assert torch.equal(back["w1"], state["w1"])
         assert not ckptio.exists(f"{base}/missing-{step}.{ext}")
 
-    assert _cycles_of(run) == []
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
 
 
 def test_a_failed_load_leaves_nothing_but_its_error(tmp_path):
@@ -107,4 +109,79 @@ def test_a_failed_load_leaves_nothing_but_its_error(tmp_path):
         except FileNotFoundError:
             pass
 
-    assert _cycles_of(run) == []
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
+
+
+@pytest.mark.parametrize("where", ["s3", "gcs"])
+@pytest.mark.parametrize("fmt", ["fpk", "dcp"])
+def test_remote_saves_and_loads_leave_no_cycles(where, fmt, request):
+    base = request.getfixturevalue(f"{where}_uri")
+    roots = iter(range(1000))
+
+    def run(step: int) -> None:
+        ck = Checkpointer(f"{base}/r{next(roots)}", format=fmt, keep_last=1)
+        for s in (step, step + 1):
+            ck.save(s, _state(s))
+        target = _state(0)
+        assert ck.load(target) == step + 1
+        uri = f"{base}/one-{step}.fpk"
+        ckptio.dump(_state(step), uri)
+        assert ckptio.load(uri)["step"] == step
+        assert not ckptio.exists(f"{base}/missing-{step}.fpk")
+
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
+
+
+def test_async_and_tiered_saves_leave_no_cycles(tmp_path, memory_uri):
+    roots = iter(range(1000))
+
+    def run(step: int) -> None:
+        n = next(roots)
+        for ck in (
+            Checkpointer(str(tmp_path / f"a{n}"), async_save=True),
+            Checkpointer(f"{memory_uri}/t{n}", local_tier=str(tmp_path / f"tier{n}")),
+        ):
+            for s in (step, step + 1):
+                ck.save(s, _state(s))
+            ck.wait()
+            target = _state(0)
+            assert ck.load(target) == step + 1
+            ck.close()
+
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
+
+
+def test_close_frees_the_staging_buffers_and_a_later_save_still_works(tmp_path):
+    ck = Checkpointer(str(tmp_path / "r"), async_save=True)
+    ck.save(1, _state(1))
+    ck.wait()
+    assert ck._stager.nbytes >= 4 * 256 * 256 * 4  # a CPU copy of the state, kept for the next save
+    ck.close()
+    assert ck._stager.nbytes == 0
+    ck.save(2, _state(2))  # allocates anew
+    ck.close()
+    target = _state(0)
+    assert Checkpointer(str(tmp_path / "r")).load(target) == 2
+    assert torch.equal(target["model"]["w3"], _state(2)["model"]["w3"])
+
+
+def test_a_dropped_unclosed_tiered_checkpointer_still_replicates(tmp_path, memory_uri):
+    """The tier holds its owner weakly only once closed: dropped without close(), the replicator's thread
+    keeps it (and its retention rules) and replicates what was saved."""
+    import time
+
+    remote = f"{memory_uri}/remote"
+    ck = Checkpointer(remote, local_tier=str(tmp_path / "tier"), keep_last=1)
+    replicator = ck._tier.replicator
+    for s in (1, 2):
+        ck.save(s, _state(s))
+    del ck
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while Checkpointer(remote).list() != [2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert Checkpointer(remote).list() == [2]  # replicated, step 1 pruned by the owner's rules
+    replicator.close()

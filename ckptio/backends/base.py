@@ -514,7 +514,13 @@ def start_sized(
     ready.wait()
     if told_size:
         return fut, told_size[0]
-    fut.result()  # the read failed (its error), or it is done without telling the size (a user backend's)
+    err = fut.exception()  # the read failed, or it is done without telling the size (a user backend's)
+    if err is not None:
+        fut = None  # type: ignore[assignment]  # the error's traceback holds this frame: no reference cycle
+        try:
+            raise err
+        finally:
+            del err
     size = backend.stat(uri).size
     if populated:
         give_back(memoryview(buf), size, populated)

@@ -392,10 +392,13 @@ class S3Backend(ObjectStoreBackend):
         finally:
             reply.close()
         error = reply_error(reply.status, reply.headers, body, "GetObject")
-        if not refuses_presigned(reply.status, error_code(error)[0]):
+        if refuses_presigned(reply.status, error_code(error)[0]):
+            self._indirect.add(bucket)
+            return None
+        try:
             raise error
-        self._indirect.add(bucket)
-        return None
+        finally:  # the error's traceback holds this frame: no reference cycle through it
+            del error
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(

@@ -231,7 +231,7 @@ class Checkpointer:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Async saves: allocate and fault in the staging buffers for a state shaped like ``state`` in the
         background thread, so the first ``save`` blocks only for the copy. Memory: one CPU copy of the state's
-        tensors (pinned for CUDA ones), which the first async save would allocate anyway, held from now on.
+        tensors (pinned for CUDA ones), which the first async save would allocate anyway, held until ``close``.
         Call it after the first optimizer step (optimizer state created later is allocated by the save that
         meets it); a state whose shapes changed is still saved exactly. Waits for a save in flight first; a
         ``save`` started meanwhile waits for the prepare; its error is raised by the next save/wait/close."""
@@ -268,10 +268,12 @@ class Checkpointer:
             self._tier.wait(self._pg)
 
     def close(self) -> None:
-        """Wait for the background save (raising its error) and stop the background thread (and replicator)."""
+        """Wait for the background save (raising its error), stop the background thread (and replicator) and
+        free the async saves' staging buffers (a CPU copy of the state; a later save allocates them again)."""
         try:
             self._background.close()
         finally:
+            self._stager.release()
             if self._tier is not None:
                 self._tier.close()
 

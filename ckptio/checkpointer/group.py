@@ -52,7 +52,10 @@ class Group:
             if err is None and msg is not None:
                 raise CkptioError(f"rank 0 failed: {msg}")
         if err is not None:
-            raise err
+            try:
+                raise err
+            finally:  # the error's traceback holds this frame: no reference cycle through it
+                del err
         return result
 
     def agree(self, err: Exception | None) -> None:
@@ -67,7 +70,10 @@ class Group:
             if err is None and failed:
                 raise CkptioError("; ".join(failed))
         if err is not None:
-            raise err
+            try:
+                raise err
+            finally:  # the error's traceback holds this frame: no reference cycle through it
+                del err
 
     def barrier(self) -> None:
         if self.pg is not None:

@@ -43,6 +43,14 @@ class ReplicationError(CkptioError, RuntimeError):
     """Replication of a step failed (raised by ``wait``; the step stays on the local tier and is retried)."""
 
 
+def _closed(step: int) -> None:
+    raise RuntimeError(f"replication of step {step} after the replicator was closed")
+
+
+def _closed_list() -> Iterable[int]:
+    return ()
+
+
 class Replicator:
     """The queue of steps to replicate and the thread that runs ``replicate(step)`` for each."""
 
@@ -154,6 +162,9 @@ class Replicator:
                 thread = self._thread
             if thread is not None:
                 thread.join()
+            # never called again (a closed replicator starts no thread): the owner's methods are let go, so
+            # owner and replicator are no reference cycle once closed
+            self._replicate, self._initial = _closed, _closed_list
 
     # ---- the thread ---------------------------------------------------------------------------------
     def _run(self) -> None:

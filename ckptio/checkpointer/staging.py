@@ -108,6 +108,12 @@ class _Stager:
             self._stage(tree, (), set(), None)
             self.nbytes = sum(b.numel() * b.element_size() for b in self._bufs.values())
 
+    def release(self) -> None:
+        """Drop every buffer (a closed Checkpointer holds no copy of the state; a later save allocates anew)."""
+        with self._lock:
+            self._bufs.clear()
+            self.nbytes = 0
+
     def stage(self, tree: Any) -> Any:
         used: set[tuple] = set()
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []

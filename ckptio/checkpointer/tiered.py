@@ -53,6 +53,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -157,7 +158,11 @@ class Tier:
                 CheckpointWarning,
                 stacklevel=3,
             )
-        self.remote, self.local, self.rules, self.keep_local = remote, local, owner, keep_local
+        self.remote, self.local, self.keep_local = remote, local, keep_local
+        # the owner's retention rules, read live; held weakly once closed (owner and tier are then no
+        # reference cycle), strongly before: the replicator's thread may outlive a dropped, unclosed owner
+        self.rules: _Owner = weakref.proxy(owner)
+        self._owner: _Owner | None = owner
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
@@ -356,7 +361,10 @@ class Tier:
             if failed and err is None:
                 raise ReplicationError(f"replication failed on another rank: {failed[0]}")
         if err is not None:
-            raise err
+            try:
+                raise err
+            finally:  # the error's traceback holds this frame: no reference cycle through it
+                del err
         if self.per_rank and self.rank != 0:
             self.evict()  # rank 0 has committed what this rank sent
 
@@ -464,8 +472,11 @@ class Tier:
         return rd
 
     def close(self) -> None:
-        if self.replicator is not None:
-            self.replicator.close()
+        try:
+            if self.replicator is not None:
+                self.replicator.close()
+        finally:
+            self._owner = None
 
     def is_local(self, d: str | None) -> bool:
         return d is not None and d.startswith(self.local.root_uri.rstrip("/") + "/")

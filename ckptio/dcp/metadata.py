@@ -291,7 +291,10 @@ def commit(backend: Backend, meta: str, metadata: Metadata, own: set[str], repla
         failed = delete_objects(backend, [*sorted(own), *replaced])
         if failed:
             note(err, f"ckptio.dcp: could not delete data objects nothing refers to: {'; '.join(failed)}")
-        raise err from e
+        try:
+            raise err from e
+        finally:  # the error's traceback holds this frame: no reference cycle through it
+            del err
     failed = delete_objects(backend, replaced)
     if failed:
         warnings.warn(

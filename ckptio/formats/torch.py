@@ -135,9 +135,8 @@ class TorchFormat(StreamFormat):
         try:
             torch.save(obj, f, **kw)
         except RuntimeError as e:  # torch's zip writer hides a failed write (disk full...) behind its own error
-            err = e.__context__
-            if isinstance(err, OSError):
-                raise err from e
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from e
             raise
 
     def load_file(self, f: IO, **kw: Any) -> Any:

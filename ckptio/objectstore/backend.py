@@ -373,6 +373,9 @@ class ObjectStoreBackend(Backend):
                 if mv:
                     n = await self._get_range(uri, bucket, key, 0, len(mv), into, on_size=told_by_reply, **extra)
             except BaseException as e:
+                # the error's traceback starts at this frame, which holds ``fut``: without it, ``fut``'s error
+                # does not hold ``fut`` (a reference cycle keeping the caller's frames until the gc runs)
+                e.__traceback__ = e.__traceback__.tb_next if e.__traceback__ is not None else None
                 fail(e)
                 if not isinstance(e, Exception):
                     raise

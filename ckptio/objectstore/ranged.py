@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -66,7 +67,13 @@ def _plain(version: str | None) -> str | None:
 def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """Run ``coro_fn(*args)`` on ``loop`` (fsspec's IO thread) and wait for the result."""
     exit_safe(loop)  # its thread work (DNS lookups) still runs in an atexit handler
-    return sync(loop, coro_fn, *args)
+    try:
+        return sync(loop, coro_fn, *args)
+    except BaseException as e:
+        # fsspec's sync keeps the error in a local of its finished frame, which the error's traceback
+        # holds: a reference cycle keeping every caller's frame (and what they hold) until the gc runs
+        traceback.clear_frames(e.__traceback__)
+        raise
 
 
 def start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
@@ -106,7 +113,10 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     errors = [t.exception() for t in tasks if t.done() and not t.cancelled()]  # every one retrieved
     first = next((e for e in errors if e is not None), None)
     if first is not None:
-        raise first
+        try:
+            raise first
+        finally:  # the error's traceback holds this frame: no reference cycle through its locals
+            del first, errors
     return [t.result() for t in tasks]
 
 

@@ -246,7 +246,10 @@ class RetryPolicy:
                     errors = f"last error: {said}" + (f"; first error: {first}" if first != said else "")
                     err = TransferError(code, f"{what} of {uri} failed: {why}; {errors}", uri)
                     err.attempts = attempt
-                    raise err from e
+                    try:
+                        raise err from e
+                    finally:  # the error's traceback holds this frame: no reference cycle through it
+                        del err
                 delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
                 log.warning(
                     "retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)",
