@@ -155,8 +155,8 @@ def test_short_or_damaged_content_object_is_named(fmt, where, tmp_path, memory_u
 @pytest.mark.parametrize("kind", ["directory", "fifo", "file_for_folder", "denied", "io_error"])
 def test_a_content_object_that_cannot_be_read_is_named(fmt, kind, tmp_path, monkeypatch):
     """A local content object replaced by a directory or a pipe (read as empty, never waited on), its
-    folder by a file, or one the OS refuses to open: the load fails with an error naming the content
-    object's URI (made only for the error) and what to do; nothing hangs."""
+    folder by a file, one the OS refuses to open, or a read failing with EIO: the load fails with an
+    error naming the content object's URI (made only for the error) and the step file; nothing hangs."""
     import errno
     import shutil
 
@@ -182,19 +182,32 @@ def test_a_content_object_that_cannot_be_read_is_named(fmt, kind, tmp_path, monk
         shutil.rmtree(folder)
         open(folder, "wb").close()
         match = f"{name} is missing"
-    else:
-        err = (errno.EACCES, "Permission denied") if kind == "denied" else (errno.EIO, "Input/output error")
+    elif kind == "denied":
         real = store.open_for_reading
 
         def refuse(path: str) -> int:
             if os.path.basename(path) == name:
-                raise OSError(*err, path)
+                raise OSError(errno.EACCES, "Permission denied", path)
             return real(path)
 
         monkeypatch.setattr(store, "open_for_reading", refuse)
-        expect, match = (AccessDeniedError, name) if kind == "denied" else (OSError, "Input/output error")
-    with pytest.raises(expect, match=match):
+        expect, match = AccessDeniedError, name
+    else:  # the read itself fails: an OSError naming neither the object nor the file
+        for fn in ("preadinto", "preadinto_each"):  # read whole (checked), or in pieces (the caller checks)
+            real_read = getattr(store, fn)
+
+            def fail(fd, mv, *rest, _real=real_read):
+                if os.fstat(fd).st_ino == os.stat(victim).st_ino:
+                    raise OSError(errno.EIO, "Input/output error")
+                return _real(fd, mv, *rest)
+
+            monkeypatch.setattr(store, fn, fail)
+        # DCP's reader raises it wrapped in torch's CheckpointException, whose text carries it
+        expect, match = Exception, f"{CONTENT_DIR}.*{name}: Input/output error"
+    with pytest.raises(expect, match=match) as e:
         check(ck, 1)
+    if kind in ("denied", "io_error"):  # and the step file using it
+        assert "000000000001" in str(e.value) + "".join(getattr(e.value, "__notes__", []))
 
 
 @pytest.mark.parametrize("fmt", ["fpk", "dcp"])

@@ -285,6 +285,44 @@ def test_remote_outage_warns_training_goes_on_and_later_succeeds(s3_faults, tmp_
     ck.close()
 
 
+def test_after_close_a_save_is_refused_and_nothing_waits_forever(tmp_path, monkeypatch):
+    """close() stops the replicator: a later save is refused before it writes (it would never be
+    replicated), and wait()/close() with steps left unreplicated (the first close raised their failure)
+    raise at once instead of waiting for a thread that is gone; loads and listing still work, and the
+    next Checkpointer on the root replicates what is left."""
+    from ckptio.errors import CkptioError
+
+    root, local = str(tmp_path / "remote"), str(tmp_path / "tier")
+    ck = Checkpointer(root, format="pt", local_tier=local, max_pending=8)
+    ck.save(1, state(1))
+    ck.close()
+    with pytest.raises(CkptioError, match="was closed.*make a new Checkpointer"):
+        ck.save(2, state(2))
+    assert ck.list() == [1] and loads(ck, 1)[0] == 1
+    ck.close()  # again: nothing pending, returns
+
+    def refuse(*a, **kw):
+        raise OSError("remote refused")
+
+    monkeypatch.setattr(tiered, "copy_objects", refuse)
+    ck = Checkpointer(root, format="pt", local_tier=local, max_pending=8)
+    ck._tier.replicator.retry_after = 60
+    with pytest.warns(CheckpointWarning, match="replication to .* failed"):
+        ck.save(3, state(3))
+        with pytest.raises(ReplicationError, match="closing: the next one on this root replicates them"):
+            ck.close()
+    for call in (ck.wait, ck.close):
+        t0 = time.monotonic()
+        with pytest.raises(ReplicationError, match=r"stopped by close\(\); steps \[3\].*next Checkpointer"):
+            call()
+        assert time.monotonic() - t0 < 5
+    monkeypatch.undo()
+    again = Checkpointer(root, format="pt", local_tier=local)
+    again.wait()
+    assert Checkpointer(root).list() == [1, 3]
+    again.close()
+
+
 def test_backlog_raise_and_block(tmp_path, monkeypatch):
     root = str(tmp_path / "remote")
     gate = Gate(monkeypatch)

@@ -132,19 +132,29 @@ class Replicator:
     def pending_locked(self) -> set[int]:
         return set(self._queue) | ({self._current} if self._current is not None else set())
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, closing: bool = False) -> None:
         """Wait until every queued step is replicated; raise :class:`ReplicationError` if an attempt fails
-        meanwhile (a step waiting for its retry is retried at once)."""
+        meanwhile (a step waiting for its retry is retried at once; ``closing``: not retried after it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             failures = self._failures
             self._retry_at = 0.0
             self._cond.notify_all()
             while self._scanning or self._queue or self._current is not None:
+                if self._closed:  # no thread replicates them any more: never wait for it
+                    raise ReplicationError(
+                        f"replication to {self.name} was stopped by close(); steps {sorted(self.pending_locked())} "
+                        "stay on the local tier, and the next Checkpointer on this root replicates them as it starts"
+                    ) from self._error
                 if self._failures != failures:
+                    then = (
+                        "; this Checkpointer is closing: the next one on this root replicates them as it starts"
+                        if closing
+                        else " and are retried"
+                    )
                     raise ReplicationError(
                         f"replication to {self.name} failed: {self._error}; steps {sorted(self.pending_locked())} "
-                        "stay on the local tier and are retried"
+                        f"stay on the local tier{then}"
                     ) from self._error
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -154,7 +164,7 @@ class Replicator:
     def close(self) -> None:
         """Wait for replication (raising its error), then stop the thread."""
         try:
-            self.wait()
+            self.wait(closing=True)
         finally:
             with self._cond:
                 self._closed = True

@@ -163,6 +163,7 @@ class Tier:
         # reference cycle), strongly before: the replicator's thread may outlive a dropped, unclosed owner
         self.rules: _Owner = weakref.proxy(owner)
         self._owner: _Owner | None = owner
+        self.closed = False  # by the owner's close(): it saves no more (its replicator has stopped)
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
@@ -476,7 +477,7 @@ class Tier:
             if self.replicator is not None:
                 self.replicator.close()
         finally:
-            self._owner = None
+            self._owner, self.closed = None, True
 
     def is_local(self, d: str | None) -> bool:
         return d is not None and d.startswith(self.local.root_uri.rstrip("/") + "/")

@@ -30,7 +30,7 @@ import xxhash
 
 from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
-from ..errors import IntegrityError
+from ..errors import IntegrityError, TransferError, note
 from ..osio import open_for_reading, preadinto, preadinto_each, translated
 
 CONTENT_DIR = ".content"
@@ -152,9 +152,12 @@ class BlockStore:
                 raise IntegrityError(
                     f"{file_uri}: its content object {self.uri(h)} is not a regular file (a pipe?)"
                 ) from None
-            err = translated(e, self.uri(h))
-            if err is e:
-                raise
+            u = self.uri(h)
+            err = translated(e, u)
+            if err is e:  # no better name for it: one naming the object and the file using it
+                err = TransferError(e.errno or errno.EIO, f"{file_uri}: its content object {u}: {e.strerror or e}", u)
+            else:
+                note(err, f"reading {file_uri}, which uses it")
             try:
                 raise err from e
             finally:  # the error's traceback holds this frame (and ``out``): no reference cycle

@@ -10,16 +10,21 @@ a caller's thread (:func:`start` does not); :func:`gather_or_cancel` stops the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import traceback
 from collections.abc import Awaitable, Callable, Coroutine
+from types import TracebackType
 from typing import Any
 
+import fsspec.asyn
 from fsspec.asyn import sync
 
 from ..errors import replaced
 from ..threads import exit_safe
 from .retry import settle as _retry_settle
+
+# the code of fsspec's sync and of the coroutine it runs on the loop (``_runner``): see _let_go
+_FSSPEC_SYNC_CODE = frozenset(f.__code__ for f in (fsspec.asyn.sync, getattr(fsspec.asyn, "_runner", fsspec.asyn.sync)))
 
 # fetch_into(start, end, views): bytes [start, end) into the consecutive buffers ``views`` (their total
 # length is end - start); returns the count (short or 0 past the end of the object)
@@ -70,10 +75,20 @@ def run(loop: asyncio.AbstractEventLoop, coro_fn: Callable[..., Awaitable[Any]],
     try:
         return sync(loop, coro_fn, *args)
     except BaseException as e:
-        # fsspec's sync keeps the error in a local of its finished frame, which the error's traceback
-        # holds: a reference cycle keeping every caller's frame (and what they hold) until the gc runs
-        traceback.clear_frames(e.__traceback__)
+        _let_go(e.__traceback__)
         raise
+
+
+def _let_go(tb: TracebackType | None) -> None:
+    """fsspec's ``sync`` and its ``_runner`` keep the error in locals of their finished frames, which the
+    error's traceback holds: a reference cycle keeping every caller's frame (and what they hold) until the
+    gc runs. Those two frames' locals are cleared; no other frame is touched (a suspended coroutine's would
+    close it)."""
+    while tb is not None:
+        if tb.tb_frame.f_code in _FSSPEC_SYNC_CODE:
+            with contextlib.suppress(RuntimeError):  # still executing: nothing to clear
+                tb.tb_frame.clear()
+        tb = tb.tb_next
 
 
 def start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> None:
