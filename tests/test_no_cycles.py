@@ -185,3 +185,32 @@ def test_a_dropped_unclosed_tiered_checkpointer_still_replicates(tmp_path, memor
         time.sleep(0.05)
     assert Checkpointer(remote).list() == [2]  # replicated, step 1 pruned by the owner's rules
     replicator.close()
+
+
+def test_a_failed_async_save_leaves_nothing_once_its_error_is_dropped(tmp_path, monkeypatch):
+    """Training goes on after a background save fails: the error the next wait() raises, once the caller
+    drops it, keeps nothing of that save (its frames and what they staged) alive."""
+    from ckptio.checkpointer import staging
+
+    # the failure is logged at once; pytest's log capture would keep the record (and the error) alive
+    monkeypatch.setattr(staging.log, "error", lambda *a, **kw: None)
+    roots = iter(range(1000))
+
+    def run(step: int) -> None:
+        ck = Checkpointer(str(tmp_path / f"r{next(roots)}"), async_save=True)
+
+        def fail(*a, **kw):
+            raise OSError(28, "No space left on device")
+
+        ck._persist = fail  # type: ignore[method-assign]
+        ck.save(step, _state(step))
+        try:  # as a training loop catches it (not pytest.raises, which lets go of the traceback itself)
+            ck.wait()
+        except OSError as e:
+            assert "No space left" in str(e)
+        else:
+            raise AssertionError("the failed save was not raised")
+        ck.close()
+
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)

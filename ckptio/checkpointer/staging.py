@@ -202,8 +202,15 @@ class Background:
         """Wait for the background save, if any; re-raise its exception if it failed."""
         with self._lock:
             fut, self._future = self._future, None
-        if fut is not None:
-            fut.result()
+        err = None if fut is None else fut.exception()
+        if err is not None:
+            # raised from no local of this frame (the error's traceback holds it): no reference cycle
+            # keeping the failed save's frames, and the state they staged, until the gc runs
+            del fut
+            try:
+                raise err
+            finally:
+                del err
 
     def close(self) -> None:
         """Wait for the background save (raising its error) and stop the thread."""
