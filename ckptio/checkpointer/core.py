@@ -217,15 +217,10 @@ class Checkpointer:
                 stacklevel=2,
             )
         self._background.wait()
-        if self._tier is not None and self._tier.closed:  # every rank: each closed it
-            raise CkptioError(
-                f"save({step}): this Checkpointer of {self.root_uri} with a local tier was closed, which stopped "
-                "its replication: make a new Checkpointer to save again (it replicates at start what is not yet)"
-            )
         if not overwrite:
             self._refuse_latest(step)
-        if self._tier is not None and self._tier.replicator is not None:
-            self._tier.replicator.admit()
+        if self._tier is not None:
+            self._tier.admit(step)
         sd = Parts(state, files=self.format != "dcp", group=self._group).state_dicts()
         if not self.async_save:
             self._persist(step, sd, metrics, overwrite)

@@ -182,6 +182,17 @@ class Tier:
             )
 
     # ---- the save path ----------------------------------------------------------------------------
+    def admit(self, step: int) -> None:
+        """Every rank, before a save: refused once closed (each rank closed it; its replicator has stopped, so
+        the step would never be replicated), else wait (or raise) while the replicator's backlog is full."""
+        if self.closed:
+            raise CkptioError(
+                f"save({step}): this Checkpointer of {self.remote.root_uri} with a local tier was closed, which "
+                "stopped its replication: make a new Checkpointer to save again (it replicates at start what is not)"
+            )
+        if self.replicator is not None:
+            self.replicator.admit()
+
     def prepare(self, step: int, manifest: dict[str, Any], process_group: Any) -> None:
         """Every rank, before the commit: the marker's ``"sizes"``: the step directory's files (rank 0),
         or (``per_rank``: DCP under torch.distributed) every rank's own files, gathered."""
