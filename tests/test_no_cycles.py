@@ -11,6 +11,7 @@ ckptio's: no frame, traceback, exception, tensor, buffer or object of a ckptio c
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -211,6 +212,35 @@ def test_a_failed_async_save_leaves_nothing_once_its_error_is_dropped(tmp_path, 
         else:
             raise AssertionError("the failed save was not raised")
         ck.close()
+
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
+
+
+def test_a_failed_checkpointer_load_leaves_nothing_once_its_error_is_dropped(tmp_path):
+    """A job that catches a damaged checkpoint's error and resumes from an older step keeps nothing of the
+    failed load alive."""
+    import glob
+
+    from ckptio.errors import IntegrityError
+    from conftest import flip_byte
+
+    roots = iter(range(1000))
+
+    def run(step: int) -> None:
+        root = str(tmp_path / f"r{next(roots)}")
+        ck = Checkpointer(root, format="fpk")
+        ck.save(step, _state(step))
+        ck.save(step + 1, _state(step + 1))
+        (newest,) = glob.glob(f"{root}/{step + 1:012d}/*.fpk")
+        flip_byte(newest, os.path.getsize(newest) // 2)
+        target = _state(0)
+        try:  # as a training loop catches it
+            ck.load(target, step=step + 1)
+        except IntegrityError:
+            assert ck.load(target, step=step) == step
+        else:
+            raise AssertionError("the damaged step loaded")
 
     found = _cycles_of(run)
     assert found == [], "\n".join(found)

@@ -586,7 +586,10 @@ class Checkpointer:
                 source, ckpt_parts = read(d)
         except Exception as e:  # noqa: BLE001 - raised below on every rank (one rank's read may fail alone)
             err = e
-        self._group.agree(err)
+        try:
+            self._group.agree(err)
+        finally:  # the error agree raises holds this frame in its traceback: no reference cycle through it
+            del err
         return t, d, parts, source, ckpt_parts
 
     def _target(self, step: Any) -> Target | None:
