@@ -58,13 +58,6 @@ log = logger("ckptio.checkpointer")
 _UNKNOWN = object()
 
 
-def _keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
-    def run(tree: Mapping[str, Any]) -> None:
-        wanted[:] = [k for k in wanted if k in tree]
-
-    return run
-
-
 class Checkpointer:
     """Numbered checkpoints under ``root_uri`` with a latest pointer, retention and async save.
 
@@ -566,7 +559,7 @@ class Checkpointer:
                 wanted = list(names)
                 opts.setdefault("keys", wanted)
                 if not strict:  # those the file lacks are reported missing (its tree is seen before keys= is read)
-                    checked = _keep_present(wanted)
+                    checked = formats.keep_present(wanted)
                 into = None
             elif picked and fmt == "pt":
                 opts.setdefault("keys", names)  # only these parts' bytes (:mod:`ckptio.formats.torch_entries`)

@@ -57,6 +57,16 @@ def write_file(fmt: str, uri: str, sd: dict[str, Any], options: Mapping[str, Any
     return [name]
 
 
+def keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
+    """For a ``.fpk`` read of the parts ``wanted`` (``keys=``) that is not strict: a check of the file's
+    tree that keeps in ``wanted`` only the parts it has (the others are then reported missing)."""
+
+    def run(tree: Mapping[str, Any]) -> None:
+        wanted[:] = [k for k in wanted if k in tree]
+
+    return run
+
+
 def read_file(
     fmt: str,
     d: str,

@@ -66,63 +66,12 @@ from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup, prune
+from .tier_sizes import SIZES_KEY, file_sizes, marker_sizes, verify
 
 log = logger("ckptio.checkpointer")
 
-SIZES_KEY = "sizes"
 STATES = ("local", "replicating", "remote", "local+remote")
 DURABLE = (None, "local", "remote")
-
-
-def file_sizes(layout: Layout, step: int) -> dict[str, int]:
-    """Relative name -> size of every file in ``step``'s directory but its marker."""
-    d = layout.dir(step).rstrip("/") + "/"
-    out = {}
-    for info in layout.backend.list(d, recursive=True):
-        if not info.is_dir and info.uri.startswith(d):
-            rel = info.uri[len(d) :]
-            if rel != MARKER_NAME:
-                out[rel] = info.size
-    return out
-
-
-def _check_rel(rel: Any, marker: str) -> str:
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/") or "\\" in rel:
-        raise CkptioError(f"{marker}: names {rel!r} among its files; ckptio never writes such a marker")
-    return rel
-
-
-def marker_sizes(m: dict[str, Any], marker: str) -> dict[str, int] | None:
-    """The ``"sizes"`` of a marker (checked: relative names inside the step, int sizes), or None."""
-    sizes = m.get(SIZES_KEY)
-    if sizes is None:
-        return None
-    if not isinstance(sizes, dict) or not all(type(v) is int and v >= 0 for v in sizes.values()):
-        raise CkptioError(f"{marker}: key {SIZES_KEY!r} is not a mapping of file name -> size")
-    for rel in sizes:
-        _check_rel(rel, marker)
-    return sizes
-
-
-def verify(layout: Layout, step: int) -> str | None:
-    """Why the copy of ``step`` under ``layout`` cannot be read, or None when it is committed and every
-    file its marker lists has that size."""
-    try:
-        if not layout.committed(step):
-            return "not committed there"
-        marker = layout.user_uri(step, MARKER_NAME)
-        m = _parse_manifest(layout.backend.read(_uri.join_path(layout.dir(step), MARKER_NAME)), marker)
-        sizes = marker_sizes(m, marker) if isinstance(m, dict) else None
-        if sizes is None:
-            return None  # committed by a plain Checkpointer: the format's own checks are all there is
-        have = file_sizes(layout, step)
-    except (OSError, CkptioError) as e:
-        return f"cannot be checked ({e})"
-    for rel, size in sizes.items():
-        if have.get(rel) != size:
-            got = "missing" if rel not in have else f"{have[rel]} bytes"
-            return f"{rel} is {got}, its marker says {size} bytes"
-    return None
 
 
 class _Owner(_Rules, Protocol):
@@ -163,7 +112,6 @@ class Tier:
         # reference cycle), strongly before: the replicator's thread may outlive a dropped, unclosed owner
         self.rules: _Owner = weakref.proxy(owner)
         self._owner: _Owner | None = owner
-        self.closed = False  # by the owner's close(): it saves no more (its replicator has stopped)
         self.replicated: set[int] = set()  # steps known to be committed remotely
         self.replicator: Replicator | None = None
         self._evicting = threading.Lock()  # the save path and the replicator both evict; loads pin
@@ -180,6 +128,11 @@ class Tier:
                 nice=owner.background_nice,
                 name=remote.root_uri,
             )
+
+    @property
+    def closed(self) -> bool:
+        """By the owner's close(): it saves no more (its replicator has stopped)."""
+        return self._owner is None
 
     # ---- the save path ----------------------------------------------------------------------------
     def admit(self, step: int) -> None:
@@ -488,7 +441,7 @@ class Tier:
             if self.replicator is not None:
                 self.replicator.close()
         finally:
-            self._owner, self.closed = None, True
+            self._owner = None
 
     def is_local(self, d: str | None) -> bool:
         return d is not None and d.startswith(self.local.root_uri.rstrip("/") + "/")
