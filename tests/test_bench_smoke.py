@@ -359,10 +359,42 @@ def test_incremental_benchmark_restores_in_rounds_next_to_the_raw_floor(tmp_path
     assert not any(p.name.startswith("ckptio-inc-") and any(p.iterdir()) for p in tmp_path.iterdir())
     data = os.urandom(3 << 20)
     (tmp_path / "f").write_bytes(data)
-    out_buf = bytearray(len(data))
-    pieces = [(str(tmp_path / "f"), 2 << 20, 1 << 20), (str(tmp_path / "f"), 5, (2 << 20) - 5)]
-    assert incremental.raw_reads(pieces, memoryview(out_buf)) > 0
-    assert out_buf[: 1 << 20] == data[2 << 20 :] and out_buf[1 << 20 : -5] == data[5 : 2 << 20]
+    out_buf = memoryview(bytearray(len(data)))
+    f = str(tmp_path / "f")
+    payloads = [[(f, 2 << 20, out_buf[: 1 << 20])], [(f, 5, out_buf[1 << 20 : 2 << 20]), (f, 0, out_buf[2 << 20 :])]]
+    assert incremental.raw_reads(payloads) > 0
+    assert out_buf[: 1 << 20] == data[2 << 20 :] and out_buf[1 << 20 : 2 << 20] == data[5 : (1 << 20) + 5]
+    assert out_buf[2 << 20 :] == data[: 1 << 20]
+
+
+def test_incremental_floor_reads_each_payload_into_the_restores_own_tensors(tmp_path):
+    """The floor under a restore reads each payload into the tensor the restore fills (where page-cache
+    pages and their destination lie relative to each other changes a read's speed), from the file or
+    from the content objects covering its range, a piece per object."""
+    import types
+
+    import torch
+
+    import ckptio
+    from ckptio.bench import incremental
+
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": {"c": torch.ones(3, 5, dtype=torch.int64)}, "n": 7}
+    path = str(tmp_path / "s.fpk")
+    ckptio.dump(state, path)
+    target = {"a": torch.zeros(1000), "b": {"c": torch.zeros(3, 5, dtype=torch.int64)}, "n": 0}
+    spans = incremental.payload_targets(path, target)
+    assert [len(v) for _, v in spans] == [4000, 120] and spans[0][0] < spans[1][0]
+    assert incremental.raw_reads([[(path, off, view)] for off, view in spans]) > 0
+    assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"]["c"], state["b"]["c"])
+    recipe = types.SimpleNamespace(offsets=[0, 100, 250], lengths=[100, 150, 50], hashes=["aa11", "bb22", "cc33"])
+    view = memoryview(bytearray(200))
+    pieces = incremental.block_pieces(recipe, "/c", 60, view)
+    assert [(p, off, len(v)) for p, off, v in pieces] == [
+        (os.path.join("/c", "aa", "aa11"), 60, 40),
+        (os.path.join("/c", "bb", "bb22"), 0, 150),
+        (os.path.join("/c", "cc", "cc33"), 0, 10),
+    ]
+    assert sum(len(v) for _, _, v in pieces) == len(view)
 
 
 @pytest.mark.parametrize("fmt", ["fpk", "dcp"])

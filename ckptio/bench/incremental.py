@@ -101,12 +101,15 @@ def _step_file(root: str) -> str:
     return glob.glob(os.path.join(root, f"{SAVES:012d}", "*.fpk"))[0]
 
 
-def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int = 2) -> float:
-    """Seconds to read ``(path, offset, length)`` pieces into ``out`` back to back as a verified restore
-    reads them, and no more: each piece's file opened, read in ``osio.HOT_PIECE`` pieces with ``preadv``,
-    each hashed (xxh3-64) right after its read, the pieces dealt out to ``threads`` threads by bytes (the
-    largest first, each to the thread with the fewest so far; each thread's in order): the floor under a
-    restore of those bytes."""
+Piece = tuple[str, int, memoryview]  # (file, offset in it, where its bytes go)
+
+
+def raw_reads(payloads: list[list[Piece]], threads: int = 2) -> float:
+    """Seconds to read each payload's pieces as a verified restore reads them, and no more: each piece's
+    file opened, read into its view in ``osio.HOT_PIECE`` pieces with ``preadv``, each hashed right after
+    its read into the payload's one xxh3-64; the payloads dealt out to ``threads`` threads by bytes (the
+    largest first, each to the thread with the fewest so far; each thread's in file order): the floor
+    under a restore of those bytes into those views."""
     import concurrent.futures as cf
 
     import xxhash
@@ -114,25 +117,63 @@ def raw_reads(files: list[tuple[str, int, int]], out: memoryview, threads: int =
     from ..osio import preadinto_each
     from ..threads import deal
 
-    spans, pos = [], 0
-    for path, off, n in files:
-        spans.append((path, off, out[pos : pos + n]))
-        pos += n
+    def read(mine: list[list[Piece]]) -> None:
+        for pieces in mine:
+            hasher = xxhash.xxh3_64()
+            for path, off, view in pieces:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    if preadinto_each(fd, view, off, hasher.update) < len(view):
+                        raise OSError(f"{path}: short read")
+                finally:
+                    os.close(fd)
 
-    def read(mine: list[tuple[str, int, memoryview]]) -> None:
-        for path, off, view in mine:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if preadinto_each(fd, view, off, xxhash.xxh3_64().update) < len(view):
-                    raise OSError(f"{path}: short read")
-            finally:
-                os.close(fd)
-
-    shares = deal({i: len(span[2]) for i, span in enumerate(spans)}, threads)
+    shares = deal({i: sum(len(v) for _, _, v in p) for i, p in enumerate(payloads)}, threads)
     t = time.perf_counter()
     with cf.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(read, [[spans[i] for i in sorted(share)] for share in shares]))
+        list(ex.map(read, [[payloads[i] for i in sorted(share)] for share in shares]))
     return time.perf_counter() - t
+
+
+def payload_targets(path: str, target: Any) -> list[tuple[int, memoryview]]:
+    """``(offset in the file, the bytes of the tensor of ``target`` it restores into)`` for each payload of
+    the ``.fpk`` file ``path``, in file order (``target`` has the file's tree, tensors where it has them)."""
+    from ..formats.fastpickle import TensorInfo, inspect
+
+    out: dict[int, tuple[int, memoryview]] = {}
+
+    def walk(tree: Any, into: Any) -> None:
+        if isinstance(tree, TensorInfo):
+            if tree.storage not in out:
+                view = memoryview(into.detach().reshape(-1).view(torch.uint8).numpy())
+                assert len(view) == tree.nbytes, f"{tree.path}: {len(view)} bytes to restore, {tree.nbytes} stored"
+                out[tree.storage] = (tree.offset, view)
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, into[k])
+        elif isinstance(tree, (list, tuple)):
+            for a, b in zip(tree, into, strict=True):
+                walk(a, b)
+
+    walk(inspect(path).tree, target)
+    return sorted(out.values(), key=lambda x: x[0])
+
+
+def block_pieces(recipe: Any, content: str, offset: int, view: memoryview) -> list[Piece]:
+    """The content objects (under ``content``) holding bytes ``[offset, offset + len(view))`` of the
+    file ``recipe`` describes, each piece with the part of ``view`` its bytes go to."""
+    import bisect
+
+    out: list[Piece] = []
+    pos, end = offset, offset + len(view)
+    i = bisect.bisect_right(recipe.offsets, pos) - 1
+    while pos < end:
+        lo, h = recipe.offsets[i], recipe.hashes[i]
+        take = min(lo + recipe.lengths[i], end) - pos
+        out.append((os.path.join(content, h[:2], h), pos - lo, view[pos - offset : pos - offset + take]))
+        pos += take
+        i += 1
+    return out
 
 
 def _restorers(full_root: str, inc_root: str, fmt: str, size: int) -> tuple[dict[str, Any], Any]:
@@ -145,9 +186,13 @@ def _restorers(full_root: str, inc_root: str, fmt: str, size: int) -> tuple[dict
 
 def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: int) -> dict[str, list[float]]:
     """``rounds`` interleaved restores of step 5 from each root, and the raw reads under them
-    (:func:`raw_reads`): the incremental step's content objects (in its recipe's order) and the same byte
-    ranges of the other step's file (the two steps' files have one layout: the same state, saved alike;
-    else the file in as many equal slices)."""
+    (:func:`raw_reads`): each payload's bytes from the other step's file, or from the incremental step's
+    content objects, into the very tensors the restores fill (the two steps' files have one layout: the
+    same state, saved alike). Where a page-cache page and the memory its bytes go to lie relative to each
+    other changes a read's speed here: a content object's bytes start on a page, a payload's in the file
+    wherever the layout puts it, so a floor reading into other memory than the restore's measures
+    another read (into one buffer at the file's offsets: objects / file 0.99x; into the restore's own
+    tensors: 1.02x)."""
     from ..incremental.recipe import parse_recipe
     from ..incremental.store import CONTENT_DIR
 
@@ -156,16 +201,11 @@ def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: i
     with open(inc_file, "rb") as f:
         recipe = parse_recipe(f.read(), inc_file)
     content = os.path.join(inc_root, CONTENT_DIR)
-    blocks = [(os.path.join(content, h[:2], h), 0, n) for h, n in zip(recipe.hashes, recipe.lengths, strict=True)]
-    total = os.path.getsize(full_file)
-    k = len(blocks)
-    whole = [(full_file, i * total // k, (i + 1) * total // k - i * total // k) for i in range(k)]
-    if total == recipe.size:
-        whole = [(full_file, off, n) for off, n in zip(recipe.offsets, recipe.lengths, strict=True)]
-    # memory like the restore's targets (a torch allocation: huge pages where the kernel gives them, which
-    # changes a read's speed by up to 2x here), touched
-    buf = torch.ones(max(total, recipe.size), dtype=torch.uint8)
-    out = memoryview(buf.numpy())  # type: ignore[arg-type]
+    spans = payload_targets(full_file, target)
+    reads = {
+        "raw file": [[(full_file, off, view)] for off, view in spans],
+        "raw blocks": [block_pieces(recipe, content, off, view) for off, view in spans],
+    }
     res: dict[str, list[float]] = {"full": [], "inc": [], "raw file": [], "raw blocks": []}
     for r in range(rounds):
         order = ["full", "inc", "raw file", "raw blocks"]
@@ -175,7 +215,7 @@ def restore_rounds(full_root: str, inc_root: str, fmt: str, size: int, rounds: i
                 cks[name].load(target, step=SAVES)
                 res[name].append(time.perf_counter() - t)
             else:
-                res[name].append(raw_reads(whole if name == "raw file" else blocks, out))
+                res[name].append(raw_reads(reads[name]))
     return res
 
 
@@ -314,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"incremental / non-incremental {_spread(per)}"
                 )
                 print(
-                    "  floor, the same bytes read and hashed by plain code: one file "
+                    "  floor, the same bytes read and hashed by plain code into the same tensors: one file "
                     f"{statistics.median(rr['raw file']):.3f} s, the content objects "
                     f"{statistics.median(rr['raw blocks']):.3f} s; objects / file {_spread(floor)}"
                 )
