@@ -176,6 +176,7 @@ def test_a_memory_object_replaced_mid_load_loads_the_version_it_started_with(mon
     uri = f"memory://pins/m{ext}"
     ckptio.dump({"w": torch.zeros(300_000)}, uri)
     monkeypatch.setattr(ptformat, "IN_MEMORY_MAX", 256 << 10)  # .pt: the reader route, many reads
+    monkeypatch.setattr("ckptio.formats.fastpickle.read.WHOLE_LOCAL_MAX", 256 << 10)  # .fpk: a read a payload
     real = MemoryBackend.readinto
     swapped: list[int] = []
 

@@ -48,7 +48,10 @@ def load_source(
     if mmap is None:  # a file ckptio opened by path (replaced by rename, never rewritten in place): mapped
         mmap = src.mappable and into is None
     # a full load reads ahead the ends of a remote file (staged); a load into the caller's tensors does not
-    meta = read_meta(src, full=keys is None and not mmap and into is None, views=share)
+    full = keys is None and not mmap and into is None
+    if full and share:
+        src = src.held_whole()  # a small memory:// object: one read, then views of it
+    meta = read_meta(src, full=full, views=share)
     if meta.flags & FLAG_PICKLE and not allow_pickle:
         raise FormatError(
             f"{src.name} contains pickled objects, and unpickling can run arbitrary code; "

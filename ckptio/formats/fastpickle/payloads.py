@@ -98,6 +98,8 @@ def read_payloads(
             view = src.ahead_view(off, nbytes, wait=False) if i not in into and nbytes else None
             if view is not None:
                 shared[i] = torch.frombuffer(view, dtype=torch.uint8)
+        if all(i in shared or not meta.storages[i][1] for i in idxs) and not into:
+            return _views_only(src, meta, idxs, shared, verify)  # a small object, read ahead whole
     bufs = {
         i: into[i]
         if i in into
@@ -194,6 +196,25 @@ def read_payloads(
     return bufs
 
 
+def _views_only(
+    src: Source, meta: Meta, idxs: list[int], shared: dict[int, torch.Tensor], verify: bool
+) -> dict[int, torch.Tensor]:
+    """:func:`read_payloads` where every payload is a view of what the source read ahead (or empty): once
+    that is in, each verified."""
+    import torch
+
+    bufs = {i: shared[i] if i in shared else torch.empty(0, dtype=torch.uint8, device="cpu") for i in idxs}
+    src.wait_ahead()
+    if verify:
+        try:
+            verify_parallel(meta, idxs, {i: memoryview(b.numpy()) for i, b in bufs.items()})  # type: ignore[arg-type]
+        except IntegrityError:
+            for i in idxs:  # a damaged block of an assembled source is named by its own error
+                src.blame(*meta.storages[i][:2])
+            raise
+    return bufs
+
+
 def _job(
     src: Source,
     meta: Meta,
@@ -272,7 +293,8 @@ def map_payloads(src: Source, meta: Meta, idxs: list[int], verify: bool) -> dict
 def verify_parallel(meta: Meta, idxs: list[int], mvs: dict[int, memoryview], threads: int = 2) -> None:
     """:func:`_verify` with the payloads shared out among ``threads`` (xxhash releases the GIL), largest
     first, each to the least loaded thread; in the calling thread below ``PARALLEL_MIN`` bytes."""
-    if sum(meta.storages[i][1] for i in idxs) < PARALLEL_MIN:
-        threads = 1
+    if threads <= 1 or sum(meta.storages[i][1] for i in idxs) < PARALLEL_MIN:
+        _verify(meta, idxs, mvs)
+        return
     groups = deal({i: meta.storages[i][1] for i in idxs}, threads)
     _run_jobs([functools.partial(_verify, meta, g, mvs) for g in groups if g], threads)
