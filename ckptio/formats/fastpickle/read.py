@@ -516,10 +516,15 @@ class BufferSource(Source):
         return n
 
     def view(self, offset: int, n: int) -> bytes | memoryview:
-        return self.buf[offset : offset + n].toreadonly()
+        return self._span(offset, n).toreadonly()
 
     def ahead_view(self, offset: int, nbytes: int, wait: bool = True) -> memoryview | None:
-        return self.buf[offset : offset + nbytes]
+        return self._span(offset, nbytes)
+
+    def _span(self, offset: int, n: int) -> memoryview:
+        if offset < 0 or offset + n > self.size:  # the layout is validated first: never, but never short
+            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}) of {self.size}")
+        return self.buf[offset : offset + n]
 
     def outside_ahead(self, offset: int, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
         return offset + nbytes, offset + nbytes, [(offset, nbytes)]
