@@ -326,6 +326,20 @@ def test_map_location(tmp_path):
     assert seen == ["cpu", "cpu"]
 
 
+@pytest.mark.parametrize("ml", ["meta", torch.device("meta"), {"cpu": "meta"}])
+def test_map_location_meta_gives_shapes_and_dtypes_without_data(tmp_path, memory_uri, ml):
+    """As ``torch.load(map_location="meta")``: every tensor on the meta device, views still sharing
+    their storage, from a mapped local file and from memory."""
+    w = torch.randn(4, 6)
+    state = {"w": w, "col": w[:, 2], "i": torch.arange(5, dtype=torch.int16), "n": 2}
+    for where in (str(tmp_path / "meta.fpk"), f"{memory_uri}/meta.fpk"):
+        ckptio.dump(state, where)
+        out = ckptio.load(where, map_location=ml)
+        assert all(out[k].is_meta for k in ("w", "col", "i")) and out["n"] == 2
+        assert out["w"].shape == (4, 6) and out["col"].stride() == (6,) and out["i"].dtype == torch.int16
+        assert out["col"].untyped_storage().nbytes() == out["w"].untyped_storage().nbytes() == w.nbytes
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_go_through_pinned_staging(tmp_path):
     state = {

@@ -266,6 +266,8 @@ def _target_storage(storage: torch.UntypedStorage, location: str, map_location: 
         raise FormatError(f"invalid device location {target!r}") from e
     if dev.type == "cpu":
         return storage
+    if dev.type == "meta":  # shapes, strides and dtypes without data, as torch.load(map_location="meta") gives
+        return torch.UntypedStorage(storage.nbytes(), device=dev)
     try:
         return storage.to(device=dev)
     except Exception as e:  # no such device, or its module is not available here
