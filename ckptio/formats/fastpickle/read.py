@@ -6,7 +6,8 @@ file, or ranged reads from any backend. Local load: parallel preads into fresh b
 with one madvise first), each payload verified as it is read (in ``osio.HOT_PIECE`` pieces, each hashed
 while in the CPU cache: :meth:`Source.read_each`), or a private mapping with
 ``mmap=True``; a backend whose reads are local (``Backend.reads_local``: memory, an incremental
-step's blocks) is read the same way, straight into the buffers. Remote full load: the first
+step's blocks) is read the same way, straight into the buffers (a full load of a small memory:// object:
+whole, into one buffer its payloads are views of, :class:`BufferSource`). Remote full load: the first
 ``min(part_size, HEAD_PREFETCH)`` bytes and the last ``TAIL_PREFETCH`` are read ahead (header, footer
 and metadata, and the first payloads, in two requests); once the small one is in, the rest is read in
 ranged reads shared out evenly over ``concurrency`` connections (at most ``part_size`` each) that wait for
@@ -324,7 +325,7 @@ class BackendSource(Source):
         """For a full load that may return views: an object of up to :data:`WHOLE_LOCAL_MAX` from a
         backend whose reads are local and not assembled from blocks (memory://), read whole with one read
         into one buffer (a :class:`BufferSource`); this source itself for any other."""
-        if not self.local or self._ahead or self.size > WHOLE_LOCAL_MAX or self.backend.assembled(self.name):
+        if not self.local or self.size > WHOLE_LOCAL_MAX or self.backend.assembled(self.name):
             return self
         import torch  # a full load's, which builds tensors anyway
 
@@ -525,9 +526,6 @@ class BufferSource(Source):
         if offset < 0 or offset + n > self.size:  # the layout is validated first: never, but never short
             raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}) of {self.size}")
         return self.buf[offset : offset + n]
-
-    def outside_ahead(self, offset: int, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
-        return offset + nbytes, offset + nbytes, [(offset, nbytes)]
 
 
 class FileSource(Source):
