@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.backends.memory import MemoryBackend
 from ckptio.errors import IntegrityError
 from ckptio.formats.fastpickle import inspect
 from ckptio.formats.fastpickle.layout import ALIGN
@@ -22,16 +21,17 @@ def state() -> dict:
 
 @pytest.fixture
 def reads(monkeypatch) -> list[tuple[int, int]]:
-    """(offset, bytes) of every copy out of a memory:// object."""
-    seen: list[tuple[int, int]] = []
-    real = MemoryBackend._copy_out
+    """(offset, bytes) of every copy out of a memory:// object (the bytes it holds: ``Backend.held``)."""
+    from ckptio import osio
 
-    def copy_out(self, uri, data, buf, offset):
-        n = real(self, uri, data, buf, offset)
+    seen: list[tuple[int, int]] = []
+
+    def copy_bytes(dst, src, offset=0):
+        n = osio.copy_bytes(dst, src, offset)
         seen.append((offset, n))
         return n
 
-    monkeypatch.setattr(MemoryBackend, "_copy_out", copy_out)
+    monkeypatch.setattr("ckptio.formats.fastpickle.read.copy_bytes", copy_bytes)
     return seen
 
 
@@ -86,3 +86,41 @@ def test_other_memory_loads_read_payload_by_payload(memory_uri, reads, monkeypat
     assert torch.equal(out["w"], s["w"]) and torch.equal(out["b"], s["b"])
     if how in ("mmap=False", "large"):  # fresh memory a tensor
         assert out["w"].untyped_storage().nbytes() == s["w"].nbytes
+
+
+def test_memory_objects_are_read_out_of_the_bytes_the_backend_holds(memory_uri, tmp_path):
+    """``Backend.held``: memory:// gives its stored bytes (one version: a write replaces them), a wrapper
+    that must count every byte (progress) and every other backend give None."""
+    from ckptio.backends.base import Held
+    from ckptio.errors import NotFoundError
+    from ckptio.formats.fastpickle.read import HeldSource, source_for
+
+    uri = f"{memory_uri}/held.fpk"
+    ckptio.dump(state(), uri)
+    backend, resolved = ckptio.resolve(uri)
+    held = backend.held(resolved)
+    assert isinstance(held, Held) and held.data == ckptio.get(uri)
+    assert isinstance(source_for(backend, resolved), HeldSource)
+    ckptio.dump({"other": 1}, uri)  # replaced: what was held is unchanged
+    assert held.data != ckptio.get(uri) and ckptio.load(uri) == {"other": 1}
+    with pytest.raises(NotFoundError, match="nothing-here"):
+        ckptio.load(f"{memory_uri}/nothing-here.fpk")
+    local, path = ckptio.resolve(str(tmp_path / "x.fpk"))
+    assert local.held(path) is None
+    seen: list[int] = []
+    ckptio.load(uri, progress=lambda done, total: seen.append(done))  # through the counting wrapper
+    assert seen and seen[-1] == len(ckptio.get(uri))
+
+
+def test_a_held_source_refuses_reads_past_its_end_naming_the_object():
+    from ckptio.backends.base import Held
+    from ckptio.formats.fastpickle.read import HeldSource
+
+    counted: list[int] = []
+    src = HeldSource(Held(b"0123456789", counted.append), "memory://b/x.fpk")
+    assert bytes(src.view(2, 3)) == b"234" and src.read(8, 2) == b"89" and counted == [3, 2]
+    for offset, n in ((8, 3), (-1, 2), (11, 0)):
+        with pytest.raises(IntegrityError, match="memory://b/x.fpk: truncated"):
+            src.read(offset, n)
+    buf = bytearray(4)
+    assert src.readinto(memoryview(buf), 8) == 2 and buf[:2] == b"89"  # a short read is counted as such

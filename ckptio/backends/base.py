@@ -39,6 +39,15 @@ SMALL_OBJECT = 4 * 1024 * 1024  # an object store's read(): an object up to this
 
 
 @dataclass(frozen=True)
+class Held:
+    """An object's bytes held in this process (:meth:`Backend.held`); a reader tells ``on_read`` how
+    many of them it copies out (the backend's own count of bytes read)."""
+
+    data: bytes
+    on_read: Callable[[int], None]
+
+
+@dataclass(frozen=True)
 class ObjectInfo:
     """What ``stat``/``list`` return. ``version`` is an etag, a generation or ``mtime_ns:size``."""
 
@@ -351,6 +360,13 @@ class Backend(abc.ABC):
         file (remote, memory). Local files yield their path, the node-local cache its verified entry.
         A missing object raises NotFoundError where the storage would have yielded a path."""
         yield None
+
+    def held(self, uri: str) -> Held | None:
+        """Capability: the object's bytes where this backend holds them in this process (memory://):
+        immutable (a write replaces an object, never changes it), so one version, read without I/O;
+        None for any other storage. A wrapper that must see every byte (counting, for progress)
+        returns None. A missing object raises NotFoundError where the backend would have held it."""
+        return None
 
     def file_path(self, uri: str) -> str | None:
         """Capability: the path of the plain local file holding ``uri``'s bytes, found without touching

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from ..errors import AlreadyExistsError, NotFoundError, replaced
 from ..osio import copy_bytes
 from ..wrappers.forwarding import ForwardingBackend
-from .base import Backend, Buffer, BufferedWriter, ObjectInfo, WriteMode, Writer, check_mode
+from .base import Backend, Buffer, BufferedWriter, Held, ObjectInfo, WriteMode, Writer, check_mode
 
 
 def _key(uri: str) -> str:
@@ -54,6 +54,12 @@ class MemoryBackend(Backend):
 
     def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
         return self._copy_out(uri, self._get(uri)[0], buf, offset)
+
+    def held(self, uri: str) -> Held:
+        return Held(self._get(uri)[0], self._count)
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
 
     def _slice(self, data: bytes, start: int, end: int | None) -> bytes:
         out = data[start:end]
@@ -153,6 +159,9 @@ class _Snapshot(ForwardingBackend):
 
     def stat(self, uri: str) -> ObjectInfo:
         return self._info if uri == self.uri else self.inner.stat(uri)
+
+    def held(self, uri: str) -> Held:
+        return Held(self._data, self.inner._count) if uri == self.uri else self.inner.held(uri)
 
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
         if uri != self.uri:

@@ -16,9 +16,10 @@ from .decode import decode_tree, tensor_factory
 from .layout import FLAG_PICKLE, VERSION, Inspection, Meta
 from .meta import read_meta
 from .payloads import map_payloads, read_payloads
-from .read import Source, gc_paused, open_source, source_for, with_source
+from .read import gc_paused, open_source, source_for, with_source
 from .report import VERIFIED, inspect_report
 from .select import Ref, refs, select, substitute
+from .source import Source
 
 if TYPE_CHECKING:
     import torch

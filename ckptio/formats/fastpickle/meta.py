@@ -11,7 +11,8 @@ import xxhash
 from ...errors import FormatError, IntegrityError
 from ...threads import Pool
 from .layout import ALIGN, FOOTER, FOOTER_MAGIC, HEADER, MAGIC, VERSION, Meta, reason, validate
-from .read import BackendSource, Source
+from .read import BackendSource
+from .source import Source
 
 
 def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:

@@ -22,7 +22,8 @@ from ...errors import IntegrityError
 from ...osio import fault_in_striped, prefault
 from ...threads import PARALLEL_MIN, Pool, deal, shared_pool
 from .layout import MAX_IOV, Meta, describe_payload
-from .read import HEAD_PREFETCH, Source
+from .read import HEAD_PREFETCH
+from .source import Source
 
 if TYPE_CHECKING:
     import torch

@@ -5,9 +5,10 @@ A source is a local file descriptor (a local file, or any backend's ``local_file
 file, or ranged reads from any backend. Local load: parallel preads into fresh buffers (populated
 with one madvise first), each payload verified as it is read (in ``osio.HOT_PIECE`` pieces, each hashed
 while in the CPU cache: :meth:`Source.read_each`), or a private mapping with
-``mmap=True``; a backend whose reads are local (``Backend.reads_local``: memory, an incremental
-step's blocks) is read the same way, straight into the buffers (a full load of a small memory:// object:
-whole, into one buffer its payloads are views of, :class:`BufferSource`). Remote full load: the first
+``mmap=True``; an object whose backend holds its bytes in this process (``Backend.held``: memory://)
+is copied out of them the same way (a full load of one of up to ``WHOLE_LOCAL_MAX``: whole, into one
+buffer its payloads are views of, :class:`BufferSource`), and so is a backend whose reads are local
+(``Backend.reads_local``: an incremental step's blocks), straight into the buffers. Remote full load: the first
 ``min(part_size, HEAD_PREFETCH)`` bytes and the last ``TAIL_PREFETCH`` are read ahead (header, footer
 and metadata, and the first payloads, in two requests); once the small one is in, the rest is read in
 ranged reads shared out evenly over ``concurrency`` connections (at most ``part_size`` each) that wait for
@@ -35,12 +36,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...backends.base import Backend, start_sized
+from ...backends.base import Backend, Held, start_sized
 from ...errors import IntegrityError
-from ...osio import address, anonymous, open_for_reading, preadinto, preadinto_each, preadv_into, translate_os_errors
+from ...osio import (
+    address,
+    anonymous,
+    copy_bytes,
+    open_for_reading,
+    preadinto,
+    preadinto_each,
+    preadv_into,
+    translate_os_errors,
+)
 from ...threads import all_of, shared_pool
 from . import pacing
 from .layout import ALIGN, CHUNK
+from .source import Source, fill
 
 TAIL_PREFETCH = 256 << 10  # remote loads read this much of the end at once: footer and metadata in one request
 # ... and at most this much of the start (the header, the first payloads; a smaller object whole) in another:
@@ -73,90 +84,13 @@ TAIL_EARLY = 0.015
 # 0.253 -> 0.249, 0.252 -> 0.251). Larger objects keep their payloads in tensors of their own.
 MIDDLE_MAX = 64 << 20
 LOCAL_TAIL = 4 << 10  # a local file's end: the footer and a small file's metadata in one read, not two
-# A full load that may return views of an object of up to WHOLE_LOCAL_MAX from a backend whose reads are
-# local and not assembled from blocks (memory://) reads it whole with one read into one buffer
+# A full load that may return views of an object of up to WHOLE_LOCAL_MAX whose bytes its backend holds
+# (memory://, :class:`HeldSource`) copies it whole into one buffer
 # (:class:`BufferSource`): the metadata and the payloads are views of it, as a small remote object's are.
 # memory://, the benchmark's state (12+ tensors), every page touched after, 150 interleaved rounds, median ms,
 # read by payload -> whole: 6 KiB 0.280 -> 0.227, 256 KiB 0.320 -> 0.269, 1 MiB 0.476 -> 0.435, 4 MiB
 # 0.868 -> 0.857; 8 MiB 1.971 -> 2.557 (by payload, two threads copy, the GIL released): not above 4 MiB
 WHOLE_LOCAL_MAX = 4 << 20
-
-
-# ------------------------------------------------------------------------------------------
-# sources
-# ------------------------------------------------------------------------------------------
-class Source:
-    name: str
-    size: int
-    concurrency = 1
-    part_size = CHUNK  # the largest single read of a payload
-    prefetch = 0  # bytes read speculatively from the end with the footer (saves a request when remote)
-    fd: int | None = None
-    local = False  # no request latency: no read-ahead, runs read straight into their buffers
-    mappable = False  # a file ckptio opened by path: mapped by default (never rewritten in place by ckptio)
-
-    def readinto(self, mv: memoryview, offset: int) -> int:
-        raise NotImplementedError
-
-    def read_each(self, mv: memoryview, offset: int, each: Callable[[memoryview], Any]) -> int:
-        """:meth:`readinto`, handing consecutive parts of what it read to ``each`` in order as they come in
-        (a local source in ``osio.HOT_PIECE`` pieces, hashed while in the CPU cache). Default: the read,
-        then ``each`` once."""
-        n = self.readinto(mv, offset)
-        if n:
-            each(mv[:n])
-        return n
-
-    def readv(self, mvs: list[memoryview], offset: int) -> int:
-        """Fill consecutive buffers from consecutive bytes at ``offset``; returns the bytes read."""
-        total = sum(len(m) for m in mvs)
-        buf = bytearray(total)
-        n = self.readinto(memoryview(buf), offset)
-        pos = 0
-        for m in mvs:
-            m[:] = buf[pos : pos + len(m)]
-            pos += len(m)
-        return n
-
-    def read(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        got = self.readinto(memoryview(buf), offset)
-        if got != n:
-            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}), got {got}")
-        return bytes(buf)
-
-    def view(self, offset: int, n: int) -> bytes | memoryview:
-        """:meth:`read`, or a read-only view where the source holds those bytes already (no copy)."""
-        return self.read(offset, n)
-
-    def ahead_view(self, offset: int, nbytes: int, wait: bool = True) -> memoryview | None:
-        """The bytes ``[offset, offset + nbytes)`` as a view of a range read ahead that holds them all, else
-        None (a source that reads nothing ahead)."""
-        return None
-
-    def outside_ahead(self, offset: int, nbytes: int) -> tuple[int, int, list[tuple[int, int]]]:
-        """The part of ``[offset, offset + nbytes)`` to fetch, ``(lo, hi)``, and the ``(offset, length)``
-        pieces of it inside ranges read ahead (copied from them by :meth:`readinto` once they are in)."""
-        return offset, offset + nbytes, []
-
-    def wait_ahead(self) -> None:
-        """Wait for every range read ahead (IntegrityError if one came short)."""
-
-    def checks_payloads(self) -> None:
-        """The caller verifies every payload it reads from now on (an assembled source may skip its own
-        per-block hashes: ``Backend.for_checked_reads``)."""
-
-    def blame(self, offset: int, n: int) -> None:
-        """After a payload mismatch: read bytes ``[offset, offset + n)`` again with the storage's own
-        checks, which raise the error naming a damaged part (nothing when there are none)."""
-
-    def held_whole(self) -> Source:
-        """For a full load that may return views: this file held whole in one buffer where reading it so
-        pays (:class:`BufferSource`), else this source."""
-        return self
-
-    def close(self) -> None:
-        pass
 
 
 def _store_of(backend: Backend) -> Backend:
@@ -167,16 +101,6 @@ def _store_of(backend: Backend) -> Backend:
             break
         backend = inner
     return backend
-
-
-def _fill(readinto: Callable[[memoryview, int], int], mv: memoryview, offset: int) -> int:
-    total = 0
-    while total < len(mv):
-        n = readinto(mv[total:], offset + total)
-        if not n:
-            break
-        total += n
-    return total
 
 
 class FdSource(Source):
@@ -242,7 +166,7 @@ class BackendSource(Source):
             return
         scratch = memoryview(bytearray(min(n, CHUNK)))
         for pos in range(offset, offset + n, CHUNK):
-            _fill(lambda m, o: checked.readinto(self.name, m, o), scratch[: min(CHUNK, offset + n - pos)], pos)
+            fill(lambda m, o: checked.readinto(self.name, m, o), scratch[: min(CHUNK, offset + n - pos)], pos)
 
     @property
     def size(self) -> int:  # type: ignore[override]  # a plain attribute on other sources
@@ -321,23 +245,6 @@ class BackendSource(Source):
             self._ahead.append((head, *self._read_middle(head, end_at)))
         self._ahead[0] = (0, first[:head], head_f)
 
-    def held_whole(self) -> Source:
-        """For a full load that may return views: an object of up to :data:`WHOLE_LOCAL_MAX` from a
-        backend whose reads are local and not assembled from blocks (memory://), read whole with one read
-        into one buffer (a :class:`BufferSource`); this source itself for any other."""
-        if not self.local or self.size > WHOLE_LOCAL_MAX or self.backend.assembled(self.name):
-            return self
-        import torch  # a full load's, which builds tensors anyway
-
-        # from the allocator's heap (recycled, warm pages), aligned as torch aligns every allocation
-        buf = memoryview(torch.empty(self.size, dtype=torch.uint8, device="cpu").numpy())  # type: ignore[arg-type]
-        if address(buf) % ALIGN:
-            return self
-        got = self._fetch(buf, 0)
-        if got != self.size:
-            raise IntegrityError(f"{self.name}: truncated: {self.size} bytes, read {got}")
-        return BufferSource(buf, self.name)
-
     def _read_middle(self, lo: int, hi: int) -> tuple[memoryview, cf.Future[int]]:
         """Bytes ``[lo, hi)`` into fresh anonymous memory, each as aligned in it as in the file (payloads
         there are returned as views of it), in ranges of :func:`.pacing.middle_piece` bytes, at most
@@ -387,12 +294,12 @@ class BackendSource(Source):
         return out
 
     def _fetch(self, mv: memoryview, offset: int) -> int:
-        return _fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
+        return fill(lambda m, o: self.backend.readinto(self.name, m, o), mv, offset)
 
     def read_each(self, mv: memoryview, offset: int, each: Callable[[memoryview], Any]) -> int:
         if not self.local or self._ahead:  # reads copied out of ranges read ahead: checked once whole
             return super().read_each(mv, offset, each)
-        return _fill(lambda m, o: self.backend.readinto_each(self.name, m, o, each), mv, offset)
+        return fill(lambda m, o: self.backend.readinto_each(self.name, m, o, each), mv, offset)
 
     def readv(self, mvs: list[memoryview], offset: int) -> int:
         """Buffers that overlap a range read ahead are copied from it one by one; each run of the
@@ -504,7 +411,7 @@ class BackendSource(Source):
 
 class BufferSource(Source):
     """A file held whole in one writable buffer of its own, aligned as its payloads are (:data:`ALIGN`):
-    its metadata and payloads are views of it (:meth:`BackendSource.held_whole`)."""
+    its metadata and payloads are views of it (:meth:`HeldSource.held_whole`)."""
 
     local = True
 
@@ -528,6 +435,55 @@ class BufferSource(Source):
         return self.buf[offset : offset + n]
 
 
+class HeldSource(Source):
+    """An object whose bytes its backend holds in this process (``Backend.held``: memory://): read by
+    copying out of them, one version whatever is written meanwhile; a full load of up to
+    :data:`WHOLE_LOCAL_MAX` copies it whole into one buffer (:meth:`held_whole`)."""
+
+    local = True
+    concurrency = 2  # copies of large payloads release the GIL (osio.copy_bytes): two threads, as files
+    prefetch = LOCAL_TAIL
+
+    def __init__(self, held: Held, name: str) -> None:
+        self.data, self._on_read, self.name, self.size = held.data, held.on_read, name, len(held.data)
+
+    def readinto(self, mv: memoryview, offset: int) -> int:
+        n = copy_bytes(mv, self.data, offset)
+        self._on_read(n)
+        return n
+
+    def view(self, offset: int, n: int) -> bytes | memoryview:
+        """Bytes ``[offset, offset + n)``: a read-only view of the held bytes, no copy."""
+        if offset < 0 or offset + n > self.size:  # the layout is validated first: never, but never short
+            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}) of {self.size}")
+        self._on_read(n)
+        return memoryview(self.data)[offset : offset + n]
+
+    def read(self, offset: int, n: int) -> bytes:
+        return bytes(self.view(offset, n))
+
+    def readv(self, mvs: list[memoryview], offset: int) -> int:
+        total = 0
+        for m in mvs:
+            got = self.readinto(m, offset + total)
+            total += got
+            if got < len(m):
+                break
+        return total
+
+    def held_whole(self) -> Source:
+        if self.size > WHOLE_LOCAL_MAX:
+            return self
+        import torch  # a full load's, which builds tensors anyway
+
+        # from the allocator's heap (recycled, warm pages), aligned as torch aligns every allocation
+        buf = memoryview(torch.empty(self.size, dtype=torch.uint8, device="cpu").numpy())  # type: ignore[arg-type]
+        if address(buf) % ALIGN:
+            return self
+        self.readinto(buf, 0)
+        return BufferSource(buf, self.name)
+
+
 class FileSource(Source):
     def __init__(self, f: io.RawIOBase | io.BufferedIOBase) -> None:
         self.f, self.name = f, getattr(f, "name", "<file object>")
@@ -537,7 +493,7 @@ class FileSource(Source):
     def readinto(self, mv: memoryview, offset: int) -> int:
         with self._lock:
             self.f.seek(offset)
-            return _fill(lambda m, o: self.f.readinto(m) or 0, mv, offset)
+            return fill(lambda m, o: self.f.readinto(m) or 0, mv, offset)
 
 
 def open_source(uri_or_file: Any, backend_options: dict) -> Source:
@@ -558,7 +514,10 @@ def open_source(uri_or_file: Any, backend_options: dict) -> Source:
 
 def source_for(backend: Backend, uri: str) -> Source:
     """The descriptor of the backend's local file when it has one (a local file, a node-local cache
-    entry), else ranged reads from the backend."""
+    entry), the bytes it holds in memory (``Backend.held``), else ranged reads from the backend."""
+    held = backend.held(uri)
+    if held is not None:
+        return HeldSource(held, uri)
     with backend.local_file(uri) as path:
         if path is not None:
             with translate_os_errors(uri):

@@ -10,7 +10,8 @@ from typing import IO, TYPE_CHECKING, Any
 from ...backends.base import Backend, WriteMode
 from ...errors import FormatError
 from ..base import Format
-from ..fastpickle.read import Source, open_source, source_for, with_source
+from ..fastpickle.read import open_source, source_for, with_source
+from ..fastpickle.source import Source
 from .layout import INDEX_SUFFIX, Inspection
 from .read import load_index, load_source, read_header, read_index
 

@@ -20,7 +20,8 @@ from ...errors import FormatError, IntegrityError
 from ..fastpickle.decode import tensor_factory
 from ..fastpickle.layout import Meta, TensorInfo
 from ..fastpickle.payloads import map_payloads, read_payloads
-from ..fastpickle.read import Source, source_for, with_source
+from ..fastpickle.read import source_for, with_source
+from ..fastpickle.source import Source
 from .layout import HEAD_PREFETCH, MAX_HEADER, MAX_INDEX, TORCH_NAME, TensorEntry, parse_header, parse_json
 
 if TYPE_CHECKING:
