@@ -197,15 +197,15 @@ class BackendSource(Source):
         self._pool = shared_pool()  # threads started once per process, not per load
         # anonymous memory: faulted in only as far as the object fills it (no zeroing first)
         first = anonymous(min(self.part_size, HEAD_PREFETCH))
-        # the end's bytes as aligned in it as in the file (payloads there are returned as views of it)
-        end = anonymous(self.prefetch + ALIGN - 1) if self.prefetch else None
-        ends: list[cf.Future[int]] = []
+        ends: list[tuple[cf.Future[int], memoryview]] = []  # the suffix read started, and its buffer
 
         def start_end() -> None:  # the size is late: a remote round trip, which the end need not wait for
+            # the end's bytes as aligned in it as in the file (payloads there are returned as views of it);
             # not waited for by close() if its bytes go unused: the request's views keep the buffer alive
-            end_f = self.backend.start_read_tail(self.name, end, ALIGN) if end is not None else None
+            end = anonymous(self.prefetch + ALIGN - 1)
+            end_f = self.backend.start_read_tail(self.name, end, ALIGN)
             if end_f is not None:
-                ends.append(end_f)
+                ends.append((end_f, end))
 
         past = pacing.first_reply(self._store)
         slow = past is not None and past > SLOW_STORE
@@ -217,7 +217,7 @@ class BackendSource(Source):
             first,
             lambda f: self._ahead.append((0, first[:0], f)),  # close() waits for the first read whatever happens
             fault_in=FAULT_GUESS,
-            late=(0.0 if slow else TAIL_EARLY, start_end) if end is not None else None,
+            late=(0.0 if slow else TAIL_EARLY, start_end) if self.prefetch else None,
             told=lambda: sized_at.append(time.monotonic()),
         )
         if sized_at:
@@ -231,12 +231,13 @@ class BackendSource(Source):
         # reads of the rest start without waiting for a part_size body at 90 MB/s a connection
         tail = min(self.size - head, self.prefetch)
         end_at = self.size  # where the range read for the end starts
-        if tail and ends and end is not None:  # the suffix read: [size - got, size), less what the head holds
+        if tail and ends:  # the suffix read: [size - got, size), less what the head holds
+            end_f, end = ends[0]
             got = min(len(end) - ALIGN + 1, self.size)
             at = (self.size - got) % ALIGN  # where it put them (Backend.start_read_tail)
             skip = max(head, self.size - got) - (self.size - got)
             end_at, view = self.size - got + skip, end[at + skip : at + got]
-            self._ahead.append((end_at, view, self._or_by_offset(ends[0], skip, view, end_at)))
+            self._ahead.append((end_at, view, self._or_by_offset(end_f, skip, view, end_at)))
         elif tail:  # the tail holds the metadata; it starts on an ALIGN boundary, as payloads do (views of it)
             end_at = max(head, (self.size - tail) // ALIGN * ALIGN)
             buf = anonymous(self.size - end_at)
