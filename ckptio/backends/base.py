@@ -41,7 +41,7 @@ SMALL_OBJECT = 4 * 1024 * 1024  # an object store's read(): an object up to this
 @dataclass(frozen=True)
 class Held:
     """An object's bytes held in this process (:meth:`Backend.held`); a reader tells ``on_read`` how
-    many of them it copies out (the backend's own count of bytes read)."""
+    many of them it takes (copies or views: the backend's own count of bytes read)."""
 
     data: bytes
     on_read: Callable[[int], None]
@@ -365,7 +365,8 @@ class Backend(abc.ABC):
         """Capability: the object's bytes where this backend holds them in this process (memory://):
         immutable (a write replaces an object, never changes it), so one version, read without I/O;
         None for any other storage. A wrapper that must see every byte (counting, for progress)
-        returns None. A missing object raises NotFoundError where the backend would have held it."""
+        returns None, and so does a subclass that changes how reads are served (its ``readinto``).
+        A missing object raises NotFoundError where the backend would have held it."""
         return None
 
     def file_path(self, uri: str) -> str | None:

@@ -3,7 +3,7 @@ the node-local cache (:class:`~ckptio.cache.store.CacheStore`, which documents t
 and verification). Writes, listings and deletes pass through to the wrapped backend.
 
 Capabilities: ``local_file`` yields the verified entry, held against eviction for the block (filled
-on a miss); ``node_cache`` is the wrapper itself (``fill``, ``fill_many``, ``pinned``, ``stats``...,
+on a miss); ``held`` is declined (a load reads that entry); ``node_cache`` is the wrapper itself (``fill``, ``fill_many``, ``pinned``, ``stats``...,
 for :mod:`ckptio.distributed`); ``with_options`` wraps the wrapped backend's derived backend over
 the same store; ``max_buffer_bytes`` and ``writes_in_place`` are the wrapped backend's (writes go
 straight to it).
@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
 
-from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..backends.base import Backend, Buffer, Held, ObjectInfo, WriteMode, Writer
 from ..wrappers.forwarding import ForwardingBackend
 from .entries import Entry
 from .settings import DEFAULT_LOCK_TIMEOUT
@@ -130,6 +130,9 @@ class CachedBackend(ForwardingBackend):
                 self._read_through(uri, e)
                 path = held.enter_context(self.inner.local_file(uri))
             yield path
+
+    def held(self, uri: str) -> Held | None:
+        return None  # declined: a load reads the verified entry (local_file), which this wrapper fills
 
     def with_options(self, **options: Any) -> Backend:
         inner = self.inner.with_options(**options)

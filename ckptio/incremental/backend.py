@@ -22,7 +22,7 @@ blocks are read in the caller's thread: readers already read ranges from several
 threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
-a recipe; ``assembled`` True for a recipe (formats keep their own checksums: a block's name proves
+a recipe; ``held`` is declined; ``assembled`` True for a recipe (formats keep their own checksums: a block's name proves
 its bytes are some stored block's, not that a recipe names the right one); ``for_checked_reads`` a
 sibling sharing the recipes that skips the block hashes (for a format checking every byte itself);
 ``reads_local`` the wrapped backend's;
@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..backends.base import Backend, Buffer, Held, ObjectInfo, WriteMode, Writer
 from ..osio import prefault
 from ..threads import Pool
 from ..wrappers.forwarding import ForwardingBackend
@@ -240,6 +240,9 @@ class IncrementalBackend(ForwardingBackend):
             return
         with self.inner.local_file(uri) as path:
             yield path
+
+    def held(self, uri: str) -> Held | None:
+        return None  # declined: a plain object is read through this wrapper, as a recipe's blocks are
 
     # ---- writes -------------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:

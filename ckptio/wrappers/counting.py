@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..backends.base import Backend, Buffer, NodeCache, WriteMode, Writer
+from ..backends.base import Backend, Buffer, Held, NodeCache, WriteMode, Writer
 from .forwarding import ForwardingBackend
 
 
@@ -98,6 +98,9 @@ class CountingBackend(ForwardingBackend):
 
     def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
         return None  # declined: its bytes may overlap another read's (or go unused), and counted reads must not
+
+    def held(self, uri: str) -> Held | None:
+        return None  # declined: every byte read must come through this wrapper to be counted
 
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
         return _CountingWriter(self.inner.open_writer(uri, mode=mode, durable=durable), self._add)

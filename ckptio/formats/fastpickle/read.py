@@ -147,7 +147,7 @@ class BackendSource(Source):
         self.concurrency = backend.concurrency
         self.part_size = backend.part_size
         self.local = backend.reads_local
-        if self.local:  # memory, local disks (an incremental step's blocks): as a local file is read
+        if self.local:  # local disks (an incremental step's blocks): as a local file is read
             # no tail read past the footer: a read counted for progress must not overlap another
             self.prefetch, self.concurrency, self.part_size = 0, FdSource.concurrency, CHUNK
         self._ahead: list[tuple[int, memoryview, Any]] = []  # ranges read ahead: (offset, buffer, future)
@@ -443,12 +443,14 @@ class HeldSource(Source):
 
     local = True
     concurrency = 2  # copies of large payloads release the GIL (osio.copy_bytes): two threads, as files
-    prefetch = LOCAL_TAIL
+    prefetch = 0  # a view costs nothing: the footer and the metadata are viewed exactly, never a byte twice
 
     def __init__(self, held: Held, name: str) -> None:
         self.data, self._on_read, self.name, self.size = held.data, held.on_read, name, len(held.data)
 
     def readinto(self, mv: memoryview, offset: int) -> int:
+        if offset < 0:
+            raise IntegrityError(f"{self.name}: a read at offset {offset}")
         n = copy_bytes(mv, self.data, offset)
         self._on_read(n)
         return n

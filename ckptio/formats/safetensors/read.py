@@ -21,7 +21,7 @@ from ..fastpickle.decode import tensor_factory
 from ..fastpickle.layout import Meta, TensorInfo
 from ..fastpickle.payloads import map_payloads, read_payloads
 from ..fastpickle.read import source_for, with_source
-from ..fastpickle.source import Source
+from ..fastpickle.source import Source, fill
 from .layout import HEAD_PREFETCH, MAX_HEADER, MAX_INDEX, TORCH_NAME, TensorEntry, parse_header, parse_json
 
 if TYPE_CHECKING:
@@ -117,9 +117,10 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int, torch.Tensor]:
-    """A whole remote file: the data after the header in one allocation, read with the backend's parallel
-    ranged reads straight into it (as few requests as ``part_size`` allows, no staging copy); each tensor
-    gets its own storage over its bytes, as with a mapping (the memory goes when the last tensor does)."""
+    """A whole file not read through a local descriptor (remote, memory://, an open file object): the data
+    after the header in one allocation, read straight into it (a remote backend's parallel ranged reads: as few requests as ``part_size``
+    allows, no staging copy); each tensor gets its own storage over its bytes, as with a mapping (the
+    memory goes when the last tensor does)."""
     import torch
 
     start = min((e.offset for e in entries), default=src.size)
@@ -127,7 +128,7 @@ def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int
     mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on 3.12+ only
     have = max(0, min(len(head) - start, len(mv)))
     mv[:have] = head[start : start + have]  # what the header's read brought along
-    got = have + (src.backend.readinto(src.name, mv[have:], start + have) if have < len(mv) else 0)  # type: ignore[attr-defined]
+    got = have + (fill(src.readinto, mv[have:], start + have) if have < len(mv) else 0)
     if got != len(mv):
         raise IntegrityError(f"{src.name}: truncated while reading: bytes [{start}, {src.size}) returned only {got}")
     arr = buf.numpy()
@@ -177,7 +178,7 @@ def load_source(
     idxs = [i for i, e in enumerate(entries) if e.nbytes]
     if mapped:
         payloads = map_payloads(src, meta, idxs, False)
-    elif (keys is None or whole) and hasattr(src, "backend"):
+    elif (keys is None or whole) and src.fd is None:  # not a local file: read whole into one allocation
         payloads = _read_data(src, entries, head)
     else:  # fastpickle's coalesced parallel reads of the ranges needed (preadv into the tensors when local)
         payloads = read_payloads(src, meta, idxs, False)
