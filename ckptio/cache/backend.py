@@ -3,10 +3,10 @@ the node-local cache (:class:`~ckptio.cache.store.CacheStore`, which documents t
 and verification). Writes, listings and deletes pass through to the wrapped backend.
 
 Capabilities: ``local_file`` yields the verified entry, held against eviction for the block (filled
-on a miss); ``held`` is declined (a load reads that entry); ``node_cache`` is the wrapper itself (``fill``, ``fill_many``, ``pinned``, ``stats``...,
-for :mod:`ckptio.distributed`); ``with_options`` wraps the wrapped backend's derived backend over
-the same store; ``max_buffer_bytes`` and ``writes_in_place`` are the wrapped backend's (writes go
-straight to it).
+on a miss); ``held`` is declined (a load reads that entry); ``node_cache`` is the wrapper itself
+(``fill``, ``fill_many``, ``pinned``, ``stats``..., for :mod:`ckptio.distributed`); ``with_options``
+wraps the wrapped backend's derived backend over the same store; ``max_buffer_bytes`` and
+``writes_in_place`` are the wrapped backend's (writes go straight to it).
 """
 
 from __future__ import annotations

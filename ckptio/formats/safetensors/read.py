@@ -118,9 +118,9 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _read_data(src: Source, entries: list[TensorEntry], head: bytes) -> dict[int, torch.Tensor]:
     """A whole file not read through a local descriptor (remote, memory://, an open file object): the data
-    after the header in one allocation, read straight into it (a remote backend's parallel ranged reads: as few requests as ``part_size``
-    allows, no staging copy); each tensor gets its own storage over its bytes, as with a mapping (the
-    memory goes when the last tensor does)."""
+    after the header in one allocation, read straight into it (a remote backend's parallel ranged reads:
+    as few requests as ``part_size`` allows, no staging copy); each tensor gets its own storage over its
+    bytes, as with a mapping (the memory goes when the last tensor does)."""
     import torch
 
     start = min((e.offset for e in entries), default=src.size)
