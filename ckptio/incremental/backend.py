@@ -22,8 +22,8 @@ blocks are read in the caller's thread: readers already read ranges from several
 threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
-a recipe; ``held`` is declined; ``assembled`` True for a recipe (formats keep their own checksums: a block's name proves
-its bytes are some stored block's, not that a recipe names the right one); ``for_checked_reads`` a
+a recipe; ``held`` is declined; ``assembled`` True for a recipe (formats keep their own checksums: a
+block's name proves its bytes are some stored block's, not that a recipe names the right one); ``for_checked_reads`` a
 sibling sharing the recipes that skips the block hashes (for a format checking every byte itself);
 ``reads_local`` the wrapped backend's;
 ``Writer.local_fileno`` is declined (the writer must see every byte); ``with_options`` declines any

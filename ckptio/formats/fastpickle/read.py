@@ -431,9 +431,15 @@ class BufferSource(Source):
         return self._span(offset, nbytes)
 
     def _span(self, offset: int, n: int) -> memoryview:
-        if offset < 0 or offset + n > self.size:  # the layout is validated first: never, but never short
-            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}) of {self.size}")
+        _check_span(self, offset, n)
         return self.buf[offset : offset + n]
+
+
+def _check_span(src: Source, offset: int, n: int) -> None:
+    """Bytes ``[offset, offset + n)`` lie within ``src`` (a source holding the whole file); IntegrityError
+    naming it if not. The layout is validated before any span is asked for: never, but never short."""
+    if offset < 0 or offset + n > src.size:
+        raise IntegrityError(f"{src.name}: truncated: wanted bytes [{offset}, {offset + n}) of {src.size}")
 
 
 class HeldSource(Source):
@@ -457,8 +463,7 @@ class HeldSource(Source):
 
     def view(self, offset: int, n: int) -> bytes | memoryview:
         """Bytes ``[offset, offset + n)``: a read-only view of the held bytes, no copy."""
-        if offset < 0 or offset + n > self.size:  # the layout is validated first: never, but never short
-            raise IntegrityError(f"{self.name}: truncated: wanted bytes [{offset}, {offset + n}) of {self.size}")
+        _check_span(self, offset, n)
         self._on_read(n)
         return memoryview(self.data)[offset : offset + n]
 
