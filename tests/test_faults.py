@@ -381,6 +381,13 @@ def test_retry_options_per_backend_and_per_alias(faults):
     assert b.policy.max_attempts == 3
 
 
+def test_part_size_takes_a_size_string_as_the_docs_say(faults):
+    b, _ = ckptio.resolve(faults.uri + "/k", part_size="64MiB")
+    assert b.part_size == 64 * MiB
+    with pytest.raises(ckptio.errors.SettingsError, match="part_size"):
+        ckptio.resolve(faults.uri + "/k", part_size="-1MiB")
+
+
 def test_invalid_retry_settings_are_rejected():
     with pytest.raises(ckptio.errors.SettingsError, match="max_attempts"):
         ckptio.configure(backends={"s3": {"max_attempts": 0}})

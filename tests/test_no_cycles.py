@@ -135,6 +135,30 @@ def test_remote_saves_and_loads_leave_no_cycles(where, fmt, request):
     assert found == [], "\n".join(found)
 
 
+@pytest.mark.parametrize("kind", ["status", "truncate"])
+def test_a_first_get_that_fails_on_the_callers_thread_leaves_no_cycles(gcs_faults, kind):
+    """A GCS load's first GET, sent from the caller's thread (objectstore.here), fails before its body
+    (503) or in it (a short body): retried on the IO loop, or given up, nothing stays in a cycle."""
+    from faultproxy import Fault
+
+    for step in (1, 2, 3):  # small: the first GET holds each whole
+        ckptio.dump({"w": torch.ones(100), "step": step}, f"{gcs_faults.uri}/h{step}.fpk")
+
+    def run(step: int) -> None:
+        uri = f"{gcs_faults.uri}/h{step}.fpk"
+        gcs_faults.clear()
+        gcs_faults.add(Fault(kind, method="GET", nth=1))
+        assert ckptio.load(uri)["step"] == step  # the IO loop's retry
+        gcs_faults.clear()
+        gcs_faults.add(Fault(kind, method="GET", fraction=1.0))
+        with pytest.raises(ckptio.errors.TransferError):  # given up: the attempt made here was the only one
+            ckptio.get(uri, backend_args={"max_attempts": 1})
+        gcs_faults.clear()
+
+    found = _cycles_of(run)
+    assert found == [], "\n".join(found)
+
+
 def test_async_and_tiered_saves_leave_no_cycles(tmp_path, memory_uri):
     roots = iter(range(1000))
 

@@ -23,9 +23,13 @@ import asyncio
 import errno
 import functools
 import json
+import math
+import ssl
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from ..errors import (
     AccessDeniedError,
@@ -38,6 +42,8 @@ from ..errors import (
     replaced,
 )
 from ..objectstore import body as _body
+from ..objectstore import direct as _direct
+from ..objectstore import here as _here
 from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
@@ -113,6 +119,7 @@ class GCSBackend(ObjectStoreBackend):
         credential_provider: Any = None,
         max_buffer_bytes: int | str = _multipart.DEFAULT_MAX_BUFFER_BYTES,
         upload_part_size: int | str | None = None,
+        direct_reads: bool = True,
     ) -> None:
         self._options = _multipart.constructor_options(locals())  # for with_options
         super().__init__(
@@ -134,6 +141,10 @@ class GCSBackend(ObjectStoreBackend):
         if self._refresher.provider is not None:
             self._bearer = self._token_from(self._refresher.provider())
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        self.direct_reads = bool(direct_reads)
+        self._direct: _direct.DirectGets | None = None  # made by the first GET from a caller's thread
+        self._direct_lock = threading.Lock()
+        self._connect_timeout = float(connect_timeout)
         self._timeout = aiohttp.ClientTimeout(
             sock_connect=float(connect_timeout), sock_read=min(float(read_timeout), self.policy.stall_timeout)
         )
@@ -226,10 +237,18 @@ class GCSBackend(ObjectStoreBackend):
             return r.status, r.headers, pos
 
     async def _request(
-        self, method: str, url: str, *, uri: str = "gs://", what: str | None = None, **kw: Any
+        self,
+        method: str,
+        url: str,
+        *,
+        uri: str = "gs://",
+        what: str | None = None,
+        after: _retry.PriorAttempt | None = None,
+        **kw: Any,
     ) -> tuple[int, Any, Any]:
-        """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords)."""
-        return await self._retrying(uri, what or method, lambda: self._attempt(method, url, uri=uri, **kw))
+        """One HTTP call under the retry policy (see :meth:`_attempt` for the keywords; ``after``: an
+        attempt made from the caller's thread that failed, see ``RetryPolicy.run``)."""
+        return await self._retrying(uri, what or method, lambda: self._attempt(method, url, uri=uri, **kw), after=after)
 
     def _call(self, uri: str, method: str, url: str, **kw: Any) -> tuple[int, Any, Any]:
         return self._run(uri, lambda: self._request(method, url, uri=uri, **kw))
@@ -267,6 +286,9 @@ class GCSBackend(ObjectStoreBackend):
         return out
 
     def close_clients(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
         session = getattr(self._fs, "_session", None)
         if session is not None and not session.closed and self._loop.is_running():
             try:
@@ -286,11 +308,9 @@ class GCSBackend(ObjectStoreBackend):
         into: list[memoryview],
         on_size: Callable[[int], None] | None = None,
         pin: _ranged.VersionPin | None = None,
+        after: _retry.PriorAttempt | None = None,
     ) -> int:
-        params = {"alt": "media"}
-        pinned = pin.version if pin is not None and pin.version and pin.version.isdigit() else None
-        if pinned:
-            params["generation"] = pinned  # that generation's bytes, or 404 once it is gone
+        params, pinned = _read_params(pin)
         try:
             return (
                 await self._request(
@@ -304,6 +324,7 @@ class GCSBackend(ObjectStoreBackend):
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",
+                    after=after,
                 )
             )[2]
         except _HTTPStatus as e:
@@ -314,6 +335,80 @@ class GCSBackend(ObjectStoreBackend):
             raise
 
     _sized_get_range = _get_range  # ``into`` is read after ``on_size``: see ObjectStoreBackend._get_range
+
+    def _head_here(
+        self,
+        uri: str,
+        bucket: str,
+        key: str,
+        into: list[memoryview],
+        on_size: Callable[[int], None],
+        pin: _ranged.VersionPin | None,
+    ) -> _here.HeadHere | None:
+        """The head GET with ``http.client`` on the caller's thread (:mod:`ckptio.objectstore.here`): the
+        request :meth:`_get_range` sends, its reply checked as there. Not where ``direct_reads`` is off,
+        the endpoint authenticates with a client certificate, or a subclass has its own ``_get_range``."""
+        if not self.direct_reads or type(self)._get_range is not GCSBackend._get_range:
+            return None
+        gets = self._direct_gets()
+        if gets is None:
+            return None
+        started = time.monotonic()
+        policy = self.policy
+        limit = min(policy.deadline, policy.timeout if policy.timeout is not None else math.inf)
+        n = len(into[0])
+        params, _ = _read_params(pin)
+        headers = {"Range": f"bytes=0-{n - 1}"}
+        reply: _direct.DirectResponse | None = None
+        try:
+            headers = self._fs._get_headers(headers)  # credentials (may refresh a token)
+            if self._bearer is not None:
+                headers["Authorization"] = f"Bearer {self._bearer}"
+            url = f"{self._api}/b/{bucket}/o/{_q(key)}?{urlencode(params)}"
+            reply = gets.get_here(url, headers, min(policy.stall_timeout, limit))
+            if reply.status not in (200, 206):
+                raise _HTTPStatus(reply.status, reply.error_body_here())
+            _retry.check_ranged_status(reply.status, 0, uri)
+            _on_read_headers(uri, on_size, pin, reply.status, reply.headers)
+        except Exception as e:
+            if reply is not None:
+                reply.close()
+            return _here.HeadHere(None, e, started)
+        except BaseException:
+            if reply is not None:
+                reply.close()
+            raise
+        got = reply
+
+        def fill() -> int:
+            try:
+                pos = got.fill_here(into, started + limit)
+            finally:
+                got.close()
+            if got.status == 206:
+                _retry.check_range(n, pos, got.headers.get("content-range"), got.headers.get("content-length"))
+            return pos
+
+        return _here.HeadHere(fill, None, started, gets.submit)
+
+    def _direct_gets(self) -> _direct.DirectGets | None:
+        """The connections of :meth:`_head_here`'s GETs, made on first use; None (and ``direct_reads``
+        turned off) where the endpoint needs a client certificate, which gcsfs's session brings."""
+        gets = self._direct
+        if gets is None:
+            if getattr(self._fs, "_use_client_cert", False):
+                self.direct_reads = False
+                return None
+            with self._direct_lock:
+                if self._direct is None:
+                    https = self._fs._location.startswith("https://")
+                    self._direct = _direct.DirectGets(
+                        ssl_context=ssl.create_default_context() if https else None,
+                        connect_timeout=self._connect_timeout,
+                        workers=self.concurrency,
+                    )
+                gets = self._direct
+        return gets
 
     # ---- writes ----------------------------------------------------------------------------
     def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
@@ -490,9 +585,18 @@ def _on_read_headers(
     uri: str, on_size: Callable[[int], None] | None, pin: _ranged.VersionPin | None, status: int, headers: Any
 ) -> None:
     """A ranged GET's headers: its generation checked against the pinned one, then its size told."""
-    if pin is not None:
+    if pin is not None:  # header names in lower case: aiohttp's headers and a direct reply's both have them
         pin.check(uri, headers.get("x-goog-generation"))
     if on_size is not None:
-        size = _retry.object_size(status, headers.get("Content-Range"), headers.get("Content-Length"))
+        size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
         if size is not None:
             on_size(size)
+
+
+def _read_params(pin: _ranged.VersionPin | None) -> tuple[dict[str, str], str | None]:
+    """A read's query parameters, and the generation they ask for (a pinned one)."""
+    params = {"alt": "media"}
+    pinned = pin.version if pin is not None and pin.version and pin.version.isdigit() else None
+    if pinned:
+        params["generation"] = pinned  # that generation's bytes, or 404 once it is gone
+    return params, pinned

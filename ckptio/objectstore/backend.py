@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
-import inspect
 import json
 import re
 import threading
@@ -21,13 +20,14 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from .. import uri as _uri
-from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, WriteMode, Writer, start_sized
+from ..backends.base import SMALL_OBJECT, Backend, Buffer, ObjectInfo, start_sized
 from ..errors import IntegrityError, InvalidURIError, MissingDependencyError, NotFoundError, replaced
 from ..osio import anonymous, bytes_of, fresh_bytes, zero
 from ..threads import Pool, shared_pool
-from ..wrappers.forwarding import ForwardingBackend
+from . import here as _here
 from . import retry as _retry
 from .multipart import size_option
+from .pinned import PinnedReads, hook_takes, range_of
 from .ranged import VersionPin, parallel_readv, run, start
 
 # one object of a listing page: key, size, mtime, version token
@@ -84,7 +84,7 @@ class ObjectStoreBackend(Backend):
         credential_provider: Any,
         max_buffer_bytes: int | str,
     ) -> None:
-        super().__init__(part_size=part_size, concurrency=concurrency)
+        super().__init__(part_size=size_option("part_size", part_size), concurrency=concurrency)
         self.max_buffer_bytes = size_option("max_buffer_bytes", max_buffer_bytes)
         self.policy = _retry.RetryPolicy.from_options(
             retries=retries,
@@ -196,8 +196,9 @@ class ObjectStoreBackend(Backend):
         what: str,
         fn: Callable[[], Awaitable[Any]],
         on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+        after: _retry.PriorAttempt | None = None,
     ) -> Any:
-        """``fn()`` (one request) under the retry policy."""
+        """``fn()`` (one request) under the retry policy (``after``: see ``RetryPolicy.run``)."""
         return await self.policy.run(
             fn,
             uri=uri,
@@ -206,6 +207,7 @@ class ObjectStoreBackend(Backend):
             describe=lambda e: self.describe(e, uri),
             refresh=self._refresher,
             on_retry=on_retry,
+            after=after,
         )
 
     def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
@@ -227,7 +229,7 @@ class ObjectStoreBackend(Backend):
         one = pin if pin is not None else VersionPin()  # one call, one version
 
         async def go() -> int:
-            if _hook_takes(type(self)._get_range, "pin"):
+            if hook_takes(type(self)._get_range, "pin"):
                 fetch = functools.partial(self._get_range, uri, bucket, key, pin=one)
             else:  # a subclass's hook from before pins existed
                 fetch = functools.partial(self._get_range, uri, bucket, key)
@@ -241,7 +243,7 @@ class ObjectStoreBackend(Backend):
     def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None], *, pin: VersionPin | None = None) -> int:
         """One ranged GET from byte 0; the object's size is taken from its reply's headers (no HEAD),
         and told as soon as they arrive, while the body is still coming."""
-        if not _hook_takes(type(self)._get_range, "on_size"):  # a subclass's hook from before on_size existed
+        if not hook_takes(type(self)._get_range, "on_size"):  # a subclass's hook from before on_size existed
             return super().read_head(uri, buf, on_size)
         return self._get_head(uri, buf, on_size, pin).result()
 
@@ -252,10 +254,10 @@ class ObjectStoreBackend(Backend):
         waiting on it in between (on a 2-core machine each hand-off between threads costs a few tenths of
         a millisecond, on the scale of a small object's whole GET). ``on_size`` runs on the IO loop."""
         cls = type(self)
-        if _hook_takes(cls._get_range, "on_size") and cls.read_head is ObjectStoreBackend.read_head:
+        if hook_takes(cls._get_range, "on_size") and cls.read_head is ObjectStoreBackend.read_head:
             return self._get_head(uri, buf, on_size, pin)
         # a subclass's hooks from before this existed: its read_head on the shared pool, with the pin it takes
-        kw = {"pin": pin} if pin is not None and _hook_takes(cls.read_head, "pin") else {}
+        kw = {"pin": pin} if pin is not None and hook_takes(cls.read_head, "pin") else {}
         return shared_pool().submit(self.read_head, uri, buf, on_size, **kw)
 
     def start_read_tail(
@@ -337,7 +339,7 @@ class ObjectStoreBackend(Backend):
         mv = memoryview(buf).cast("B")
         into = [mv]
         told: list[int] = []
-        extra = {"pin": pin} if pin is not None and _hook_takes(type(self)._get_range, "pin") else {}
+        extra = {"pin": pin} if pin is not None and hook_takes(type(self)._get_range, "pin") else {}
         fut: cf.Future[int] = cf.Future()
         fut.set_running_or_notify_cancel()
 
@@ -367,11 +369,21 @@ class ObjectStoreBackend(Backend):
             else:
                 fut.set_result(n)
 
-        async def go() -> None:
+        def settle(n: int) -> None:
+            if told:
+                fut.set_result(n)
+            else:
+                lookup = Pool(1, thread_name_prefix="ckptio-size")
+                lookup.submit(told_by_stat, n)
+                lookup.shutdown(wait=False)
+
+        async def go(**after: Any) -> None:
             try:
                 n = 0
                 if mv:
-                    n = await self._get_range(uri, bucket, key, 0, len(mv), into, on_size=told_by_reply, **extra)
+                    n = await self._get_range(
+                        uri, bucket, key, 0, len(mv), into, on_size=told_by_reply, **extra, **after
+                    )
             except BaseException as e:
                 # the error's traceback starts at this frame, which holds ``fut``: without it, ``fut``'s error
                 # does not hold ``fut`` (a reference cycle keeping the caller's frames until the gc runs)
@@ -380,23 +392,36 @@ class ObjectStoreBackend(Backend):
                 if not isinstance(e, Exception):
                     raise
                 return
-            if told:
-                fut.set_result(n)
-            else:
-                lookup = Pool(1, thread_name_prefix="ckptio-size")
-                lookup.submit(told_by_stat, n)
-                lookup.shutdown(wait=False)
+            settle(n)
 
-        start(self._loop, go())
+        here = self._head_here(uri, bucket, key, into, told_by_reply, pin) if mv else None
+        if here is None:
+            start(self._loop, go())
+        else:
+            _here.finish(here, len(mv), told, settle, lambda after: start(self._loop, go(after=after)))
         return fut
 
+    def _head_here(
+        self,
+        uri: str,
+        bucket: str,
+        key: str,
+        into: list[memoryview],
+        on_size: Callable[[int], None],
+        pin: VersionPin | None,
+    ) -> _here.HeadHere | None:
+        """A subclass hook: :meth:`_get_head`'s GET (``len(into[0])`` bytes from byte 0) sent from the
+        caller's thread, its reply's headers read there and ``on_size`` told (see :mod:`.here`). None: not
+        sent (the GET goes to the IO loop as usual)."""
+        return None
+
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
-        return _PinnedReads(self, uri, version)
+        return PinnedReads(self, uri, version)
 
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         if end is None:  # the size and the bytes of one version
             return self.pin_version(uri).read_range(uri, start, end)
-        return _range_of(self, uri, start, end)
+        return range_of(self, uri, start, end)
 
     def read(self, uri: str) -> bytes:
         """The whole object, straight into the bytes returned: its first GET (up to ``SMALL_OBJECT``
@@ -431,7 +456,7 @@ class ObjectStoreBackend(Backend):
         first: cf.Future[int] | None = None
         try:
             if straight:
-                pin = reads._pin  # type: ignore[attr-defined]  # _reads_straight: a _PinnedReads
+                pin = reads._pin  # type: ignore[attr-defined]  # _reads_straight: a PinnedReads
                 first, size = start_sized(reads, uri, head, start=lambda on: self._get_head(uri, head, on, pin, dest))
             else:
                 first, size = start_sized(reads, uri, head)
@@ -451,6 +476,7 @@ class ObjectStoreBackend(Backend):
             give_up()  # ``out`` and ``view``, if this frame holds them, are zeroed with the rest
             if first is not None:  # it fills ``head`` (or the bytes, alive while it does) until it ends
                 cf.wait([first])
+                first = None  # its error's traceback holds this frame: no reference cycle through it
             raise
 
     def _reads_straight(self, reads: Backend) -> bool:
@@ -459,7 +485,7 @@ class ObjectStoreBackend(Backend):
         ``_get_range``, ``read_head`` or ``pin_version`` gets the staged read)."""
         cls = type(self)
         return (
-            isinstance(reads, _PinnedReads)
+            isinstance(reads, PinnedReads)
             and cls._get_range is getattr(cls, "_sized_get_range", None)
             and cls.read_head is ObjectStoreBackend.read_head
             and cls.start_read_head is ObjectStoreBackend.start_read_head
@@ -506,84 +532,3 @@ class ObjectStoreBackend(Backend):
             yield from sorted(entries, key=lambda i: i.uri)
             if not token:
                 return
-
-
-@functools.cache
-def _hook_takes(get_range: Callable[..., Any], name: str) -> bool:
-    """Whether a store's ``_get_range`` takes the keyword ``name`` (a subclass's hook may predate it)."""
-    params = inspect.signature(get_range).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _range_of(backend: Backend, uri: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``uri`` through ``backend.readinto`` (short at the end)."""
-    buf = bytearray(max(0, end - start))
-    if not buf:
-        backend.stat(uri)  # an empty range of a missing object is still an error
-        return b""
-    n = backend.readinto(uri, buf, start)
-    return bytes(buf) if n == len(buf) else bytes(buf[:n])
-
-
-class _PinnedReads(ForwardingBackend):
-    """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); a
-    ``stat`` of ``uri`` through it pins or checks the version too. Other objects and every other
-    operation are ``inner``'s."""
-
-    def __init__(self, inner: ObjectStoreBackend, uri: str, version: str | None = None) -> None:
-        super().__init__(inner)
-        self.inner: ObjectStoreBackend = inner
-        self.uri, self.name = uri, inner.name
-        self._pin = VersionPin(version)
-        cls = type(inner)  # a subclass's override from before pins existed is called without one
-        self._takes = {m: _hook_takes(getattr(cls, m), "pin") for m in ("readinto", "readv", "read_head")}
-
-    def _pin_kw(self, method: str, uri: str) -> dict[str, Any]:
-        return {"pin": self._pin} if uri == self.uri and self._takes[method] else {}
-
-    def readinto(self, uri: str, buf: Buffer, offset: int = 0) -> int:
-        return self.inner.readinto(uri, buf, offset, **self._pin_kw("readinto", uri))
-
-    def readv(self, uri: str, views: Sequence[memoryview], offset: int = 0) -> int:
-        return self.inner.readv(uri, views, offset, **self._pin_kw("readv", uri))
-
-    def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> int:
-        return self.inner.read_head(uri, buf, on_size, **self._pin_kw("read_head", uri))
-
-    def start_read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None]) -> cf.Future[int]:
-        return self.inner.start_read_head(uri, buf, on_size, **self._pin_kw("read_head", uri))
-
-    def start_read_tail(self, uri: str, buf: Buffer, align: int = 1) -> cf.Future[int] | None:
-        return self.inner.start_read_tail(uri, buf, align, **({"pin": self._pin} if uri == self.uri else {}))
-
-    def stat(self, uri: str) -> ObjectInfo:
-        info = self.inner.stat(uri)
-        if uri == self.uri and not info.is_dir:
-            self._pin.check(uri, info.version, reply=False)  # the size and the bytes from one version
-        return info
-
-    def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
-        return _range_of(self, uri, start, self.stat(uri).size if end is None else end)
-
-    def pin_version(self, uri: str, version: str | None = None) -> Backend:
-        if uri != self.uri:
-            return self.inner.pin_version(uri, version)
-        if version is not None:
-            self._pin.check(uri, version, reply=False)
-        return self
-
-    def with_options(self, **options: Any) -> Backend:
-        derived = self.inner.with_options(**options)
-        return self if derived is self.inner else derived.pin_version(self.uri, self._pin.version)
-
-    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
-        return self.inner.open_writer(uri, mode=mode, durable=durable)
-
-    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
-        self.inner.write(uri, data, mode=mode, durable=durable)
-
-    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
-        self.inner.copy(src, dst, mode=mode)
-
-    def rmtree(self, uri: str) -> None:
-        self.inner.rmtree(uri)

@@ -12,6 +12,10 @@ The client stays in charge of what it knows: it signs the URL (credentials, regi
 an answer other than a body goes back to it (see the S3 backend's ``_get_range``). The URL carries a
 signature: it never appears in an error, a log or a repr, only the request's host does.
 
+A GET whose caller would only wait for it (the first GET of a load, which tells the object's size)
+can run on the caller's thread instead (:meth:`DirectGets.get_here`, :meth:`DirectResponse.fill_here`):
+no hand-off to the IO loop and back, which on a small object costs as much as the GET itself.
+
 Threads: a blocking read runs on this object's own pool; the coroutine awaiting it, when cancelled
 (a stall, a deadline, a load closing), shuts the socket down and waits for the thread to leave the
 caller's memory before it lets the cancellation through: no byte lands after the await ends.
@@ -22,12 +26,14 @@ not shared with a forked child.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import http.client
 import os
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -87,6 +93,21 @@ class DirectResponse:
         except Exception as e:
             raise _connection_error(e, self._key[1]) from None
 
+    def fill_here(self, into: Sequence[memoryview], until: float) -> int:
+        """:meth:`fill` on the calling thread, ended by ``until`` (a ``time.monotonic()``) as well as by a
+        stall: a :class:`~ckptio.objectstore.retry.StalledError` once the body has taken that long."""
+        try:
+            return _fill(self._resp, into, self._stall, None, (self._sock, until))
+        except Exception as e:
+            raise _connection_error(e, self._key[1]) from None
+
+    def error_body_here(self) -> bytes:
+        """:meth:`error_body` on the calling thread."""
+        try:
+            return self._resp.read(ERROR_BODY_LIMIT)
+        except Exception as e:
+            raise _connection_error(e, self._key[1]) from None
+
     async def error_body(self) -> bytes:
         """The first :data:`ERROR_BODY_LIMIT` bytes of the body (an error's XML)."""
         try:
@@ -125,13 +146,7 @@ class DirectGets:
 
     async def get(self, url: str, headers: dict[str, str], stall: float) -> DirectResponse:
         """Send ``GET url`` with ``headers``; the reply once its status and headers have arrived."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("a direct GET needs an http(s) URL")  # the URL itself is not named: it is signed
-        key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
+        key, target = _route(url)
         conn, reused = self._take(key)
         socks: list[socket.socket] = []  # the thread's socket, for a cancellation to shut down
         try:
@@ -145,6 +160,23 @@ class DirectGets:
             conn.close()
             raise _connection_error(e, key[1]) from None
         return DirectResponse(self, key, conn, sent, stall)
+
+    def get_here(self, url: str, headers: dict[str, str], stall: float) -> DirectResponse:
+        """:meth:`get` on the calling thread: no worker, no IO loop (the caller waits on the socket)."""
+        key, target = _route(url)
+        conn, reused = self._take(key)
+        try:
+            sent = self._send(conn, reused, target, headers, stall, [])
+        except BaseException as e:
+            conn.close()
+            if isinstance(e, Exception):
+                raise _connection_error(e, key[1]) from None
+            raise
+        return DirectResponse(self, key, conn, sent, stall)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
+        """``fn(*args)`` on this object's worker threads (a body read that its caller does not wait for)."""
+        return self._workers().submit(fn, *args)
 
     def close(self) -> None:
         """Close the idle connections and let the worker threads end (a GET in flight finishes first)."""
@@ -215,6 +247,13 @@ class DirectGets:
         raise AssertionError("unreachable")
 
     # ---- threads -----------------------------------------------------------------------------
+    def _workers(self) -> Pool:
+        self._fresh_process()
+        with self._lock:
+            if self._pool is None:
+                self._pool = Pool(self.workers, thread_name_prefix="ckptio-get")  # works at exit too
+            return self._pool
+
     async def _in_thread(
         self,
         sock: socket.socket | list[socket.socket],
@@ -226,12 +265,7 @@ class DirectGets:
         """``fn(*args)`` on a worker thread reading ``sock`` (or the sockets this list holds once the
         thread has opened them). Cancelled: the socket is shut down (the thread's read returns at
         once) and, with ``wait``, the thread is waited for, so that it has left the caller's memory."""
-        self._fresh_process()
-        with self._lock:
-            if self._pool is None:
-                self._pool = Pool(self.workers, thread_name_prefix="ckptio-get")  # works at exit too
-            pool = self._pool
-        fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._workers(), fn, *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -261,14 +295,38 @@ def _shut(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-def _fill(resp: Any, into: Sequence[memoryview], stall: float, checksum: Any) -> int:
+def _route(url: str) -> tuple[tuple[str, str, int], str]:
+    """``url``'s connection key (scheme, host, port) and request target."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("a direct GET needs an http(s) URL")  # the URL itself is not named: it is signed
+    key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return key, target
+
+
+def _fill(
+    resp: Any,
+    into: Sequence[memoryview],
+    stall: float,
+    checksum: Any,
+    until: tuple[socket.socket, float] | None = None,
+) -> int:
     """On a worker thread: the body through the buffers ``into`` in order (each piece through
-    ``checksum.update`` too, while it is in the cache); the bytes written."""
+    ``checksum.update`` too, while it is in the cache); the bytes written. ``until`` = (the socket, a
+    ``time.monotonic()``): no read waits past that time (each read's timeout is cut to what is left)."""
     total = 0
     try:
         for view in into:
             pos = 0
             while pos < len(view):
+                if until is not None and not resp.isclosed():  # (a body read to its end closes the socket)
+                    left = until[1] - time.monotonic()
+                    if left <= 0:
+                        raise StalledError(f"the body took longer than the attempt's time ({total + pos} bytes read)")
+                    until[0].settimeout(min(stall, left))
                 n = resp.readinto(view[pos:])
                 if not n:
                     break

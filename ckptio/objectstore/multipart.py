@@ -31,7 +31,10 @@ def constructor_options(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 def size_option(name: str, value: Any) -> int:
     """A byte-size backend option: an int, or a string such as ``"64MiB"`` (from a settings file)."""
-    n = parse_size(value) if isinstance(value, str) else int(value)
+    try:
+        n = parse_size(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {e}") from None
     if n <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return n

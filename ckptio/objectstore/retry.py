@@ -191,15 +191,20 @@ class RetryPolicy:
         describe: Callable[[BaseException], str],
         refresh: CredentialRefresher | None = None,
         on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
+        after: PriorAttempt | None = None,
     ) -> Any:
         """Await ``fn()`` until it succeeds, a permanent error occurs, or attempts/deadline run out.
+
+        ``after``: an attempt made elsewhere (a caller's thread) that failed; it is this request's first
+        attempt (counted, classified and retried as one, the deadline running from when it began).
 
         ``refresh`` is awaited on EXPIRED errors; it returns False when no provider is configured
         (the error is then raised as it is). ``on_retry(exc)`` runs before each retry
         (e.g. to find out how much of an upload chunk the server kept). ``describe(exc)`` is the
         backend's one-line description of a client error (never containing credentials).
         """
-        start = time.monotonic()
+        start = time.monotonic() if after is None else after.started
+        failed = after.take() if after is not None else None
         attempt = 0
         refreshed = 0
         me = asyncio.current_task()
@@ -212,6 +217,9 @@ class RetryPolicy:
             limit = remaining if self.timeout is None else min(self.timeout, remaining)
             gen = refresh.generation if refresh is not None else 0
             try:
+                if failed is not None:
+                    e, failed = failed, None
+                    raise e
                 if limit <= 0:
                     raise asyncio.TimeoutError()
                 return await within(fn(), limit)
@@ -263,6 +271,22 @@ class RetryPolicy:
                 await asyncio.sleep(delay)
                 if on_retry is not None:
                     await on_retry(e)
+
+
+class PriorAttempt:
+    """An attempt of a request made before :meth:`RetryPolicy.run` (from a caller's thread) that failed:
+    its error, which ``run`` takes once (so that no frame the error then passes through holds it: no
+    reference cycle), and the ``time.monotonic()`` it began."""
+
+    __slots__ = ("_error", "started")
+
+    def __init__(self, error: BaseException, started: float) -> None:
+        self._error: BaseException | None = error
+        self.started = started
+
+    def take(self) -> BaseException | None:
+        error, self._error = self._error, None
+        return error
 
 
 async def settle(*tasks: asyncio.Future) -> None:
