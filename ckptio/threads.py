@@ -205,6 +205,7 @@ def all_of(futs: list[cf.Future[int]]) -> cf.Future[int]:
     if not futs:
         out.set_result(0)
         return out
+    futs = list(futs)  # emptied once all are done: each keeps the callback that holds it (a reference cycle)
     left = [len(futs)]
     lock = threading.Lock()
 
@@ -213,14 +214,16 @@ def all_of(futs: list[cf.Future[int]]) -> cf.Future[int]:
             left[0] -= 1
             if left[0] > 0:
                 return
-        if any(f.cancelled() for f in futs):
+            ended = futs[:]
+            futs.clear()
+        if any(f.cancelled() for f in ended):
             out.set_exception(cf.CancelledError())
             return
-        errors = [e for e in (f.exception() for f in futs) if e is not None]
+        errors = [e for e in (f.exception() for f in ended) if e is not None]
         if errors:
             out.set_exception(errors[0])
         else:
-            out.set_result(sum(f.result() for f in futs))
+            out.set_result(sum(f.result() for f in ended))
 
     for f in futs:
         f.add_done_callback(done)

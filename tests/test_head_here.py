@@ -155,3 +155,116 @@ def test_direct_reads_off_keeps_every_get_on_the_io_loop(gcs_faults, spy):
     gcs_faults.clear()
     assert torch.equal(ckptio.load(uri, backend_args={"direct_reads": False})["w"], state["w"])
     assert spy == [] and len(_gets(gcs_faults)) == 1
+
+
+class _Media:
+    """A GCS media server on loopback whose first reply misbehaves: ``trickle`` (headers, then the body
+    8 bytes every 50 ms), ``slowhead`` (the status line and headers a byte every 50 ms) or ``trunc``
+    (half the body, then the connection closed); later replies are whole."""
+
+    def __init__(self, body: bytes, mode: str) -> None:
+        import socket
+
+        self.body, self.mode, self.gets = body, mode, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c) -> None:
+        f = c.makefile("rb")
+        while f.readline().strip():  # the request line and headers (the whole object is answered)
+            pass
+        self.gets += 1
+        n = len(self.body)
+        head = f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-{n - 1}/{n}\r\nContent-Length: {n}\r\n\r\n"
+        mode = self.mode if self.gets == 1 else "ok"
+        try:
+            if mode == "slowhead":
+                for ch in head.encode():
+                    c.sendall(bytes([ch]))
+                    time.sleep(0.05)
+                c.sendall(self.body)
+            elif mode == "trickle":
+                c.sendall(head.encode())
+                for i in range(0, n, 8):
+                    time.sleep(0.05)
+                    c.sendall(self.body[i : i + 8])
+            elif mode == "trunc":
+                c.sendall(head.encode() + self.body[: n // 2])
+            else:
+                c.sendall(head.encode() + self.body)
+        except OSError:
+            pass
+        c.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["trickle", "slowhead"])
+def test_a_reply_that_trickles_is_ended_by_the_attempts_time(mode):
+    """Each read waits at most the stall timeout, but a reply that keeps trickling would never stall: the
+    attempt's time (the policy's ``timeout``) ends it, as it ends the IO loop's GET, and the retry reads
+    the object."""
+    from ckptio.backends.gcs import GCSBackend
+
+    srv = _Media(bytes(range(256)) * 8, mode)  # 2 KiB: ~13 s trickled, ~5 s of headers
+    try:
+        b = GCSBackend(endpoint_url=srv.url, anon=True, project="t", timeout=1.0, stall_timeout=30, max_attempts=1)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="attempt's time"):
+            b.read_head("gs://bkt/obj", bytearray(4096), lambda n: None)
+        assert time.monotonic() - t0 < 4.5 and srv.gets == 1  # not the whole trickle (a busy machine's bound)
+        b2 = GCSBackend(endpoint_url=srv.url, anon=True, project="t", timeout=1.0, stall_timeout=30, max_attempts=2)
+        srv.gets = 0
+        buf = bytearray(4096)
+        assert b2.read_head("gs://bkt/obj", buf, lambda n: None) == 2048 and bytes(buf[:2048]) == srv.body
+        assert srv.gets == 2
+    finally:
+        srv.close()
+
+
+def test_a_token_is_never_in_an_error_and_its_trailing_newline_is_dropped(gcs_endpoint):
+    """A credential_provider's token read from a file ends with a newline: sent without it. A token
+    http.client refuses as a header value is refused without quoting it."""
+    from ckptio.backends.gcs import GCSBackend
+
+    srv = _Media(b"abc", "ok")
+    try:
+        b = GCSBackend(endpoint_url=srv.url, project="t", anon=True, credential_provider=lambda: "ya29.SECRET\n")
+        assert b.read_head("gs://bkt/obj", bytearray(16), lambda n: None) == 3
+        bad = GCSBackend(endpoint_url=srv.url, project="t", anon=True, credential_provider=lambda: "ya29.SE\nCRET")
+        with pytest.raises(Exception) as ei:
+            bad.read_head("gs://bkt/obj", bytearray(16), lambda n: None)
+        assert "SE" not in str(ei.value) and "CRET" not in repr(ei.value)
+    finally:
+        srv.close()
+
+
+def test_a_body_read_on_a_worker_that_cannot_be_retried_fails_the_read(monkeypatch):
+    """The IO loop refusing the retry (closed) after a worker's body failed: the read's future fails with
+    that error instead of never ending."""
+    import ckptio.objectstore.backend as objectstore_backend
+    from ckptio.backends.gcs import GCSBackend
+
+    def refused(loop, coro):  # what ranged.start does on a closed loop
+        coro.close()
+        raise RuntimeError("Loop is not running")
+
+    monkeypatch.setattr(objectstore_backend, "start", refused)
+    srv = _Media(bytes(10000), "trunc")  # larger than the buffer: its body comes on a worker
+    try:
+        b = GCSBackend(endpoint_url=srv.url, anon=True, project="t")
+        fut = b.start_read_head("gs://bkt/obj", bytearray(8192), lambda n: None)  # 5000 bytes come
+        with pytest.raises(RuntimeError, match="Loop is not running"):
+            fut.result(timeout=30)
+    finally:
+        srv.close()

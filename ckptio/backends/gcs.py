@@ -183,6 +183,7 @@ class GCSBackend(ObjectStoreBackend):
     @staticmethod
     def _token_from(creds: Any) -> str:
         tok = creds.get("token") or creds.get("access_token") if isinstance(creds, dict) else creds
+        tok = tok.strip() if isinstance(tok, str) else tok  # a token read from a file ends with a newline
         if not isinstance(tok, str) or not tok:
             raise CredentialsError(
                 "gcs credential_provider",
@@ -346,9 +347,16 @@ class GCSBackend(ObjectStoreBackend):
         pin: _ranged.VersionPin | None,
     ) -> _here.HeadHere | None:
         """The head GET with ``http.client`` on the caller's thread (:mod:`ckptio.objectstore.here`): the
-        request :meth:`_get_range` sends, its reply checked as there. Not where ``direct_reads`` is off,
-        the endpoint authenticates with a client certificate, or a subclass has its own ``_get_range``."""
-        if not self.direct_reads or type(self)._get_range is not GCSBackend._get_range:
+        request :meth:`_get_range` sends, its reply checked as there, within the attempt's time (the policy's
+        ``timeout`` and ``deadline``). Not where ``direct_reads`` is off, the endpoint authenticates with a
+        client certificate, or a subclass has its own request hooks (``_get_range``, ``_request``, ``_attempt``)."""
+        cls = type(self)
+        own = (cls._get_range, cls._request, cls._attempt) == (
+            GCSBackend._get_range,
+            GCSBackend._request,
+            GCSBackend._attempt,
+        )
+        if not self.direct_reads or not own:
             return None
         gets = self._direct_gets()
         if gets is None:
@@ -365,7 +373,7 @@ class GCSBackend(ObjectStoreBackend):
             if self._bearer is not None:
                 headers["Authorization"] = f"Bearer {self._bearer}"
             url = f"{self._api}/b/{bucket}/o/{_q(key)}?{urlencode(params)}"
-            reply = gets.get_here(url, headers, min(policy.stall_timeout, limit))
+            reply = gets.get_here(url, headers, min(policy.stall_timeout, limit), started + limit)
             if reply.status not in (200, 206):
                 raise _HTTPStatus(reply.status, reply.error_body_here())
             _retry.check_ranged_status(reply.status, 0, uri)
@@ -382,7 +390,7 @@ class GCSBackend(ObjectStoreBackend):
 
         def fill() -> int:
             try:
-                pos = got.fill_here(into, started + limit)
+                pos = got.fill_here(into)
             finally:
                 got.close()
             if got.status == 206:

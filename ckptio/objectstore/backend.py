@@ -398,7 +398,7 @@ class ObjectStoreBackend(Backend):
         if here is None:
             start(self._loop, go())
         else:
-            _here.finish(here, len(mv), told, settle, lambda after: start(self._loop, go(after=after)))
+            _here.finish(here, len(mv), told, settle, lambda after: start(self._loop, go(after=after)), fail)
         return fut
 
     def _head_here(

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 from ..threads import Pool
 from .retry import StalledError
+from .watchdog import WATCHDOG, shut_all
 
 T = TypeVar("T")
 
@@ -78,6 +79,8 @@ class DirectResponse:
         stall: float,
     ) -> None:
         self._gets, self._key, self._stall = gets, key, stall
+        self._fired: list[bool] = []  # get_here's: not empty once its deadline shut the socket down ...
+        self._deadline: list | None = None  # ... and the deadline's handle, disarmed by close()
         self._conn: http.client.HTTPConnection | None = conn
         # the socket, kept to unblock a read: a reply that closes its connection takes it from ``conn``
         self._resp, self._sock = sent
@@ -93,20 +96,32 @@ class DirectResponse:
         except Exception as e:
             raise _connection_error(e, self._key[1]) from None
 
-    def fill_here(self, into: Sequence[memoryview], until: float) -> int:
-        """:meth:`fill` on the calling thread, ended by ``until`` (a ``time.monotonic()``) as well as by a
-        stall: a :class:`~ckptio.objectstore.retry.StalledError` once the body has taken that long."""
+    def fill_here(self, into: Sequence[memoryview]) -> int:
+        """:meth:`fill` on the calling thread (a reply of :meth:`DirectGets.get_here`: its deadline ends it
+        with a :class:`~ckptio.objectstore.retry.StalledError`)."""
         try:
-            return _fill(self._resp, into, self._stall, None, (self._sock, until))
+            n = _fill(self._resp, into, self._stall, None)
         except Exception as e:
-            raise _connection_error(e, self._key[1]) from None
+            raise self._late(e) from None
+        if self._fired:  # shut down by the deadline: the body is cut short
+            raise StalledError("the reply took longer than the attempt's time")
+        return n
 
     def error_body_here(self) -> bytes:
         """:meth:`error_body` on the calling thread."""
         try:
-            return self._resp.read(ERROR_BODY_LIMIT)
+            body = self._resp.read(ERROR_BODY_LIMIT)
         except Exception as e:
-            raise _connection_error(e, self._key[1]) from None
+            raise self._late(e) from None
+        if self._fired:
+            raise StalledError("the reply took longer than the attempt's time")
+        return body
+
+    def _late(self, e: BaseException) -> BaseException:
+        """What a read on the calling thread raises for ``e``: a StalledError where its deadline shut it."""
+        if self._fired:
+            return StalledError("the reply took longer than the attempt's time")
+        return _connection_error(e, self._key[1])
 
     async def error_body(self) -> bytes:
         """The first :data:`ERROR_BODY_LIMIT` bytes of the body (an error's XML)."""
@@ -120,6 +135,9 @@ class DirectResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None:
+            WATCHDOG.disarm(deadline)  # before the connection can serve another GET
         if self._resp.isclosed() and not self._resp.will_close:
             self._gets._give_back(self._key, conn)
         else:  # the reply holds the socket when it closes the connection: both let go of it
@@ -161,18 +179,38 @@ class DirectGets:
             raise _connection_error(e, key[1]) from None
         return DirectResponse(self, key, conn, sent, stall)
 
-    def get_here(self, url: str, headers: dict[str, str], stall: float) -> DirectResponse:
-        """:meth:`get` on the calling thread: no worker, no IO loop (the caller waits on the socket)."""
+    def get_here(self, url: str, headers: dict[str, str], stall: float, until: float) -> DirectResponse:
+        """:meth:`get` on the calling thread: no worker, no IO loop (the caller waits on the socket).
+        ``until`` (a ``time.monotonic()``) ends the GET, its body's reads included, with a
+        :class:`~ckptio.objectstore.retry.StalledError` (:mod:`.watchdog`), as a stall does."""
         key, target = _route(url)
+        left = until - time.monotonic()
+        if left <= 0:
+            raise StalledError("no time left for the attempt")
         conn, reused = self._take(key)
+        conn.timeout = min(self.connect_timeout, left)  # a connection opened now: within the time left
+        socks: list[socket.socket] = []
+        fired: list[bool] = []
+        deadline = WATCHDOG.arm(until, shut_all(socks, fired))
         try:
-            sent = self._send(conn, reused, target, headers, stall, [])
+            sent = self._send(conn, reused, target, headers, stall, socks)
         except BaseException as e:
+            WATCHDOG.disarm(deadline)
             conn.close()
-            if isinstance(e, Exception):
-                raise _connection_error(e, key[1]) from None
-            raise
-        return DirectResponse(self, key, conn, sent, stall)
+            if not isinstance(e, Exception):
+                raise
+            if fired:
+                raise StalledError("no reply within the attempt's time") from None
+            if isinstance(e, (ValueError, UnicodeError)) and not isinstance(e, OSError):
+                # http.client refusing a header value: its message quotes the value (a bearer token)
+                raise ValueError(f"a header of the GET to {key[1]} is not valid HTTP (its value withheld)") from None
+            raise _connection_error(e, key[1]) from None
+        reply = DirectResponse(self, key, conn, sent, stall)
+        reply._fired, reply._deadline = fired, deadline
+        if fired:  # a status line and headers cut short can still parse
+            reply.close()
+            raise StalledError("no reply within the attempt's time")
+        return reply
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
         """``fn(*args)`` on this object's worker threads (a body read that its caller does not wait for)."""
@@ -242,6 +280,8 @@ class DirectGets:
                 if attempt or not reused:
                     raise
                 conn.close()
+            except StalledError:
+                raise
             except TimeoutError:
                 raise StalledError(f"no reply for {stall:g}s") from None
         raise AssertionError("unreachable")
@@ -307,26 +347,14 @@ def _route(url: str) -> tuple[tuple[str, str, int], str]:
     return key, target
 
 
-def _fill(
-    resp: Any,
-    into: Sequence[memoryview],
-    stall: float,
-    checksum: Any,
-    until: tuple[socket.socket, float] | None = None,
-) -> int:
+def _fill(resp: Any, into: Sequence[memoryview], stall: float, checksum: Any) -> int:
     """On a worker thread: the body through the buffers ``into`` in order (each piece through
-    ``checksum.update`` too, while it is in the cache); the bytes written. ``until`` = (the socket, a
-    ``time.monotonic()``): no read waits past that time (each read's timeout is cut to what is left)."""
+    ``checksum.update`` too, while it is in the cache); the bytes written."""
     total = 0
     try:
         for view in into:
             pos = 0
             while pos < len(view):
-                if until is not None and not resp.isclosed():  # (a body read to its end closes the socket)
-                    left = until[1] - time.monotonic()
-                    if left <= 0:
-                        raise StalledError(f"the body took longer than the attempt's time ({total + pos} bytes read)")
-                    until[0].settimeout(min(stall, left))
                 n = resp.readinto(view[pos:])
                 if not n:
                     break
@@ -336,6 +364,8 @@ def _fill(
             total += pos
             if pos < len(view):
                 break
+    except StalledError:
+        raise
     except TimeoutError:
         raise StalledError(f"no bytes received for {stall:g}s") from None
     return total

@@ -46,11 +46,13 @@ def finish(
     told: list[int],
     settle: Callable[[int], None],
     on_loop: Callable[[PriorAttempt], None],
+    fail: Callable[[BaseException], None],
 ) -> None:
     """Complete a head GET sent from the caller's thread: its body read (here, or on a worker thread where
     the object is larger than the ``room`` bytes it fills: ``told`` holds the size once its headers told
     it), then ``settle(count)``; or, on any error, ``on_loop(attempt)``: the IO loop's GET, with this
-    attempt counted as its first."""
+    attempt counted as its first. On a worker thread, an error of ``settle`` or ``on_loop`` (a closed IO
+    loop) goes to ``fail``, which completes the read's future with it; here it is raised to the caller."""
     fill, failed = here.fill, here.failed
     if fill is None:
         assert failed is not None
@@ -66,8 +68,14 @@ def finish(
             return
         settle(n)
 
+    def on_worker() -> None:
+        try:
+            body()
+        except BaseException as e:  # noqa: BLE001 - handed on through the read's future
+            fail(detached(e))
+
     if told and told[0] > room and here.submit is not None:
-        here.submit(body)  # the caller starts the rest of the object while this body comes
+        here.submit(on_worker)  # the caller starts the rest of the object while this body comes
     else:
         body()
 

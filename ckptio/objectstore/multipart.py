@@ -199,6 +199,7 @@ class MultipartWriter(Writer):
             f.cancel()
         run(self._loop, self._settle)  # ... and have stopped reading their bytes (maybe the caller's) now
         concurrent.futures.wait(self._futures)
+        self._futures = []  # each keeps its done callback, which holds this writer: no reference cycle
         self._release_buffers()
         if self._started:
             try:
@@ -345,3 +346,4 @@ class MultipartWriter(Writer):
         tokens = [f.result() for f in self._futures]
         run(self._loop, self.complete, self._handle, tokens, self._offset)
         self._state = "closed"
+        self._futures = []  # each keeps its done callback, which holds this writer: no reference cycle

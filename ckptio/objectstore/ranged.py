@@ -114,9 +114,9 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
-    cancelled = False
+    cancelled, done = False, set[asyncio.Task[Any]]()
     try:
-        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except asyncio.CancelledError:  # this task cancelled: every request is, and has ended before it returns
         cancelled, pending = True, {t for t in tasks if not t.done()}
     for t in pending:
@@ -130,8 +130,13 @@ async def gather_or_cancel(coros: list[Awaitable[Any]]) -> list[Any]:
     if first is not None:
         try:
             raise first
-        finally:  # the error's traceback holds this frame: no reference cycle through its locals
+        finally:  # the error's traceback holds this frame: no reference cycle through its locals (each
+            # task holds its error, the one raised here too)
             del first, errors
+            tasks.clear()
+            done.clear()
+            pending.clear()
+            t = None  # type: ignore[assignment]
     return [t.result() for t in tasks]
 
 

@@ -31,6 +31,7 @@ import math
 import random
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -208,8 +209,11 @@ class RetryPolicy:
         attempt = 0
         refreshed = 0
         me = asyncio.current_task()
-        me = me if me is not None and hasattr(me, "cancelling") else None  # Python 3.11+: counts cancellations
-        cancels = me.cancelling() if me is not None else 0
+        # Python 3.11+ counts cancellations. Held weakly: the task holds the error that leaves this frame,
+        # whose traceback holds this frame (a local of the task would be a reference cycle)
+        task = weakref.ref(me) if me is not None and hasattr(me, "cancelling") else None
+        cancels = _cancelling(task) if task is not None else 0
+        me = None
         first = ""  # the first failure's description: a different last one must not hide it
         while True:
             attempt += 1
@@ -226,7 +230,7 @@ class RetryPolicy:
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                if me is not None and me.cancelling() > cancels:
+                if task is not None and _cancelling(task) > cancels:
                     # cancelled from outside while the request turned that into an error of its own: the
                     # cancellation is the outcome, never a retry
                     raise asyncio.CancelledError() from e
@@ -271,6 +275,17 @@ class RetryPolicy:
                 await asyncio.sleep(delay)
                 if on_retry is not None:
                     await on_retry(e)
+
+
+def _cancelling(task: weakref.ref) -> int:
+    t = task()
+    return t.cancelling() if t is not None else 0
+
+
+def _call(task: weakref.ref, method: str) -> None:
+    t = task()
+    if t is not None:
+        getattr(t, method)()
 
 
 class PriorAttempt:
@@ -321,29 +336,31 @@ async def within(coro: Awaitable[Any], limit: float) -> Any:
     interleaved rounds: 719 -> 647 us; gcsfs ``cat_file`` 644). Its timer cancels the task as
     ``asyncio.timeout`` does, except while someone else is cancelling it: a request cancelled from
     outside then cleans up untimed, as it did in a task of its own."""
-    task = asyncio.current_task()
-    if task is None or not hasattr(task, "cancelling"):
+    me = asyncio.current_task()
+    if me is None or not hasattr(me, "cancelling"):
         return await _within_task(coro, limit)
-    base, fired = task.cancelling(), False
+    base, fired = me.cancelling(), False
+    task = weakref.ref(me)  # weakly, as in RetryPolicy.run: the task holds the error leaving this frame
+    me = None
 
     def expire() -> None:
         nonlocal fired
-        if task.cancelling() == base:  # not already being cancelled (its request cleaning up)
+        if _cancelling(task) == base:  # not already being cancelled (its request cleaning up)
             fired = True
-            task.cancel()
+            _call(task, "cancel")
 
     timer = None if math.isinf(limit) else asyncio.get_running_loop().call_later(max(0.0, limit), expire)
     try:
         return await coro
     except asyncio.CancelledError:
-        if fired and task.cancelling() == base + 1:  # this timer's cancellation alone: timed out
+        if fired and _cancelling(task) == base + 1:  # this timer's cancellation alone: timed out
             raise asyncio.TimeoutError() from None
         raise
     finally:
         if timer is not None:
             timer.cancel()
         if fired:
-            task.uncancel()  # type: ignore[attr-defined]  # Python 3.11+, as cancelling() (checked above)
+            _call(task, "uncancel")  # Python 3.11+, as cancelling() (checked above)
 
 
 async def _within_task(coro: Awaitable[Any], limit: float) -> Any:
@@ -427,11 +444,14 @@ class StallWatch:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self._cm is not None:
+        cm, self._cm = self._cm, None  # it holds the task, which holds the error leaving here: no reference cycle
+        if cm is not None:
             try:
-                await self._cm.__aexit__(*exc)
+                await cm.__aexit__(*exc)
             except TimeoutError:
                 raise StalledError(f"no bytes received for {self.stall_timeout:g}s") from None
+            finally:
+                cm = None
 
     async def __call__(self, read: Awaitable[Any]) -> Any:
         if self._cm is None:

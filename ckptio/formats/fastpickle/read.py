@@ -334,11 +334,12 @@ class BackendSource(Source):
 
     def readinto(self, mv: memoryview, offset: int) -> int:
         lo, hi = offset, offset + len(mv)
-        for off, data, fut in self._ahead:  # copy what is read ahead at either end of the request
+        for i in range(len(self._ahead)):  # copy what is read ahead at either end of the request
+            off, data = self._ahead[i][:2]
             end = off + len(data)
             start_in, end_in = off <= lo < end, lo < off < hi <= end
             if start_in or end_in:
-                self._arrived(off, data, fut)
+                self._arrived(i)
             if start_in:
                 k = min(hi, end) - lo
                 mv[lo - offset : lo - offset + k] = data[lo - off : lo - off + k]
@@ -352,12 +353,20 @@ class BackendSource(Source):
                 return lo - offset + got
         return len(mv)
 
-    def _arrived(self, off: int, data: memoryview, fut: Any) -> None:
-        """Wait for the range read ahead into ``data`` (from byte ``off``); IntegrityError if it came short."""
-        if fut.result() != len(data):
-            raise IntegrityError(
-                f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {fut.result()}"
-            )
+    def _arrived(self, i: int) -> None:
+        """Wait for the ``i``-th range read ahead; IntegrityError if it came short. Its error is raised with
+        no frame holding its future (the error's traceback holds the frames: a reference cycle through the
+        future, which holds the error, would keep them and their buffers until the gc runs)."""
+        off, data = self._ahead[i][:2]
+        err = self._ahead[i][2].exception()
+        if err is not None:
+            try:
+                raise err
+            finally:
+                del err
+        got = self._ahead[i][2].result()
+        if got != len(data):
+            raise IntegrityError(f"{self.name}: truncated: bytes [{off}, {off + len(data)}) returned only {got}")
 
     def view(self, offset: int, n: int) -> bytes | memoryview:
         """A read-only view of a range read ahead that holds bytes ``[offset, offset + n)`` (the footer and
@@ -373,10 +382,11 @@ class BackendSource(Source):
         return self._within_ahead(offset, nbytes, ALIGN, wait)
 
     def _within_ahead(self, offset: int, nbytes: int, align: int, wait: bool = True) -> memoryview | None:
-        for off, data, fut in self._ahead:
+        for i in range(len(self._ahead)):
+            off, data = self._ahead[i][:2]
             if off <= offset and offset + nbytes <= off + len(data) and (offset - off + address(data)) % align == 0:
                 if wait:
-                    self._arrived(off, data, fut)
+                    self._arrived(i)
                 return data[offset - off : offset - off + nbytes]
         return None
 
@@ -397,8 +407,8 @@ class BackendSource(Source):
         return lo, hi, inside
 
     def wait_ahead(self) -> None:
-        for off, data, fut in self._ahead:
-            self._arrived(off, data, fut)
+        for i in range(len(self._ahead)):
+            self._arrived(i)
 
     def close(self) -> None:
         """The reads ahead that have not started are cancelled; those in flight end before this returns."""
