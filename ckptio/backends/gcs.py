@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 from ..errors import (
     AccessDeniedError,
@@ -65,31 +65,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
 READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)
 
-
-class _HTTPStatus(Exception):
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(status)
-        self.status, self.body = status, body
-
-    def message(self) -> str:
-        try:
-            return str(json.loads(self.body)["error"]["message"])
-        except Exception:
-            return self.body[:200].decode("utf-8", "replace")
-
-
-def _q(key: str) -> str:
-    return quote(key, safe="")
-
-
-def classify(e: BaseException) -> str:
-    """TRANSIENT / EXPIRED / PERMANENT for any error on the GCS path (see :mod:`ckptio.objectstore.retry`)."""
-    if isinstance(e, _HTTPStatus):
-        return _retry.EXPIRED if e.status == 401 else _retry.classify_status(e.status)
-    if isinstance(e, (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, json.JSONDecodeError)):
-        return _retry.TRANSIENT
-    common = _retry.classify_common(e)
-    return common if common is not None else _retry.PERMANENT
+from ..objectstore.gcs_support import HTTPStatus, classify, on_read_headers, quote_key, read_params  # noqa: E402
 
 
 class GCSBackend(ObjectStoreBackend):
@@ -218,7 +194,7 @@ class GCSBackend(ObjectStoreBackend):
             hdrs["Authorization"] = f"Bearer {self._bearer}"
         async with session.request(method, url, params=params, data=data, timeout=self._timeout, headers=hdrs) as r:
             if r.status not in ok:
-                raise _HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
+                raise HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
             if into is None:
                 body = await _retry.stall_guard(r.read(), stall)
                 return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
@@ -261,7 +237,7 @@ class GCSBackend(ObjectStoreBackend):
         if isinstance(e, CkptioError):
             return e
         out: BaseException
-        if isinstance(e, _HTTPStatus):
+        if isinstance(e, HTTPStatus):
             if e.status == 404:
                 out = NotFoundError(uri)
             elif e.status == 412:
@@ -311,24 +287,24 @@ class GCSBackend(ObjectStoreBackend):
         pin: _ranged.VersionPin | None = None,
         after: _retry.PriorAttempt | None = None,
     ) -> int:
-        params, pinned = _read_params(pin)
+        params, pinned = read_params(pin)
         try:
             return (
                 await self._request(
                     "GET",
-                    f"{self._api}/b/{bucket}/o/{_q(key)}",
+                    f"{self._api}/b/{bucket}/o/{quote_key(key)}",
                     params=params,
                     headers={"Range": f"bytes={start}-{end - 1}"},
                     ok=(200, 206),
                     into=into,
-                    on_headers=functools.partial(_on_read_headers, uri, on_size, pin),
+                    on_headers=functools.partial(on_read_headers, uri, on_size, pin),
                     range_start=start,
                     uri=uri,
                     what=f"ranged read of bytes {start}-{end - 1}",
                     after=after,
                 )
             )[2]
-        except _HTTPStatus as e:
+        except HTTPStatus as e:
             if e.status == 416:
                 return 0
             if e.status == 404 and pinned:
@@ -365,19 +341,19 @@ class GCSBackend(ObjectStoreBackend):
         policy = self.policy
         limit = min(policy.deadline, policy.timeout if policy.timeout is not None else math.inf)
         n = len(into[0])
-        params, _ = _read_params(pin)
+        params, _ = read_params(pin)
         headers = {"Range": f"bytes=0-{n - 1}"}
         reply: _direct.DirectResponse | None = None
         try:
             headers = self._fs._get_headers(headers)  # credentials (may refresh a token)
             if self._bearer is not None:
                 headers["Authorization"] = f"Bearer {self._bearer}"
-            url = f"{self._api}/b/{bucket}/o/{_q(key)}?{urlencode(params)}"
+            url = f"{self._api}/b/{bucket}/o/{quote_key(key)}?{urlencode(params)}"
             reply = gets.get_here(url, headers, min(policy.stall_timeout, limit), started + limit)
             if reply.status not in (200, 206):
-                raise _HTTPStatus(reply.status, reply.error_body_here())
+                raise HTTPStatus(reply.status, reply.error_body_here())
             _retry.check_ranged_status(reply.status, 0, uri)
-            _on_read_headers(uri, on_size, pin, reply.status, reply.headers)
+            on_read_headers(uri, on_size, pin, reply.status, reply.headers)
         except Exception as e:
             if reply is not None:
                 reply.close()
@@ -433,7 +409,7 @@ class GCSBackend(ObjectStoreBackend):
         return o["name"], int(o.get("size", 0)), mtime, str(o.get("generation"))
 
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
-        _, size, mtime, version = self._entry(self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{_q(key)}"))
+        _, size, mtime, version = self._entry(self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{quote_key(key)}"))
         return ObjectInfo(uri, size, mtime, version)
 
     def _list_page(
@@ -455,17 +431,17 @@ class GCSBackend(ObjectStoreBackend):
 
         async def on_retry(e: BaseException) -> None:
             nonlocal ambiguous
-            ambiguous = ambiguous or not isinstance(e, _HTTPStatus)
+            ambiguous = ambiguous or not isinstance(e, HTTPStatus)
 
         async def go() -> None:
             try:
                 await self._retrying(
                     uri,
                     "DELETE",
-                    lambda: self._attempt("DELETE", f"{self._api}/b/{bucket}/o/{_q(key)}", ok=(200, 204)),
+                    lambda: self._attempt("DELETE", f"{self._api}/b/{bucket}/o/{quote_key(key)}", ok=(200, 204)),
                     on_retry,
                 )
-            except _HTTPStatus as e:
+            except HTTPStatus as e:
                 if not (e.status == 404 and ambiguous):  # 404 after a lost answer: our delete went through
                     raise
 
@@ -490,12 +466,12 @@ class _GCSWriter(_multipart.MultipartWriter):
         try:
             await self._b._request(
                 "GET",
-                f"{self._b._api}/b/{self._bucket}/o/{_q(self._key)}",
+                f"{self._b._api}/b/{self._bucket}/o/{quote_key(self._key)}",
                 params={"fields": "generation"},
                 uri=self.uri,
                 what="precondition check",
             )
-        except _HTTPStatus as e:
+        except HTTPStatus as e:
             if e.status == 404:
                 return
             raise
@@ -584,27 +560,6 @@ class _GCSWriter(_multipart.MultipartWriter):
             await self._b._request(
                 "DELETE", handle, ok=(200, 204, 499), uri=self.uri, what="cancel of resumable upload"
             )
-        except _HTTPStatus as e:
+        except HTTPStatus as e:
             if e.status not in (404, 405, 410, 501):  # already gone, or (emulator) cancel not supported
                 raise
-
-
-def _on_read_headers(
-    uri: str, on_size: Callable[[int], None] | None, pin: _ranged.VersionPin | None, status: int, headers: Any
-) -> None:
-    """A ranged GET's headers: its generation checked against the pinned one, then its size told."""
-    if pin is not None:  # header names in lower case: aiohttp's headers and a direct reply's both have them
-        pin.check(uri, headers.get("x-goog-generation"))
-    if on_size is not None:
-        size = _retry.object_size(status, headers.get("content-range"), headers.get("content-length"))
-        if size is not None:
-            on_size(size)
-
-
-def _read_params(pin: _ranged.VersionPin | None) -> tuple[dict[str, str], str | None]:
-    """A read's query parameters, and the generation they ask for (a pinned one)."""
-    params = {"alt": "media"}
-    pinned = pin.version if pin is not None and pin.version and pin.version.isdigit() else None
-    if pinned:
-        params["generation"] = pinned  # that generation's bytes, or 404 once it is gone
-    return params, pinned
