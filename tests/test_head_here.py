@@ -268,3 +268,23 @@ def test_a_body_read_on_a_worker_that_cannot_be_retried_fails_the_read(monkeypat
             fut.result(timeout=30)
     finally:
         srv.close()
+
+
+def test_the_watchdog_fires_once_and_keeps_no_disarmed_deadlines():
+    """Deadlines far ahead (most GETs end long before theirs) are let go when disarmed: the heap stays
+    small however many GETs there were; one that comes due fires once, and a disarm after that is a no-op."""
+    from ckptio.objectstore.watchdog import Watchdog
+
+    dog = Watchdog()
+    fired = threading.Event()
+    due = dog.arm(time.monotonic() + 0.05, fired.set)
+    far = [dog.arm(time.monotonic() + 600, lambda: None) for _ in range(5000)]
+    for entry in far:
+        dog.disarm(entry)
+    assert len(dog._heap) <= 200
+    assert fired.wait(10)
+    dog.disarm(due)
+    assert dog._disarmed >= 0 and all(e[2] is None for e in far)
+    for entry in [dog.arm(time.monotonic() + 600, lambda: None) for _ in range(1000)]:
+        dog.disarm(entry)
+    assert len(dog._heap) <= 200 and dog._disarmed <= len(dog._heap)
