@@ -288,3 +288,25 @@ def test_the_watchdog_fires_once_and_keeps_no_disarmed_deadlines():
     for entry in [dog.arm(time.monotonic() + 600, lambda: None) for _ in range(1000)]:
         dog.disarm(entry)
     assert len(dog._heap) <= 200 and dog._disarmed <= len(dog._heap)
+
+
+def test_an_endless_deadline_arms_nothing_and_the_watchdog_survives_one():
+    """A policy without ``timeout`` and with ``deadline=inf`` (allowed) gives a GET no deadline: nothing is
+    armed; a deadline past what a wait can take does not end the watchdog's thread (later GETs keep theirs)."""
+    from ckptio.backends.gcs import GCSBackend
+    from ckptio.objectstore.watchdog import Watchdog
+
+    dog = Watchdog()
+    dog.arm(float("inf"), lambda: None)
+    dog.arm(1e12, lambda: None)
+    fired = threading.Event()
+    dog.arm(time.monotonic() + 0.05, fired.set)
+    assert fired.wait(10) and dog._thread is not None and dog._thread.is_alive()
+
+    srv = _Media(b"abc", "ok")
+    try:
+        b = GCSBackend(endpoint_url=srv.url, anon=True, project="t", deadline=float("inf"))
+        assert b.read_head("gs://bkt/obj", bytearray(16), lambda n: None) == 3
+    finally:
+        srv.close()
+    test_a_reply_that_trickles_is_ended_by_the_attempts_time("trickle")  # the shared watchdog still works

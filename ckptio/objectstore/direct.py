@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import http.client
+import math
 import os
 import socket
 import ssl
@@ -138,7 +139,7 @@ class DirectResponse:
         deadline, self._deadline = self._deadline, None
         if deadline is not None:
             WATCHDOG.disarm(deadline)  # before the connection can serve another GET
-        if self._resp.isclosed() and not self._resp.will_close:
+        if self._resp.isclosed() and not self._resp.will_close and not self._fired:  # (not a shut socket)
             self._gets._give_back(self._key, conn)
         else:  # the reply holds the socket when it closes the connection: both let go of it
             self._resp.close()
@@ -191,11 +192,12 @@ class DirectGets:
         conn.timeout = min(self.connect_timeout, left)  # a connection opened now: within the time left
         socks: list[socket.socket] = []
         fired: list[bool] = []
-        deadline = WATCHDOG.arm(until, shut_all(socks, fired))
+        deadline = WATCHDOG.arm(until, shut_all(socks, fired)) if math.isfinite(until) else None
         try:
             sent = self._send(conn, reused, target, headers, stall, socks)
         except BaseException as e:
-            WATCHDOG.disarm(deadline)
+            if deadline is not None:
+                WATCHDOG.disarm(deadline)
             conn.close()
             if not isinstance(e, Exception):
                 raise

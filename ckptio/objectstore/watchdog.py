@@ -42,7 +42,7 @@ class Watchdog:
         entry = [until, next(self._seq), fire]
         with self._cv:
             heapq.heappush(self._heap, entry)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ckptio-deadlines", daemon=True)
                 self._thread.start()
             elif self._heap[0] is entry:
@@ -75,7 +75,7 @@ class Watchdog:
                     continue
                 wait = heap[0][0] - time.monotonic()
                 if wait > 0:
-                    cv.wait(wait)
+                    cv.wait(min(wait, threading.TIMEOUT_MAX))  # (an infinite deadline never comes due)
                     continue
                 entry = heapq.heappop(heap)
                 fire, entry[2] = entry[2], None  # a disarm after this finds nothing to do
