@@ -152,12 +152,23 @@ def test_multipart_and_resumable_uploads_leave_no_cycles(faults):
     assert found == [], "\n".join(found)
 
 
+def _given_up(faults, kind: str, uri: str) -> None:
+    """Every GET of ``uri`` failing (``kind``), ``load`` and ``get`` with one attempt give up."""
+    from faultproxy import Fault
+
+    faults.clear()
+    faults.add(Fault(kind, method="GET", fraction=1.0))
+    for read in (ckptio.load, ckptio.get):
+        with pytest.raises(ckptio.errors.TransferError):
+            read(uri, backend_args={"max_attempts": 1})
+    faults.clear()
+
+
 @pytest.mark.parametrize("kind", ["status", "truncate"])
 def test_remote_loads_read_in_parts_leave_no_cycles_whether_they_succeed_or_give_up(faults, kind):
     """1 MiB through the fault fixtures' small parts (256 KiB on GCS): the head, the middle in parallel
     ranges, the end; then every GET failing and the load given up (the parallel reads' errors, the tasks
     and futures that hold them, and the stall timers)."""
-    from faultproxy import Fault
 
     for step in (1, 2, 3):
         ckptio.dump(_state(step), f"{faults.uri}/p{step}.fpk")
@@ -166,12 +177,7 @@ def test_remote_loads_read_in_parts_leave_no_cycles_whether_they_succeed_or_give
         uri = f"{faults.uri}/p{step}.fpk"
         faults.clear()
         assert ckptio.load(uri)["step"] == step
-        faults.add(Fault(kind, method="GET", fraction=1.0))
-        with pytest.raises(ckptio.errors.TransferError):
-            ckptio.load(uri, backend_args={"max_attempts": 1})
-        with pytest.raises(ckptio.errors.TransferError):
-            ckptio.get(uri, backend_args={"max_attempts": 1})
-        faults.clear()
+        _given_up(faults, kind, uri)
 
     found = _cycles_of(run)
     assert found == [], "\n".join(found)
@@ -191,13 +197,7 @@ def test_a_first_get_that_fails_on_the_callers_thread_leaves_no_cycles(gcs_fault
         gcs_faults.clear()
         gcs_faults.add(Fault(kind, method="GET", nth=1))
         assert ckptio.load(uri)["step"] == step  # the IO loop's retry
-        gcs_faults.clear()
-        gcs_faults.add(Fault(kind, method="GET", fraction=1.0))
-        with pytest.raises(ckptio.errors.TransferError):  # given up: the attempt made here was the only one
-            ckptio.get(uri, backend_args={"max_attempts": 1})
-        with pytest.raises(ckptio.errors.TransferError):
-            ckptio.load(uri, backend_args={"max_attempts": 1})
-        gcs_faults.clear()
+        _given_up(gcs_faults, kind, uri)  # the attempt made here was the only one
 
     found = _cycles_of(run)
     assert found == [], "\n".join(found)

@@ -189,9 +189,7 @@ class GCSBackend(ObjectStoreBackend):
         those consecutive buffers and return its length as the body."""
         stall = self.policy.stall_timeout
         session = _body.no_hidden_retries(await self._fs._set_session())
-        hdrs = self._fs._get_headers(headers)
-        if self._bearer is not None:
-            hdrs["Authorization"] = f"Bearer {self._bearer}"
+        hdrs = self._headers(headers)
         async with session.request(method, url, params=params, data=data, timeout=self._timeout, headers=hdrs) as r:
             if r.status not in ok:
                 raise HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
@@ -212,6 +210,14 @@ class GCSBackend(ObjectStoreBackend):
             if r.status == 206:
                 _retry.check_range(want, pos, r.headers.get("Content-Range"), r.headers.get("Content-Length"))
             return r.status, r.headers, pos
+
+    def _headers(self, headers: dict | None) -> dict:
+        """A request's headers with the credentials: gcsfs's (which may refresh a token), or the
+        credential_provider's bearer token."""
+        out = self._fs._get_headers(headers)
+        if self._bearer is not None:
+            out["Authorization"] = f"Bearer {self._bearer}"
+        return out
 
     async def _request(
         self,
@@ -345,9 +351,7 @@ class GCSBackend(ObjectStoreBackend):
         headers = {"Range": f"bytes=0-{n - 1}"}
         reply: _direct.DirectResponse | None = None
         try:
-            headers = self._fs._get_headers(headers)  # credentials (may refresh a token)
-            if self._bearer is not None:
-                headers["Authorization"] = f"Bearer {self._bearer}"
+            headers = self._headers(headers)
             url = f"{self._api}/b/{bucket}/o/{quote_key(key)}?{urlencode(params)}"
             reply = gets.get_here(url, headers, min(policy.stall_timeout, limit), started + limit)
             if reply.status not in (200, 206):

@@ -46,6 +46,7 @@ from .watchdog import WATCHDOG, shut_all
 T = TypeVar("T")
 
 ERROR_BODY_LIMIT = 64 * 1024  # an error's XML is a few hundred bytes; more is not read
+_TOO_LATE = "the reply took longer than the attempt's time"  # a GET from the caller's thread, at its deadline
 
 
 class DirectConnectionError(ConnectionError):
@@ -78,10 +79,12 @@ class DirectResponse:
         conn: http.client.HTTPConnection,
         sent: tuple[Any, socket.socket],
         stall: float,
+        fired: list[bool] | None = None,
+        deadline: list | None = None,
     ) -> None:
         self._gets, self._key, self._stall = gets, key, stall
-        self._fired: list[bool] = []  # get_here's: not empty once its deadline shut the socket down ...
-        self._deadline: list | None = None  # ... and the deadline's handle, disarmed by close()
+        self._fired = fired if fired is not None else []  # get_here's: not empty once its deadline shut the socket
+        self._deadline = deadline  # and that deadline's handle (:mod:`.watchdog`), disarmed by close()
         self._conn: http.client.HTTPConnection | None = conn
         # the socket, kept to unblock a read: a reply that closes its connection takes it from ``conn``
         self._resp, self._sock = sent
@@ -100,29 +103,24 @@ class DirectResponse:
     def fill_here(self, into: Sequence[memoryview]) -> int:
         """:meth:`fill` on the calling thread (a reply of :meth:`DirectGets.get_here`: its deadline ends it
         with a :class:`~ckptio.objectstore.retry.StalledError`)."""
-        try:
-            n = _fill(self._resp, into, self._stall, None)
-        except Exception as e:
-            raise self._late(e) from None
-        if self._fired:  # shut down by the deadline: the body is cut short
-            raise StalledError("the reply took longer than the attempt's time")
-        return n
+        return self._here(lambda: _fill(self._resp, into, self._stall, None))
 
     def error_body_here(self) -> bytes:
         """:meth:`error_body` on the calling thread."""
-        try:
-            body = self._resp.read(ERROR_BODY_LIMIT)
-        except Exception as e:
-            raise self._late(e) from None
-        if self._fired:
-            raise StalledError("the reply took longer than the attempt's time")
-        return body
+        return self._here(lambda: self._resp.read(ERROR_BODY_LIMIT))
 
-    def _late(self, e: BaseException) -> BaseException:
-        """What a read on the calling thread raises for ``e``: a StalledError where its deadline shut it."""
+    def _here(self, read: Callable[[], T]) -> T:
+        """``read()`` of this reply on the calling thread. Once its deadline has shut the socket, whatever the
+        read returned or raised is cut short: a StalledError."""
+        try:
+            out = read()
+        except Exception as e:
+            if self._fired:
+                raise StalledError(_TOO_LATE) from None
+            raise _connection_error(e, self._key[1]) from None
         if self._fired:
-            return StalledError("the reply took longer than the attempt's time")
-        return _connection_error(e, self._key[1])
+            raise StalledError(_TOO_LATE)
+        return out
 
     async def error_body(self) -> bytes:
         """The first :data:`ERROR_BODY_LIMIT` bytes of the body (an error's XML)."""
@@ -202,16 +200,15 @@ class DirectGets:
             if not isinstance(e, Exception):
                 raise
             if fired:
-                raise StalledError("no reply within the attempt's time") from None
+                raise StalledError(_TOO_LATE) from None
             if isinstance(e, (ValueError, UnicodeError)) and not isinstance(e, OSError):
                 # http.client refusing a header value: its message quotes the value (a bearer token)
                 raise ValueError(f"a header of the GET to {key[1]} is not valid HTTP (its value withheld)") from None
             raise _connection_error(e, key[1]) from None
-        reply = DirectResponse(self, key, conn, sent, stall)
-        reply._fired, reply._deadline = fired, deadline
+        reply = DirectResponse(self, key, conn, sent, stall, fired, deadline)
         if fired:  # a status line and headers cut short can still parse
             reply.close()
-            raise StalledError("no reply within the attempt's time")
+            raise StalledError(_TOO_LATE)
         return reply
 
     def submit(self, fn: Callable[..., T], *args: Any) -> cf.Future[T]:
