@@ -22,7 +22,7 @@ from . import uri as _uri
 from .backends.base import Backend
 from .cache import settings as _cache_settings
 from .config import Settings
-from .errors import SettingsError
+from .errors import InvalidURIError, SettingsError, UnknownSchemeError
 
 # easy_io's ``backend_args["backend"]`` names -> registry names
 BACKEND_NAMES = {
@@ -125,6 +125,8 @@ class Context:
         s = self.settings
         resolved, alias_options = s.resolve_alias(s.map_path(uri))
         entry = _registry.backends.find(resolved)
+        if entry.name == "local":
+            self._refuse_mistyped(uri, resolved)
         if extra and (for_backend is None or entry.name == BACKEND_NAMES[for_backend]):
             # only the backend the args are for gets its options: in copyfile_to_local(s3 -> /tmp,
             # backend_args=s3 credentials) the local side must not receive credentials_file
@@ -145,6 +147,27 @@ class Context:
                     wrapped = self._backends[key] = CachedBackend(backend, **cache_opts)
             backend = wrapped
         return backend, resolved
+
+    def _refuse_mistyped(self, given: str, resolved: str) -> None:
+        """A local path whose first component is a scheme ckptio knows (a backend's, an fsspec protocol, an
+        alias) followed by ':' is a URI with its '//' missing or mangled: an error with the fix, never a
+        local file named ``s3:``. Deeper components (``./a:b``, ``/tmp/x:y``) are never looked at."""
+        found = _uri.leading_scheme(resolved)
+        if found is None:
+            return
+        scheme, rest = found
+        try:
+            local = _registry.backends.find(f"{scheme}://").name == "local"  # file:
+        except UnknownSchemeError:
+            if scheme not in self.settings.aliases:
+                return  # "C:/x", "notes:today": not a scheme ckptio knows
+            local = False
+        fix = f"{scheme}://{'/' if local else ''}{rest}"
+        mapped = f" (which settings map to {resolved!r})" if resolved != given else ""
+        raise InvalidURIError(
+            f"{given!r}{mapped} is not a URI ({scheme}: needs '//'); did you mean {fix!r}? A local path whose "
+            f"first part is '{scheme}:' can be written './{given}'"
+        )
 
     def _backend_args(
         self, uri: str, backend_args: Mapping[str, Any] | None, backend_key: str | None

@@ -8,6 +8,8 @@ import re
 from .errors import InvalidURIError
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+# a path that starts like a URI with its '//' missing or mangled: "s3:/b/k", "s3:b", " S3 :/b", "s3:\\b"
+_LEADING_SCHEME_RE = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.\-]*)\s*:[\s/\\]*")
 
 
 def scheme_of(uri: str) -> str:
@@ -26,6 +28,14 @@ def split(uri: str) -> tuple[str, str]:
     if not m:
         return "", uri
     return m.group(1).lower(), uri[m.end() :]
+
+
+def leading_scheme(path: str) -> tuple[str, str] | None:
+    """For a bare path whose first component reads ``scheme:`` (``"s3:/b/k"``, ``"s3:b"``, ``" S3 :/b"``):
+    the scheme, lowercased, and what follows the colon and any slashes; None for a URI or any other path.
+    Whether the scheme is one ckptio knows (a mistyped URI) is the caller's question."""
+    m = None if _SCHEME_RE.match(path) else _LEADING_SCHEME_RE.match(path)
+    return (m.group(1).lower(), path[m.end() :]) if m else None
 
 
 def bucket_key(uri: str) -> tuple[str, str]:

@@ -1,0 +1,184 @@
+"""A string that reads as a URI with its '//' missing or mangled (``s3:/b/k``, ``s3:b``, `` s3://b``,
+``S3 ://b``) is refused with the fix at the one resolver, for every call and the CLI; it never becomes a
+local file named ``s3:``. Local paths with a ':' deeper in them, or before a name that is no scheme, work."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ckptio
+from ckptio import cli
+from ckptio.errors import InvalidURIError
+
+MISTYPED = [
+    ("s3:/team-bucket/x.pt", "s3://team-bucket/x.pt"),
+    ("s3:team-bucket/x.pt", "s3://team-bucket/x.pt"),
+    (" s3://team-bucket/x.pt", "s3://team-bucket/x.pt"),
+    ("S3 ://team-bucket/x.pt", "s3://team-bucket/x.pt"),
+    ("gs:/b/x.json", "gs://b/x.json"),
+    ("memory:/b/x.json", "memory://b/x.json"),
+    ("s3a:\\b\\x.json", "s3a://b\\x.json"),
+    ("file:/tmp/x.json", "file:///tmp/x.json"),
+]
+
+
+@pytest.mark.parametrize("given,fix", MISTYPED)
+def test_a_mistyped_uri_is_refused_with_the_fix(tmp_path, monkeypatch, given, fix):
+    monkeypatch.chdir(tmp_path)
+    for call in (
+        lambda: ckptio.dump({"a": 1}, given, file_format="json"),
+        lambda: ckptio.load(given, file_format="json"),
+        lambda: ckptio.exists(given),
+        lambda: ckptio.list_dir_or_file(given),
+        lambda: ckptio.put(b"x", given),
+    ):
+        with pytest.raises(InvalidURIError, match=re.escape(f"did you mean {fix!r}")):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_path_object_of_a_uri_is_refused():
+    with pytest.raises(InvalidURIError, match="did you mean 's3://b/x.pt'"):
+        ckptio.dump({"a": 1}, pathlib.Path("s3://b/x.pt"))  # pathlib folds '//' into '/'
+
+
+def test_an_alias_missing_its_slashes_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckptio.configure(aliases={"ckpt": "memory://team/checkpoints"})
+    with pytest.raises(InvalidURIError, match="did you mean 'ckpt://run7/x.json'"):
+        ckptio.dump({"a": 1}, "ckpt:/run7/x.json")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("path", ["./a:b.json", "x:y/z.json", "C:/data/x.json", "notes:today.json", "./s3:/b.json"])
+def test_local_paths_with_a_colon_still_work(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    ckptio.dump({"a": 1}, path)
+    assert ckptio.load(path) == {"a": 1} and ckptio.exists(path)
+    absolute = str(tmp_path / "deep:er" / "x:y.json")
+    ckptio.dump({"b": 2}, absolute)
+    assert ckptio.load(absolute) == {"b": 2}
+
+
+def test_cli_ls_of_a_mistyped_uri_says_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("s3:/team-bucket")  # what an earlier dump(x, "s3:/team-bucket/x.pt") used to leave
+    assert cli.main(["ls", "s3:/team-bucket"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "did you mean 's3://team-bucket'" in err and "./s3:/team-bucket" in err
+
+
+FUZZ = textwrap.dedent(
+    r"""
+    import json, os, random, sys
+    import ckptio
+    from ckptio.errors import CkptioError, InvalidURIError
+
+    seed, n, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rng = random.Random(seed)
+    ckptio.configure(aliases={"ckpt": "memory://aliased"}, backends={"s3": {"anon": True}, "gcs": {"anon": True}})
+    SCHEMES = ["s3", "s3a", "gs", "gcs", "memory", "file", "ckpt"]
+    SEPS = ["://", ":/", ":", ":\\", ": //", " ://"]
+
+    def cased(s):
+        return "".join(c.upper() if rng.random() < 0.3 else c for c in s)
+
+    def case():
+        scheme = rng.choice(SCHEMES)
+        sep = rng.choice(SEPS) if rng.random() < 0.8 else "://"
+        lead = rng.choice(["", "", " ", "\t"])
+        name = f"b{rng.randrange(4)}/k{rng.randrange(1000)}.json"
+        if scheme == "file":  # file:///abs/path; one slash fewer is the mistyped form
+            name = os.path.join(root, "files", name).lstrip("/")
+            sep = sep.replace("//", "///")
+        return scheme, lead + cased(scheme) + sep + name, name
+
+    def expect_target(scheme, name):
+        # where a well-formed URI of this case leads, as a canonical URI
+        return "/" + name if scheme == "file" else f"{scheme}://{name}"
+
+    out = []
+    for _ in range(n):
+        scheme, uri, name = case()
+        well_formed = uri.lower().startswith(scheme + "://")
+        results = {}
+        for op in ("resolve", "dump", "exists", "load", "ls"):
+            try:
+                if op == "resolve":
+                    backend, resolved = ckptio.resolve(uri)
+                    results[op] = ("ok", backend.name, resolved)
+                elif scheme in ("s3", "s3a", "gs", "gcs"):
+                    continue  # no server: the resolver's answer is the case
+                elif op == "dump":
+                    ckptio.dump({"v": uri}, uri)
+                    results[op] = ("ok",)
+                elif op == "exists":
+                    results[op] = ("ok", ckptio.exists(uri))
+                elif op == "load":
+                    results[op] = ("ok", ckptio.load(uri))
+                else:
+                    results[op] = ("ok", sorted(ckptio.list_dir_or_file(uri.rsplit("/", 1)[0])))
+            except CkptioError as e:
+                results[op] = ("error", type(e).__name__, str(e))
+            except Exception as e:  # not a clear error
+                results[op] = ("raw", type(e).__name__, str(e))
+        target = None
+        if scheme not in ("s3", "s3a", "gs", "gcs") and results.get("dump", ("x",))[0] == "ok":
+            t = expect_target(scheme if scheme != "ckpt" else "memory", name if scheme != "ckpt" else "aliased/" + name)
+            target = ckptio.load(t) if ckptio.exists(t) else None
+        out.append({"uri": uri, "scheme": scheme, "name": name, "well_formed": well_formed,
+                    "results": results, "target": target})
+    print(json.dumps(out))
+    """
+)
+
+
+def _bad_names(top: str) -> list[str]:
+    return [os.path.join(d, n) for d, dirs, files in os.walk(top) for n in dirs + files if ":" in n]
+
+
+def test_fuzz_mistyped_uris(tmp_path):
+    """Random schemes and aliases with 0-3 slashes, a mangled separator, case changes and stray spaces,
+    through resolve/dump/exists/load/ls in a child: each case is its correct target or an error naming the
+    fix; nothing named like a URI is ever created locally."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "7"))
+    proc = subprocess.run(
+        [sys.executable, "-c", FUZZ, str(seed), "300", str(tmp_path)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout)
+    assert len(cases) == 300
+    assert _bad_names(str(tmp_path)) == []
+    kinds = {"refused": 0, "ok": 0}
+    for c in cases:
+        res = c["results"]
+        assert all(r[0] != "raw" for r in res.values()), c
+        if c["well_formed"]:
+            assert res["resolve"][0] == "ok", c
+            if "dump" in res:
+                assert res["dump"] == ["ok"] and res["load"] == ["ok", {"v": c["uri"]}], c
+                assert c["target"] == {"v": c["uri"]}, c  # written where the well-formed URI points
+            kinds["ok"] += 1
+        else:
+            fix = f"file:///{c['name']}" if c["scheme"] == "file" else f"{c['scheme']}://{c['name']}"
+            for op, r in res.items():
+                want = fix.rsplit("/", 1)[0] if op == "ls" else fix  # ls lists the URI's parent
+                assert r[0] == "error" and r[1] == "InvalidURIError" and f"did you mean {want!r}" in r[2], (op, c)
+            kinds["refused"] += 1
+    assert kinds["refused"] > 50 and kinds["ok"] > 20, kinds
