@@ -37,6 +37,7 @@ from typing import Any
 from . import __version__
 from . import config as _config
 from . import uri as _uri
+from .cli_parser import Parser
 from .context import default_context, resolve
 from .errors import (
     CkptioError,
@@ -410,7 +411,7 @@ def cmd_du(args: argparse.Namespace, out: Out) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
     common.add_argument(
         "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress bar or summary lines"
@@ -418,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show a traceback on errors"
     )
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="ckptio",
         parents=[common],
         description="Checkpoint I/O on any storage.",

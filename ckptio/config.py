@@ -136,15 +136,17 @@ OPTION_TYPES: dict[str, Any] = {
 }
 
 
+def coerce_option(k: str, v: Any, where: str) -> Any:
+    """Option ``k``'s value ``v`` in its type; a SettingsError naming ``where`` (and the value, unless secret)."""
+    conv = OPTION_TYPES.get(k)
+    try:
+        return conv(v) if conv is not None and v is not None else v
+    except (TypeError, ValueError) as e:
+        raise SettingsError(f"{where}: invalid value {shown(k, v)!r}: {e}") from None
+
+
 def coerce_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        conv = OPTION_TYPES.get(k)
-        try:
-            out[k] = conv(v) if conv is not None and v is not None else v
-        except (TypeError, ValueError) as e:
-            raise SettingsError(f"{where}.{k}: invalid value {shown(k, v)!r}: {e}") from None
-    return out
+    return {k: coerce_option(k, v, f"{where}.{k}") for k, v in options.items()}
 
 
 def _did_you_mean(name: str, candidates: Any) -> str:
@@ -434,21 +436,6 @@ def default_file(env: Mapping[str, str]) -> str | None:
     return user if os.path.isfile(user) else None
 
 
-def from_env(env: Mapping[str, str], backend_names: list[str]) -> Settings:
-    """``CKPTIO_<BACKEND>_<OPTION>=value`` -> backend options (option names lowercased)."""
-    backends: dict[str, dict[str, Any]] = {}
-    names = sorted(backend_names, key=len, reverse=True)
-    for key, value in env.items():
-        if not key.startswith("CKPTIO_") or key == ENV_CONFIG:
-            continue
-        rest = key[len("CKPTIO_") :].lower()
-        for name in names:
-            if rest.startswith(name + "_"):
-                backends.setdefault(name, {})[rest[len(name) + 1 :]] = value
-                break
-    return from_mapping({"backends": backends}, "environment") if backends else Settings(sources=())
-
-
 def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None = None) -> Settings:
     """File, then environment on top. Explicit arguments are layered by the caller."""
     env = os.environ if env is None else env
@@ -466,6 +453,8 @@ def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None =
             "" if m == 1 else "es",
             sorted(base.backends) or "none",
         )
+    from .config_env import from_env  # it builds on this module
+
     return base.merged(from_env(env, backend_names or []))
 
 

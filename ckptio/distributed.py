@@ -38,6 +38,7 @@ from .backends.local import LocalBackend
 from .backends.readers import BytesReader
 from .context import resolve
 from .errors import CkptioError
+from .formats.base import check_keywords
 
 __all__ = [
     "load",
@@ -190,6 +191,7 @@ def load(
     uri = os.fspath(uri)
     entry = _registry.formats.find("x." + file_format.lstrip(".")) if file_format else _registry.formats.find(uri)
     fmt = entry.instance()
+    check_keywords(fmt, "load", kwargs, load, uri)
     if mode == "network":
         return _load_network(uri, fmt, group, timeout, src, chunk_size, backend_options or {}, kwargs)
     if mode != "filesystem":

@@ -167,6 +167,11 @@ class UnsupportedValueError(CkptioError, TypeError, ValueError):
     format's ``dump`` raises, and a ValueError, as ``safetensors.torch.save_file`` raises for the same values."""
 
 
+class UnknownOptionError(CkptioError, TypeError):
+    """A call got a keyword argument that neither it nor the format of its file takes (the TypeError Python
+    raises, naming the public call, its options and the closest one)."""
+
+
 class UnsupportedTensorError(UnsupportedValueError, NotImplementedError):
     """A tensor whose memory the format cannot represent: tensors sharing memory, a meta tensor. Also a
     RuntimeError / NotImplementedError, what ``safetensors.torch.save_file`` raises for them."""

@@ -22,7 +22,7 @@ from .backends.base import Backend, WriteMode
 from .backends.local import LocalBackend, local_path
 from .context import default_context
 from .errors import AlreadyExistsError, NotFoundError, UnsupportedValueError
-from .formats.base import Format
+from .formats.base import Format, check_keywords
 
 # ---------------------------------------------------------------------------------------------
 # backend selection (Cosmos/mmengine compatible arguments)
@@ -93,6 +93,7 @@ def dump(
         return None
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
+    check_keywords(fmt, "dump", kwargs, dump, uri)
     backend, resolved = _resolve(uri, backend_args, backend_key)
     try:
         if progress is None or progress is False:
@@ -129,6 +130,7 @@ def load(
         return _format_for("", file_format).load_file(file, **kwargs)
     uri = os.fspath(file)
     fmt = _format_for(uri, file_format)
+    check_keywords(fmt, "load", kwargs, load, uri)
     backend, resolved = _resolve(uri, backend_args, backend_key, cache=cache)
     try:
         return _load(fmt, backend, resolved, uri, progress, kwargs)
@@ -453,22 +455,9 @@ def copytree(
     return dst
 
 
-def copyfile_from_local(src: Any, dst: Any, **kw: Any) -> Any:
-    """Upload a local file (same as ``copyfile`` with a local source)."""
-    return copyfile(src, dst, **kw)
-
-
-def copyfile_to_local(src: Any, dst: Any, **kw: Any) -> Any:
-    """Download to a local path (same as ``copyfile`` with a local destination)."""
-    return copyfile(src, dst, **kw)
-
-
-def copytree_from_local(src: Any, dst: Any, **kw: Any) -> Any:
-    return copytree(src, dst, **kw)
-
-
-def copytree_to_local(src: Any, dst: Any, **kw: Any) -> Any:
-    return copytree(src, dst, **kw)
+# mmengine's names for a copy from or to a local path: the same calls (a misspelt keyword names them)
+copyfile_from_local = copyfile_to_local = copyfile
+copytree_from_local = copytree_to_local = copytree
 
 
 def copy_if_symlink_fails(

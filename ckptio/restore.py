@@ -113,13 +113,16 @@ def load_into(
     If the load fails (a damaged file: :class:`~ckptio.errors.IntegrityError`), tensors read in place may
     already hold some of the file's bytes: load again or restore from another checkpoint.
     """
+    from .formats.base import check_keywords
     from .io import _format_for
     from .io import load as _load
 
     if "keys" in kwargs or "mmap" in kwargs:
         raise TypeError("load_into() restores the whole checkpoint: keys= and mmap= are for ckptio.load")
     uri = os.fspath(file)
-    if _format_for(uri, file_format).loads_into:
+    fmt = _format_for(uri, file_format)
+    check_keywords(fmt, "load", kwargs, load_into, uri, via=_load)
+    if fmt.loads_into:
         kwargs["into"] = targets(target)
     source = _load(uri, file_format, **kwargs)
     res = LoadResult(None, uri)

@@ -349,7 +349,7 @@ def test_unknown_options_and_backends_are_refused(tmp_path, monkeypatch, text, k
 
 def test_unknown_option_from_environment(monkeypatch):
     monkeypatch.setenv("CKPTIO_S3_ENDPOINT", "http://h:1")
-    with pytest.raises(SettingsError, match=r"environment: backends\.s3\.endpoint.*did you mean 'endpoint_url'"):
+    with pytest.raises(SettingsError, match=r"variable CKPTIO_S3_ENDPOINT: .*did you mean 'CKPTIO_S3_ENDPOINT_URL'"):
         ckptio.settings()
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import io
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, ClassVar
 
 from ..backends.base import Backend, WriteMode, Writer
-from ..errors import FormatError
+from ..errors import FormatError, UnknownOptionError
 from ..osio import translate_os_errors
 
 LOCAL_BUFFER = 64 << 10  # a stream format's small writes to a local file are gathered up to this size
@@ -33,6 +35,13 @@ class Format(abc.ABC):
     # True: load() takes ``into=``, a tree of existing tensors (``ckptio.load_into``) whose memory it may
     # read matching tensors into; the tree it returns then holds those same tensors
     loads_into: ClassVar[bool] = False
+    # The keyword options load()/dump() take, declared by a format whose methods pass **kwargs on (None, and
+    # a method with **kwargs: not known, anything goes to the format); a method without **kwargs is read
+    # from its signature. ckptio.load/dump check a call's keywords against them (check_keywords).
+    load_options: ClassVar[frozenset[str] | None] = None
+    dump_options: ClassVar[frozenset[str] | None] = None
+    # keywords that hand the call to the caller's own code (json's cls, torch's pickle_module): then any is taken
+    open_with: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def dump(self, obj: Any, backend: Backend, uri: str, *, mode: WriteMode = "overwrite", **kwargs: Any) -> None:
@@ -61,12 +70,56 @@ class Format(abc.ABC):
         ``unchecked`` and ``what`` was checked. FormatError/IntegrityError when the file is bad."""
         raise NotImplementedError(f"format {self.name!r}: no verify for this format")
 
+    def options(self, operation: str, given: Iterable[str]) -> frozenset[str] | None:
+        """The keywords ``load`` or ``dump`` (``operation``) takes besides the backend, URI and object, for a
+        call giving ``given``; None: not known (anything is passed on)."""
+        declared: frozenset[str] | None = getattr(self, f"{operation}_options")
+        if not self.open_with.isdisjoint(given):
+            return None
+        if declared is not None:
+            return declared
+        params = inspect.signature(getattr(self, operation)).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None
+        return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+
     def can(self, operation: str) -> bool:
         """Whether this format implements ``inspect`` or ``verify`` (the defaults only raise)."""
         return getattr(type(self), operation) is not getattr(Format, operation)
 
     def __repr__(self) -> str:
         return f"<format {self.name!r} {list(self.extensions)}>"
+
+
+def check_keywords(
+    fmt: Format,
+    operation: str,
+    given: dict[str, Any],
+    call: Callable[..., Any],
+    uri: str,
+    via: Callable[..., Any] | None = None,
+) -> None:
+    """Refuse a keyword that neither ``call`` (the public function the caller called), ``via`` (a public function
+    ``call`` passes its other keywords to) nor ``fmt``'s ``load`` or ``dump`` takes, as Python would, but naming
+    ``call``, the file and every option it takes, with the closest one: never a function inside ckptio."""
+    accepted = fmt.options(operation, given) if given else None
+    passed_on = _keywords(via) if via is not None else set()
+    unknown = sorted(set(given) - accepted - passed_on) if accepted is not None else []
+    if not unknown:
+        return
+    takes = sorted(_keywords(call) | passed_on | accepted)  # type: ignore[operator]
+    close = difflib.get_close_matches(unknown[0], takes, n=1, cutoff=0.6)
+    raise UnknownOptionError(
+        f"{call.__name__}() got an unexpected keyword argument {unknown[0]!r}"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+        + f" ({call.__name__}() of {uri!r}, a {fmt.name} file, takes: {', '.join(takes)})"
+    )
+
+
+def _keywords(fn: Callable[..., Any]) -> set[str]:
+    """The names ``fn`` takes as keywords with a default (its options, not its subject)."""
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params if p.default is not p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 class StreamFormat(Format):

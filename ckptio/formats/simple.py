@@ -33,6 +33,13 @@ class BytesFormat(StreamFormat):
 
 
 class JsonFormat(StreamFormat):
+    load_options = frozenset({"cls", "object_hook", "parse_float", "parse_int", "parse_constant", "object_pairs_hook"})
+    dump_options = frozenset(
+        {"durable", "skipkeys", "ensure_ascii", "check_circular", "allow_nan", "cls", "indent", "separators"}
+        | {"default", "sort_keys"}
+    )
+    open_with = frozenset({"cls"})  # a decoder or encoder class of the caller's takes its own keywords
+
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         text = json.dumps(obj, **kw)  # TypeError for non-serializable objects, before anything is written
         f.write(text.encode("utf-8") if _is_binary(f) else text)
@@ -66,6 +73,9 @@ class PickleFormat(StreamFormat):
     """Plain pickle on write. Loading admits only plain data and runs no code (see
     :mod:`ckptio.formats.safepickle`); ``allow_pickle=True`` loads trusted files with plain pickle."""
 
+    load_options = frozenset({"allow_pickle", "encoding", "errors", "fix_imports", "buffers"})
+    dump_options = frozenset({"durable", "protocol", "fix_imports", "buffer_callback"})
+
     def dump_file(self, obj: Any, f: IO, *, protocol: int = pickle.HIGHEST_PROTOCOL, **kw: Any) -> None:
         f.write(pickle.dumps(obj, protocol=protocol, **kw))
 
@@ -78,6 +88,12 @@ class PickleFormat(StreamFormat):
 
 
 class MsgpackFormat(StreamFormat):
+    load_options = frozenset(
+        {"object_hook", "list_hook", "use_list", "raw", "timestamp", "strict_map_key", "unicode_errors"}
+        | {"object_pairs_hook", "ext_hook", "max_str_len", "max_bin_len", "max_array_len", "max_map_len", "max_ext_len"}
+    )
+    dump_options = frozenset({"durable", "default", "unicode_errors", "use_single_float", "strict_types", "datetime"})
+
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         import msgpack
 
@@ -95,6 +111,9 @@ class MsgpackFormat(StreamFormat):
 
 
 class NumpyFormat(StreamFormat):
+    load_options = frozenset({"mmap_mode", "allow_pickle", "fix_imports", "encoding", "max_header_size"})
+    dump_options = frozenset({"durable", "fix_imports"})
+
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         import numpy as np
 

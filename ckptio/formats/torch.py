@@ -129,6 +129,14 @@ def _load_checked(f: Any, size: int, uri: str, kw: dict[str, Any]) -> Any:
 
 
 class TorchFormat(StreamFormat):
+    load_options = frozenset(  # torch.load's, its pickle's (encoding...), and the name the other formats use
+        "map_location weights_only mmap allow_pickle pickle_module encoding errors fix_imports buffers".split()
+    )
+    dump_options = frozenset(
+        "durable pickle_module pickle_protocol _use_new_zipfile_serialization _disable_byteorder_record".split()
+    )
+    open_with = frozenset({"pickle_module"})  # a pickle module of the caller's takes its own load arguments
+
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         import torch
 
@@ -160,7 +168,6 @@ class TorchFormat(StreamFormat):
             raise
 
     def _load(self, backend: Backend, uri: str, kw: dict[str, Any]) -> Any:
-
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
         if kw.get("mmap", _mmap_default()):  # explicit, or torch's process-wide default
             with backend.get_local_path(uri) as path:

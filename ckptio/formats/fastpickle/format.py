@@ -183,6 +183,8 @@ class FastpickleFormat(Format):
     name = "fastpickle"
     extensions = (".fpk",)
     loads_into = True  # load(into=...): see :mod:`.into`
+    load_options = frozenset({"map_location", "mmap", "keys", "verify", "allow_pickle", "into", "check"})
+    dump_options = frozenset({"mode", "durable", "allow_pickle"})
 
     def dump(
         self,

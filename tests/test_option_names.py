@@ -1,0 +1,236 @@
+"""The errors a user meets for a misspelt option name the thing the user wrote: a ``CKPTIO_*`` variable (and
+its value, unless secret), the public call (``load``, ``dump``, ``load_into``) with its real options and the
+closest one, the ``ckptio`` command's option; never an internal function or a settings path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import ckptio
+from ckptio import cli, config
+from ckptio.errors import SettingsError, UnknownOptionError
+
+SECRET = "hunter2-S3CR3T"
+
+
+@pytest.mark.parametrize(
+    "var,value,said",
+    [
+        ("CKPTIO_S3_PART_SIZE", "abc", "'abc'"),
+        ("CKPTIO_S3_TIMEOUT", "-1", "'-1'"),
+        ("CKPTIO_GCS_ANON", "maybe", "'maybe'"),
+        ("CKPTIO_S3_PARTSIZE", "64MiB", "did you mean 'CKPTIO_S3_PART_SIZE'"),
+    ],
+)
+def test_a_bad_environment_variable_is_named(monkeypatch, var, value, said):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as e:
+        ckptio.resolve("memory://b/x")
+    assert f"environment variable {var}" in str(e.value) and said in str(e.value)
+
+
+@pytest.mark.parametrize("var", ["CKPTIO_S3_SECRET_ACCES_KEY", "CKPTIO_S3_SESION_TOKEN", "CKPTIO_S3_CREDENTIALS_FIL"])
+def test_a_misspelt_secret_variable_is_named_without_its_value(monkeypatch, var):
+    monkeypatch.setenv(var, SECRET)
+    with pytest.raises(SettingsError) as e:
+        ckptio.resolve("memory://b/x")
+    assert var in str(e.value) and SECRET not in str(e.value) and "did you mean 'CKPTIO_S3_" in str(e.value)
+
+
+def _files(tmp_path) -> dict[str, str]:
+    out = {}
+    for ext, obj in {
+        "fpk": {"w": torch.ones(2)},
+        "pt": {"w": torch.ones(2)},
+        "safetensors": {"w": torch.ones(2)},
+        "json": {"a": 1},
+        "pkl": {"a": 1},
+        "npy": np.ones(2),
+        "msgpack": {"a": 1},
+    }.items():
+        out[ext] = str(tmp_path / f"x.{ext}")
+        ckptio.dump(obj, out[ext])
+    return out
+
+
+@pytest.mark.parametrize("ext", ["fpk", "pt", "safetensors", "json", "pkl", "npy", "msgpack"])
+def test_a_misspelt_load_keyword_names_load_and_its_options(tmp_path, ext):
+    path = _files(tmp_path)[ext]
+    with pytest.raises(UnknownOptionError) as e:
+        ckptio.load(path, mmmap=True)
+    msg = str(e.value)
+    assert isinstance(e.value, TypeError)
+    assert msg.startswith("load() got an unexpected keyword argument 'mmmap'") and path in msg
+    assert "file_format" in msg and "cache" in msg  # load's own options are among those named
+    if ext in ("fpk", "pt", "safetensors"):
+        assert "did you mean 'mmap'?" in msg
+    for internal in ("load_source", "Unpickler", "JSONDecoder", "SafetensorsFormat", "unpackb"):
+        assert internal not in msg
+
+
+@pytest.mark.parametrize("ext", ["fpk", "pt", "safetensors", "json"])
+def test_a_misspelt_dump_keyword_names_dump_and_its_options(tmp_path, ext):
+    path = str(tmp_path / f"y.{ext}")
+    with pytest.raises(UnknownOptionError, match=r"^dump\(\) got an unexpected keyword argument 'durabel'; did you"):
+        ckptio.dump({"w": torch.ones(2)}, path, durabel=False)
+    assert not os.path.exists(path)
+
+
+def test_load_into_and_the_distributed_load_name_themselves(tmp_path):
+    m = torch.nn.Linear(2, 2)
+    path = str(tmp_path / "m.fpk")
+    ckptio.dump(m.state_dict(), path)
+    with pytest.raises(UnknownOptionError, match=r"^load_into\(\) .* 'map_locaton'; did you mean 'map_location'"):
+        ckptio.load_into(m, path, map_locaton="cpu")
+    ckptio.load_into(m, path, map_location="cpu", cache=False, verify=True)  # load's options pass through
+    from ckptio import distributed
+
+    with pytest.raises(UnknownOptionError, match=r"^load\(\) .* 'mmmap'; did you mean 'mmap'"):
+        distributed.load(path, mmmap=True)
+
+
+def test_the_options_a_format_takes_still_work(tmp_path):
+    files = _files(tmp_path)
+    assert ckptio.load(files["pt"], map_location="cpu", weights_only=True, mmap=False)["w"].sum() == 2
+    assert ckptio.load(files["fpk"], keys=["w"], verify=True)["w"].sum() == 2
+    assert ckptio.load(files["json"], object_pairs_hook=dict) == {"a": 1}
+
+    class Decoder(json.JSONDecoder):  # a caller's own class takes keywords ckptio cannot know
+        def __init__(self, *, shout: bool = False, **kw):
+            super().__init__(**kw)
+
+    assert ckptio.load(files["json"], cls=Decoder, shout=True) == {"a": 1}
+    ckptio.dump({"a": 1}, str(tmp_path / "z.json"), indent=2, sort_keys=True)
+
+
+def test_the_cli_suggests_the_closest_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["ls", "--recursve", "/tmp"])
+    assert e.value.code == 2
+    assert "did you mean --recursive?" in capsys.readouterr().err
+
+
+FUZZ = textwrap.dedent(
+    r"""
+    import json, os, random, sys
+    import numpy as np, torch
+    import ckptio
+    from ckptio.errors import SettingsError, UnknownOptionError
+
+    seed, n, root, secret = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rng = random.Random(seed)
+    files = {}
+    for ext, obj in {"fpk": {"w": torch.ones(2)}, "pt": {"w": torch.ones(2)}, "safetensors": {"w": torch.ones(2)},
+                     "json": {"a": 1}, "pkl": {"a": 1}, "npy": np.ones(2), "msgpack": {"a": 1}}.items():
+        files[ext] = os.path.join(root, "x." + ext)
+        ckptio.dump(obj, files[ext])
+    WORDS = ["mmap", "map_location", "weights_only", "keys", "verify", "allow_pickle", "cache", "progress",
+             "durable", "object_hook", "mmap_mode", "encoding", "metadata", "file_format", "backend_args"]
+    OPTIONS = ["part_size", "endpoint_url", "timeout", "max_attempts", "secret_access_key", "session_token",
+               "stall_timeout", "anon", "region", "credentials_file", "concurrency", "deadline"]
+
+    def typo(word):
+        i = rng.randrange(len(word))
+        how = rng.choice(["drop", "double", "swap", "case", "extra"])
+        if how == "drop":
+            return word[:i] + word[i + 1:]
+        if how == "double":
+            return word[:i] + word[i] + word[i:]
+        if how == "swap" and i + 1 < len(word):
+            return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+        if how == "case":
+            return word.upper()
+        return word + rng.choice(["s", "_", "x"])
+
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            ext, word = rng.choice(sorted(files)), typo(rng.choice(WORDS))
+            op = rng.choice(["load", "dump", "load_into"])
+            try:
+                if op == "load":
+                    ckptio.load(files[ext], **{word: None})
+                elif op == "dump":
+                    ckptio.dump({"w": torch.ones(2)} if ext != "npy" else np.ones(2),
+                                os.path.join(root, "d." + ext), **{word: None})
+                else:
+                    ckptio.load_into({"w": torch.zeros(2)}, files[ext], strict=False, **{word: None})
+                out.append({"case": [op, ext, word], "outcome": "ok"})
+            except UnknownOptionError as e:
+                out.append({"case": [op, ext, word], "outcome": "refused", "msg": str(e)})
+            except Exception as e:
+                out.append({"case": [op, ext, word], "outcome": type(e).__name__, "msg": str(e)})
+        else:
+            backend = rng.choice(["S3", "LOCAL"])
+            var = "CKPTIO_%s_%s" % (backend, typo(rng.choice(OPTIONS)).upper())
+            value = rng.choice([secret, "-3", "12abc", "yes-no", "http//x"])
+            os.environ[var] = value
+            ckptio.reset()
+            try:
+                ckptio.settings()
+                out.append({"case": [var, value], "outcome": "ok"})
+            except SettingsError as e:
+                out.append({"case": [var, value], "outcome": "refused", "msg": str(e)})
+            except Exception as e:
+                out.append({"case": [var, value], "outcome": type(e).__name__, "msg": str(e)})
+            finally:
+                del os.environ[var]
+    print(json.dumps(out))
+    """
+)
+INTERNAL = (
+    "load_source",
+    "Unpickler",
+    "JSONDecoder",
+    "JSONEncoder",
+    "Format.",
+    "unpackb",
+    "packb",
+    "save()",
+    "__init__",
+    "backends.s3.",
+    "backends.gcs.",
+)
+
+
+def test_fuzz_misspelt_options(tmp_path):
+    """Misspelt keywords (dropped, doubled, swapped letters, case) of every format's load/dump/load_into and
+    misspelt or mistyped ``CKPTIO_*`` variables, in a child: each works (a real option) or is refused naming
+    the public call or the variable, never an internal name and never a secret value."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "11"))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", FUZZ, str(seed), "200", str(tmp_path), "S3CR3T-" + "x" * 8],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout)
+    refused = 0
+    for c in cases:
+        assert c["outcome"] in ("ok", "refused"), c
+        msg = c.get("msg", "")
+        if "S3CR3T" in msg:  # only a typed option that is no secret shows its value
+            option = c["case"][0].split("_", 2)[2].lower()
+            assert option in config.OPTION_TYPES and not config.is_secret(option), c
+        assert not any(name in msg for name in INTERNAL), c
+        if c["outcome"] == "refused":
+            refused += 1
+            first = c["case"][0]
+            assert (
+                msg.startswith(f"{first}() got an unexpected keyword")
+                if first in ("load", "dump", "load_into")
+                else f"environment variable {first}" in msg
+            ), c
+    assert refused > 100, refused
