@@ -47,6 +47,7 @@ from .errors import (
     InvalidURIError,
     MissingDependencyError,
     SettingsError,
+    TransferError,
     UnknownFormatError,
     UnknownSchemeError,
     UnsafeKeyError,
@@ -59,15 +60,8 @@ from .transfer import CopyResult, copy, path_kind
 
 __all__ = ["CopyResult", "copy", "info", "main", "verify"]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_DENIED, EXIT_MISSING_DEP, EXIT_INTERRUPTED = (
-    0,
-    1,
-    2,
-    3,
-    4,
-    5,
-    130,
-)
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+EXIT_DENIED, EXIT_MISSING_DEP, EXIT_INTERRUPTED = 4, 5, 130
 
 
 class UsageError(Exception):
@@ -524,6 +518,7 @@ _HINTS: list[tuple[type, int, str]] = [
     (PermissionError, EXIT_DENIED, "check credentials and permissions; `ckptio config` shows the settings in use"),
     (IsADirectoryError, EXIT_USAGE, "pass -r for directories"),
     (NotADirectoryError, EXIT_USAGE, "the path is a file, not a directory"),
+    (TransferError, EXIT_FAILURE, "check the endpoint (`ckptio config`); retries and timeouts: docs/failures.md"),
 ]
 
 

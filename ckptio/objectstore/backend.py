@@ -208,6 +208,7 @@ class ObjectStoreBackend(Backend):
             refresh=self._refresher,
             on_retry=on_retry,
             after=after,
+            where=self,
         )
 
     def _run(self, uri: str, coro_fn: Callable[[], Awaitable[Any]]) -> Any:

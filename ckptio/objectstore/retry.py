@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptioError, SettingsError, TransferError, logger
+from .waiting import retrying
 
 log = logger("ckptio.retry")
 
@@ -193,6 +194,7 @@ class RetryPolicy:
         refresh: CredentialRefresher | None = None,
         on_retry: Callable[[BaseException], Awaitable[None]] | None = None,
         after: PriorAttempt | None = None,
+        where: Any = None,
     ) -> Any:
         """Await ``fn()`` until it succeeds, a permanent error occurs, or attempts/deadline run out.
 
@@ -202,8 +204,8 @@ class RetryPolicy:
         ``refresh`` is awaited on EXPIRED errors; it returns False when no provider is configured
         (the error is then raised as it is). ``on_retry(exc)`` runs before each retry
         (e.g. to find out how much of an upload chunk the server kept). ``describe(exc)`` is the
-        backend's one-line description of a client error (never containing credentials).
-        """
+        backend's one-line description of a client error (never containing credentials). ``where``: the
+        backend, for the warning a retry logs (:mod:`.waiting`)."""
         start = time.monotonic() if after is None else after.started
         failed = after.take() if after is not None else None
         attempt = 0
@@ -234,7 +236,7 @@ class RetryPolicy:
                     # cancelled from outside while the request turned that into an error of its own: the
                     # cancellation is the outcome, never a retry
                     raise asyncio.CancelledError() from e
-                if isinstance(e, asyncio.TimeoutError) and not isinstance(e, StalledError):
+                if type(e) is asyncio.TimeoutError:  # this attempt's time ran out (a client's own timeouts say theirs)
                     e = StalledError(f"no response within {limit:.3g}s") if limit > 0 else e
                 kind = classify(e)
                 elapsed = time.monotonic() - start
@@ -263,15 +265,7 @@ class RetryPolicy:
                     finally:  # the error's traceback holds this frame: no reference cycle through it
                         del err
                 delay = min(self.backoff(attempt - 1), max(0.0, self.deadline - elapsed))
-                log.warning(
-                    "retrying %s of %s after %s (attempt %d of %d, waiting %.2fs)",
-                    what,
-                    uri,
-                    said,
-                    attempt,
-                    self.max_attempts,
-                    delay,
-                )
+                log.warning("%s", retrying(self, what, uri, said, attempt, elapsed, delay, where))
                 await asyncio.sleep(delay)
                 if on_retry is not None:
                     await on_retry(e)
@@ -332,8 +326,7 @@ async def within(coro: Awaitable[Any], limit: float) -> Any:
     has ended; ``asyncio.wait_for`` of Python 3.11 returns when cancelled while it cancels ``coro``.
 
     Where tasks count cancellations (Python 3.11+), ``coro`` runs in the caller's task, not in a task of
-    its own: a request costs no task and no ``asyncio.wait`` (an 8 KiB GET from the GCS emulator, 400
-    interleaved rounds: 719 -> 647 us; gcsfs ``cat_file`` 644). Its timer cancels the task as
+    its own: a request costs no task and no ``asyncio.wait``. Its timer cancels the task as
     ``asyncio.timeout`` does, except while someone else is cancelling it: a request cancelled from
     outside then cleans up untimed, as it did in a task of its own."""
     me = asyncio.current_task()
