@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from . import config_env as _env
 from . import registry as _registry
 from . import uri as _uri
 from .cache.settings import CACHE_OPTIONS, CACHE_TABLE
@@ -70,7 +71,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ENV_CONFIG = "CKPTIO_CONFIG"
 _SECRET_RE = re.compile(
     r"secret|token|passw|session|credential|private|api_?key|access_?key|account_?key|connection_?string|"
     r"(^|_)sas($|_)|auth|cookie|signature|(^|_)key$",
@@ -426,7 +426,7 @@ def load_file(path: str) -> Settings:
 
 def default_file(env: Mapping[str, str]) -> str | None:
     """The settings file that applies, or None (``$CKPTIO_CONFIG`` must exist if set)."""
-    explicit = env.get(ENV_CONFIG)
+    explicit = env.get(_env.ENV_CONFIG)
     if explicit:
         return explicit
     if os.path.isfile("ckptio.toml"):
@@ -434,6 +434,19 @@ def default_file(env: Mapping[str, str]) -> str | None:
     base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     user = os.path.join(base, "ckptio", "ckptio.toml")
     return user if os.path.isfile(user) else None
+
+
+def from_env(env: Mapping[str, str], backend_names: list[str]) -> Settings:
+    """The ``environment`` layer (:mod:`ckptio.config_env`), each variable checked on its own: an error names it."""
+    backends: dict[str, dict[str, Any]] = {}
+    for key, name, option, value in _env.variables(env, backend_names):
+        entry = _registry.backends.by_name(name)
+        accepted = accepted_options(entry) if entry is not None else None
+        if entry is not None and accepted is not None and option not in accepted:
+            raise _env.unknown_option(key, entry.name, option, accepted)
+        coerce_option(option, value, f"environment variable {key}")
+        backends.setdefault(name, {})[option] = value
+    return from_mapping({"backends": backends}, "environment") if backends else Settings(sources=())
 
 
 def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None = None) -> Settings:
@@ -453,8 +466,6 @@ def load(env: Mapping[str, str] | None = None, backend_names: list[str] | None =
             "" if m == 1 else "es",
             sorted(base.backends) or "none",
         )
-    from .config_env import from_env  # it builds on this module
-
     return base.merged(from_env(env, backend_names or []))
 
 
