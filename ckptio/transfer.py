@@ -6,6 +6,8 @@
 * one backend on both sides uses the backend's own ``copy`` (server-side on object stores);
   across backends an object streams through a bounded buffer of ranged reads into an atomic writer,
   so an interrupted copy never leaves a partial destination object;
+* the ranged reads of one object all come from one version of it (the one listed, when listed): a
+  source replaced while it is copied is an IntegrityError naming it, and nothing is written;
 * a tree copy refuses keys that would leave the destination (``../``, absolute keys) and, on the
   local filesystem, symlinks already in the destination that point outside it;
 * ``jobs`` objects move in parallel; ``progress(bytes_done, bytes_total)`` sees a monotonic count.
@@ -28,7 +30,7 @@ from . import uri as _uri
 from .backends.base import Backend, ObjectInfo, WriteMode
 from .backends.local import ensure_inside
 from .context import resolve
-from .errors import IsDirectoryError, NotFoundError, UnsafeKeyError
+from .errors import IsDirectoryError, NotFoundError, UnsafeKeyError, replaced
 from .progress import CountingWriter, Tracker
 from .threads import Pool
 
@@ -105,19 +107,26 @@ def copy_object(
     dst: str,
     *,
     size: int | None = None,
+    version: str | None = None,
     mode: WriteMode = "overwrite",
     add: Callable[[int], None] | None = None,
     chunk_max: int | None = None,
 ) -> None:
-    """Copy one object. ``size`` (when the caller listed it) saves a ``stat``; ``add`` hears bytes as
-    they are written; ``chunk_max`` bounds the buffer (default: ``part_size * concurrency``)."""
+    """Copy one object. ``size`` and ``version`` (when the caller listed it) save a ``stat``; ``add``
+    hears bytes as they are written; ``chunk_max`` bounds the buffer (default: ``part_size * concurrency``).
+
+    Every read of ``src`` comes from one version of it (``Backend.pin_version``: ``version``, else the
+    first one seen); where the backend cannot pin, its version is looked up again after the last read.
+    A source replaced meanwhile is an IntegrityError and the destination is not written."""
     if src_backend is dst_backend:
         src_backend.copy(src, dst, mode=mode)
         if add is not None:
             add(src_backend.stat(src).size if size is None else size)
         return
-    if size is None:
-        size = src_backend.stat(src).size
+    reads = src_backend.pin_version(src, version)
+    if size is None or (version is None and reads is src_backend):
+        info = reads.stat(src)
+        size, version = info.size, info.version
     if chunk_max is None:
         chunk_max = src_backend.part_size * src_backend.concurrency
     buf = bytearray(min(max(size, 1), chunk_max))
@@ -125,11 +134,15 @@ def copy_object(
     with dst_backend.open_writer(dst, mode=mode) as w:
         out = w if add is None else CountingWriter(w, add)
         while pos < size:
-            n = src_backend.readinto(src, mv[: min(len(mv), size - pos)], pos)
+            n = reads.readinto(src, mv[: min(len(mv), size - pos)], pos)
             if n <= 0:
                 raise NotFoundError(src, f"object shrank while copying at byte {pos} of {size}")
             out.write(mv[:n])
             pos += n
+        if reads is src_backend and version is not None:  # unpinned: the same version still, or no commit
+            now = src_backend.stat(src).version
+            if now != version:
+                raise replaced(src, version, now)
 
 
 def copy_objects(
@@ -149,7 +162,15 @@ def copy_objects(
 
     def one(info: ObjectInfo, target: str) -> None:
         copy_object(
-            src_backend, info.uri, dst_backend, target, size=info.size, mode=mode, add=tracker.add, chunk_max=chunk_max
+            src_backend,
+            info.uri,
+            dst_backend,
+            target,
+            size=info.size,
+            version=info.version,
+            mode=mode,
+            add=tracker.add,
+            chunk_max=chunk_max,
         )
 
     if jobs == 1 or len(pairs) <= 1:

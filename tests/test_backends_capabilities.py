@@ -14,6 +14,7 @@ from ckptio.backends.memory import MemoryBackend
 from ckptio.cache import CachedBackend
 from ckptio.formats.fastpickle import read as fpk_read
 from ckptio.wrappers.counting import CountingBackend
+from conftest import UserDictBackend
 
 
 def _counter() -> tuple[list[int], object]:
@@ -133,5 +134,5 @@ def test_counting_forwards_pin_version_and_still_counts(s3_uri):
     assert pinned is not counted and isinstance(pinned, CountingBackend)
     buf = bytearray(1000)
     assert pinned.readinto(uri, buf, 0) == 1000 and sum(seen) == 1000
-    local = CountingBackend(LocalBackend(), add)
-    assert local.pin_version("/tmp/x") is local  # nothing to pin: the same wrapper
+    plain = CountingBackend(UserDictBackend(), add)
+    assert plain.pin_version("userdict://x") is plain  # nothing to pin: the same wrapper

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -244,6 +245,9 @@ def test_retention(kw, losses, expect, memory_uri):
 def test_retention_removes_debris_and_only_step_dirs(local_uri):
     os.makedirs(os.path.join(local_uri, "000000000001"))
     open(os.path.join(local_uri, "000000000001", "state.pt"), "wb").write(b"torn")  # crashed save
+    long_ago = time.time() - 7 * 3600  # older than stale_after: no save in progress elsewhere
+    for p in (os.path.join(local_uri, "000000000001", "state.pt"), os.path.join(local_uri, "000000000001")):
+        os.utime(p, (long_ago, long_ago))
     os.makedirs(os.path.join(local_uri, "notes"))
     open(os.path.join(local_uri, "notes", "keep.txt"), "w").write("mine")
     ck = Checkpointer(local_uri, format="pt", keep_last=1)

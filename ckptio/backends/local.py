@@ -29,6 +29,7 @@ from ..errors import AccessDeniedError, AlreadyExistsError, NotDirectoryError, N
 from ..osio import WriteBehind, bytes_of, fresh_bytes, nonblocking, preadv_into, reading, translate_os_errors
 from ..osio import preadinto as _preadinto
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
+from .local_pin import PinnedFile
 
 TMP_MARKER = ".ckptio-tmp-"
 
@@ -342,6 +343,12 @@ class LocalBackend(Backend):
         if type(self).local_file is not LocalBackend.local_file or type(self).readinto is not LocalBackend.readinto:
             return None  # a subclass that reads its own way: not around it
         return local_path(uri)
+
+    def pin_version(self, uri: str, version: str | None = None) -> Backend:
+        """Reads of ``uri`` from one file: one renamed over it or rewritten meanwhile is an IntegrityError."""
+        if type(self).readinto is not LocalBackend.readinto:
+            return self  # a subclass that reads its own way: not around it
+        return PinnedFile(self, uri, local_path(uri), version)
 
     def with_options(self, **options: Any) -> Backend:
         opts = {"durable": self.durable, "part_size": self.part_size, "concurrency": self.concurrency}

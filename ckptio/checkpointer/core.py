@@ -69,8 +69,8 @@ class Checkpointer:
     ``"last"``, ``"best"``, ``"last_and_best"`` or ``"none"`` (:mod:`.retention`).
     ``process_group``: the group to coordinate over (default: a new gloo group when
     ``torch.distributed`` is initialized); ``timeout``: seconds for each collective.
-    ``stale_after``: seconds after which an unfinished write under root is taken for the debris of a
-    killed save and discarded before the first save (:mod:`.retention`); ``None``: never.
+    ``stale_after``: seconds after which an unfinished write or another's uncommitted step directory
+    under root is taken for a killed save's debris and discarded (:mod:`.retention`); ``None``: never.
     ``background_nice``: the async persist thread (and the threads it starts) runs at this nice
     increment on Linux, so background I/O yields the CPU to training; ``None`` leaves it unchanged.
     ``save_options``/``load_options`` go to the format's save/load (``ckptio.dcp.save``/``load`` or
@@ -324,7 +324,7 @@ class Checkpointer:
         if not self._swept:
             abort_stale_writes(self._layout, self.stale_after)
             self._swept = True
-        self._layout.manifests.pop(step, None)
+        self._layout.begin(step)
         if self._layout.committed(step):
             if self._layout.pointer() == step and not overwrite:
                 raise AlreadyExistsError(

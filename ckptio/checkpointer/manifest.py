@@ -159,6 +159,7 @@ class Layout:
         self.names: dict[int, str] = {}
         self.manifests: dict[int, dict[str, Any]] = {}
         self.foreign: set[str] = set()  # all-digit directories without a marker: not ckptio's (step_dirs)
+        self.started: set[int] = set()  # steps this process began saving and has not committed (retention)
 
     # ---- paths -----------------------------------------------------------------------------
     def name(self, step: int) -> str:
@@ -310,11 +311,18 @@ class Layout:
         raise TypeError(f"step must be 'latest', an int or a URI, got {step!r}")
 
     # ---- changes -------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """A save of ``step`` starts here: its cached marker is forgotten, and until it commits what it
+        leaves is this process's own debris (:func:`.retention.prune`)."""
+        self.manifests.pop(step, None)
+        self.started.add(step)
+
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
         """Write the marker (create-only: the checkpoint is complete from here on), then the pointer."""
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         self.backend.write(_uri.join_path(self.dir(step), MARKER_NAME), data, mode="create")
         self.manifests[step] = manifest
+        self.started.discard(step)
         self.backend.write(_uri.join_path(self.root, POINTER_NAME), (self.name(step) + "\n").encode(), mode="overwrite")
 
     def uncommit(self, step: int) -> None:

@@ -11,9 +11,13 @@ default 1), ``"best"`` (``keep_best``, default 1; the latest is still kept: it i
 restores), ``"last_and_best"`` (both), ``"none"`` (only the latest and the kept steps).
 
 It deletes the other complete checkpoints of this root and the uncommitted directories of ckptio's
-older than the latest (marker first, so a crash mid-delete leaves an uncommitted directory, never a
-committed one with files missing), never the latest, a kept step, or a step being written or
-replicated (``busy``). Directories ckptio did not write are never touched (:meth:`Layout.step_dirs`).
+older than the latest that are debris (marker first, so a crash mid-delete leaves an uncommitted
+directory, never a committed one with files missing), never the latest, a kept step, or a step being
+written or replicated (``busy``). Directories ckptio did not write are never touched
+(:meth:`Layout.step_dirs`). An uncommitted directory is debris when it is this Checkpointer's own (a
+save of it that failed: ``Layout.started``) or nothing in it (objects, unfinished writes, the directory)
+changed for ``stale_after`` seconds (a killed save's, whichever process it was; ``None``: never):
+another process saving to the same root keeps its step in progress changing, so it is left alone.
 
 Kept steps: ``root/kept.json`` maps a name to a step (``{"best": 1200, "final": 5000, "199_keep":
 199}``), replaced atomically by :func:`keep` and :func:`unkeep` (one writer at a time: the training
@@ -28,6 +32,7 @@ process), through the backend's ``list_pending_writes``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import threading
@@ -68,6 +73,7 @@ class _Rules(Protocol):
     keep_best: int | None
     best_metric: str | None
     best_mode: str
+    stale_after: float | None
 
 
 def check_rules(
@@ -171,9 +177,27 @@ def prune(rules: _Rules, layout: Layout, latest: int, busy: Collection[int] = ()
             kept_steps = set(kept(layout).values())
             doomed = [s for s in doomed if s not in kept_steps]
         debris = [s for s in dirs if s not in complete and s < latest and s not in busy]
+        debris = [s for s in debris if s in layout.started or abandoned(layout, s, rules.stale_after)]
         for s in sorted(doomed) + sorted(debris):
             layout.discard(s)
+            layout.started.discard(s)
         return sorted(set(complete) - set(doomed)), sorted(doomed)
+
+
+def abandoned(layout: Layout, step: int, stale_after: float | None) -> bool:
+    """Whether nothing in the uncommitted directory of ``step`` (its objects, its unfinished writes, the
+    directory itself where it has a time) changed for ``stale_after`` seconds; False where no time is known."""
+    if stale_after is None:
+        return False
+    backend, d = layout.backend, layout.dir(step)
+    try:
+        times = [i.mtime for i in backend.list(d, recursive=True)] + [backend.stat(d).mtime]
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # gone meanwhile
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError, PermissionError):  # objects' times then
+        times += [w.since for w in backend.list_pending_writes(d)]
+    known = [t for t in times if t is not None]
+    return bool(known) and max(known) <= time.time() - stale_after
 
 
 # ---- kept steps ------------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ written by the running save) is reused, and the sweep deletes only what no commi
 and is older than the grace period, so it never deletes a block a save in progress wrote.
 
 One writer per root: blocks are create-only and named by their hash, so concurrent writers never
-conflict on one, and the grace period keeps a sweep off another saver's fresh blocks; but a save
-skips blocks committed steps reference, and a second writer's retention could delete those steps
+conflict on one, the grace period keeps a sweep off another saver's fresh blocks, and a save's
+cleanup leaves another saver's step in progress alone (:mod:`ckptio.checkpointer.retention`); but a
+save skips blocks committed steps reference, and a second writer's retention could delete those steps
 and sweep their old blocks mid-save, leaving the save's step with missing content (its load fails
 with ``IntegrityError``). ``Checkpointer.content_grace`` (default one hour) is the grace period;
 ``ckptio du ROOT`` (:func:`ckptio.checkpointer.usage`) reports logical, own and physical bytes.

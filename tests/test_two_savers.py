@@ -1,0 +1,138 @@
+"""Two savers on one incremental root: neither deletes the other's step in progress.
+
+A save's cleanup deletes the uncommitted step directories below the newest committed step that are its own
+(a save of this Checkpointer that failed) or that nothing has changed for ``stale_after`` seconds (a killed
+save's, whichever process it was): a step another process is writing is left alone. Each saver runs in
+its own process (:mod:`saver_worker`); every step committed loads bitwise as its saver saved it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import pytest
+import torch
+
+import zygote
+from ckptio.checkpointer import Checkpointer
+from conftest import S3_TEST_OPTIONS
+from saver_worker import state
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::ckptio.checkpointer.CheckpointWarning"),
+]
+WORKER = os.path.join(os.path.dirname(__file__), "saver_worker.py")
+
+
+def start(job: dict) -> zygote.Child:
+    return zygote.Child([sys.executable, WORKER, json.dumps(job)])
+
+
+def finish(children: list[zygote.Child], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            out, err = c.communicate(max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            for other in children:
+                other.kill()
+            raise
+        assert c.returncode == 0, err[-3000:]
+
+
+def check_every_committed_step(root: str, savers: dict[int, list[int]] | None = None) -> list[int]:
+    """Load every committed step; each must equal bitwise the state one of its savers saved
+    (``savers``: step -> the savers that saved it; default: saver 0)."""
+    steps = Checkpointer(root).list()
+    for step in steps:
+        got: dict = {"model": {}, "trainer": {}}
+        assert Checkpointer(root).load(got, step=step, strict=False) == step
+        wants = [state(step, i) for i in (savers or {}).get(step, [0])]
+        assert got["trainer"] == {"step": step}, step
+        assert got["model"].keys() == wants[0]["model"].keys(), step
+        assert any(all(torch.equal(got["model"][k], v) for k, v in w["model"].items()) for w in wants), step
+    return steps
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_saver_leaves_another_savers_step_in_progress_alone(where, tmp_path, request):
+    """A's step 1 is written, its marker not yet; B commits step 2, and its cleanup must not take A's
+    step 1 for a killed save's debris (it did: A then committed step 1 without its data)."""
+    root = str(tmp_path / "root") if where == "local" else request.getfixturevalue("s3_uri") + "/root"
+    backends = {"s3": {"endpoint_url": request.getfixturevalue("s3_endpoint"), **S3_TEST_OPTIONS}}
+    held, go = str(tmp_path / "held"), str(tmp_path / "go")
+    a = start({"root": root, "backends": backends, "steps": [1], "hold": [held, go]})
+    b = start({"root": root, "backends": backends, "steps": [2], "wait_for": held, "done": go})
+    finish([a, b])
+    assert check_every_committed_step(root) == [1, 2]
+
+
+def test_a_killed_saves_debris_goes_once_stale_and_a_saves_own_at_once(tmp_path, monkeypatch):
+    root = str(tmp_path / "root")
+    ck = Checkpointer(root, format="fpk", incremental=True, stale_after=3600)
+    ck.save(1, state(1))
+    fresh, old = os.path.join(root, "000000000002"), os.path.join(root, "000000000003")
+    for d in (fresh, old):  # killed saves: recent (maybe still running elsewhere) and hours ago
+        os.makedirs(d)
+        with open(os.path.join(d, "state.fpk"), "wb") as f:
+            f.write(b"torn")
+    long_ago = time.time() - 7200
+    for p in (os.path.join(old, "state.fpk"), old):
+        os.utime(p, (long_ago, long_ago))
+    ck.save(5, state(5))
+    assert os.path.exists(fresh) and not os.path.exists(old)
+
+    def fail(*args):
+        raise OSError("disk gone")
+
+    with monkeypatch.context() as m:
+        m.setattr(ck._layout, "commit", fail)
+        with pytest.raises(OSError, match="disk gone"):
+            ck.save(6, state(6))  # its own debris, fresh: deleted by its next commit
+    ck.save(7, state(7))
+    assert not os.path.exists(os.path.join(root, "000000000006"))
+    assert os.path.exists(fresh) and check_every_committed_step(root) == [1, 5, 7]
+
+
+def test_concurrent_savers_fuzzer(tmp_path):
+    """Two or three savers on one root (``fpk`` or ``pt``), each saving its own states of random steps,
+    one of them also another saver's, with random sleeps in every storage call, for a few seconds. A save
+    fails only with a ckptio error and only on a step another saver saves too (two saves of one step: the
+    first marker wins); every save of a step no other saver saves is committed; every committed step
+    loads bitwise as one of its savers saved it. Nothing else fails (no raw OSError)."""
+    rng = random.Random(7)
+    deadline, rounds = time.monotonic() + 4.0, 0
+    while rounds < 2 or time.monotonic() < deadline:
+        root, n, fmt = str(tmp_path / f"r{rounds}"), rng.choice([2, 3]), rng.choice(["fpk", "pt"])
+        pool = rng.sample(range(1, 30), 4 * n)  # four steps each, one of them saved by another saver too
+        steps = [pool[i::n] + [rng.choice(pool[(i + 1) % n :: n])] for i in range(n)]
+        jobs = [
+            {
+                "root": root,
+                "steps": sorted(steps[i]),
+                "saver": i,
+                "format": fmt,
+                "jitter": rng.randrange(1 << 30),
+                "saved": str(tmp_path / f"r{rounds}-{i}.txt"),
+            }
+            for i in range(n)
+        ]
+        finish([start(j) for j in jobs])
+        savers: dict[int, list[int]] = {}
+        for j in jobs:
+            for step in j["steps"]:
+                savers.setdefault(step, []).append(j["saver"])
+        committed = check_every_committed_step(root, savers)
+        for j in jobs:
+            outcomes = dict(line.split() for line in open(j["saved"]))
+            assert [int(s) for s in outcomes] == j["steps"], j
+            for step, outcome in outcomes.items():
+                alone = len(savers[int(step)]) == 1
+                assert outcome == "ok" or not alone, (j, step, outcome)
+                assert int(step) in committed or not alone, (j, step, committed)
+        rounds += 1
