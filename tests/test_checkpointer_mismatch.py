@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import mismatch_cases as mc
 import zygote
@@ -79,6 +80,24 @@ def test_a_strict_load_refuses_an_optimizer_over_other_parameters_before_restori
     assert "optim.state.layers.l1.weight" in out["message"]
     out = mc.run_case(fmt, False, *mc.OPTIMIZER_GREW, str(tmp_path / "run2"))
     assert out["outcome"] == "ok" and out["bad"] == [], out
+
+
+def test_optimizer_groups_that_are_not_groups_fail_naming_the_checkpoint(tmp_path):
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.errors import StateMismatchError
+
+    m, _, o = mc.GROWN[0].build()
+    ck = Checkpointer(tmp_path, format="pt")
+    ck.save(3, {"model": m, "optim": o})
+    f = os.path.join(ck.uri(3), "state.pt")
+    sd = torch.load(f)
+    sd["optim"]["param_groups"] = [{"params": 7}]
+    torch.save(sd, f)
+    m2, _, o2 = mc.GROWN[0].build()
+    before = mc.snapshot(m2, o2)
+    with pytest.raises(StateMismatchError, match=r"state\.pt \(step 3\).*optim\.param_groups: not a list of groups"):
+        ck.load({"model": m2, "optim": o2}, strict=False)
+    assert mc.same(mc.snapshot(m2, o2), before)
 
 
 @pytest.mark.parametrize("fmt", mc.FORMATS)

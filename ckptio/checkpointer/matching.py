@@ -40,11 +40,18 @@ NO_OWNER = (
 )
 
 
+def _params(osd: Mapping[str, Any]) -> list[list[Any] | None]:
+    """Each group's parameters in the optimizer state dict ``osd`` (None: not a group with a list of them)."""
+    groups = osd.get("param_groups", [])
+    if not isinstance(groups, (list, tuple)):
+        return [None]
+    out = [g.get("params", []) if isinstance(g, Mapping) else None for g in groups]
+    return [list(p) if isinstance(p, (list, tuple)) else None for p in out]
+
+
 def index_keyed(osd: Mapping[str, Any]) -> bool:
     """An optimizer state dict keyed by parameter index (``optim.state_dict()``), not by name."""
-    state = osd.get("state") or {}
-    groups = osd.get("param_groups") or []
-    keys = list(state) + [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
+    keys = list(osd.get("state") or {}) + [p for ps in _params(osd) for p in ps or []]
     return all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in keys)
 
 
@@ -72,20 +79,19 @@ def held(optim: torch.optim.Optimizer) -> dict[int, Any]:
 
 
 def _groups(source: Mapping[str, Any], where: str) -> list[list[str]]:
-    groups = source.get("param_groups", [])
-    ok = isinstance(groups, (list, tuple)) and all(
-        isinstance(g, Mapping) and isinstance(g.get("params", []), (list, tuple)) for g in groups
-    )
-    if not ok:
+    groups = _params(source)
+    if any(g is None for g in groups):
         raise FormatError(f"{where}param_groups: not a list of groups each with a list of parameter names")
-    return [[str(n) for n in g.get("params", [])] for g in groups]
+    return [[str(n) for n in g or []] for g in groups]
 
 
 @dataclass
 class Match:
-    """How a named optimizer state dict fits an optimizer: ``groups[i]``, the checkpoint group whose
-    hyperparameters group ``i`` takes (None: it keeps its own); ``stored``: the names the checkpoint holds."""
+    """How a named optimizer state dict fits an optimizer: ``mine``, the optimizer's parameter names by group;
+    ``groups[i]``, the checkpoint group whose hyperparameters group ``i`` takes (None: it keeps its own);
+    ``stored``: the names the checkpoint holds."""
 
+    mine: list[list[str]]
     groups: list[int | None]
     stored: set[str]
     missing: list[str]
@@ -109,7 +115,7 @@ def match(mine: list[list[str]], source: Mapping[str, Any], prefix: str) -> Matc
             missing.append(f"{prefix}param_groups.{i}")
     taken = set(groups)
     unexpected += [f"{prefix}param_groups.{j}" for j in range(len(theirs)) if j not in taken]
-    return Match(groups, stored, missing, unexpected)
+    return Match(mine, groups, stored, missing, unexpected)
 
 
 def restore(
@@ -123,7 +129,7 @@ def restore(
     """Restore ``optim`` from the named ``source`` as ``found`` matched them; ``before``: :func:`held`."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    mine = names(module, optim)
+    mine = found.mine
     theirs = list(source.get("param_groups", []))
     state = source.get("state") or {}
     groups = []
@@ -161,8 +167,7 @@ class Diff:
             )
         elif index_keyed(source):  # restored by position: torch's load_state_dict needs the same group sizes
             ours = [len(g["params"]) for g in target.param_groups]
-            groups = source.get("param_groups")
-            theirs = [len(g.get("params", [])) if isinstance(g, Mapping) else -1 for g in groups or []]
+            theirs = [-1 if ps is None else len(ps) for ps in _params(source)]
             if ours != theirs:
                 self.problems.append(
                     f"{prefix[:-1]}: the checkpoint holds the optimizer's state by parameter index (saved before its "
@@ -172,6 +177,10 @@ class Diff:
         elif owner is None:
             self.problems.append(f"{prefix[:-1]}: {NO_OWNER}")
         else:
-            found = match(names(owner, target), source, prefix)
+            try:
+                found = match(names(owner, target), source, prefix)
+            except FormatError as e:  # named with the checkpoint in the load's error
+                self.problems.append(str(e))
+                return
             self.missing += found.missing
             self.unexpected += found.unexpected
