@@ -199,3 +199,9 @@ class IsDirectoryError(CkptioError, IsADirectoryError):
 
 class NotDirectoryError(CkptioError, NotADirectoryError):
     """A directory was expected where there is a file (or a path goes through a file)."""
+
+
+class StateMismatchError(CkptioError, RuntimeError, ValueError):
+    """A checkpoint cannot be restored into the state given to ``load``: tensors of other shapes, an optimizer
+    whose groups cannot be matched. Nothing was restored. A RuntimeError, as torch's ``load_state_dict``
+    raises for a size mismatch, and a ValueError, as an optimizer's ``load_state_dict`` raises for its groups."""

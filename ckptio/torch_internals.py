@@ -33,7 +33,8 @@ Groups:
   tensor properties pickle (``metadata._MEM_FORMAT_ENCODING``), its stream transforms
   (``_StorageReaderTransforms``: torch >= 2.7), narrowing a stored tensor to a requested box
   (``torch.distributed._shard._utils.narrow_tensor_by_index``), flattening/setting nested state
-  dicts as DCP does (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``: torch >= 2.2)
+  dicts as DCP does (``_nested_dict.flatten_state_dict``, ``_traverse.set_element``: torch >= 2.2), the
+  names ``get_optimizer_state_dict`` gives a module's parameters (``state_dict._get_fqns``: torch >= 2.2)
   and torch's fsspec writer/reader (``_fsspec_filesystem``: torch >= 2.2, benchmarks only); the
   logger torch's DCP API sends its debug records to (``logger._dcp_logger``), whose
   records :mod:`ckptio.dcp.quiet` skips while nothing receives them.
@@ -93,6 +94,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "narrow_tensor_by_index": ("torch.distributed._shard._utils", "narrow_tensor_by_index"),
     "flatten_state_dict": ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict"),
     "set_element": ("torch.distributed.checkpoint._traverse", "set_element"),
+    "get_fqns": ("torch.distributed.checkpoint.state_dict", "_get_fqns"),
     "FsspecWriter": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecWriter"),
     "FsspecReader": ("torch.distributed.checkpoint._fsspec_filesystem", "FsspecReader"),
     "dcp_logger": ("torch.distributed.checkpoint.logger", "_dcp_logger"),

@@ -7,6 +7,8 @@ The package's modules, each stating its part of the contract:
   (parsed and validated before anything it names is read), the ``latest.txt`` pointer;
 - :mod:`.formats`: writing, reading and discarding the data of a ``dcp``, ``pt`` or ``fpk`` checkpoint;
 - :mod:`.state`: ``Stateful`` parts, restoring in place, :class:`RNGState`, :class:`LoadResult`;
+  :mod:`.statedict`: modules and optimizers as state dicts, the check before a load touches anything;
+  :mod:`.matching`: what that check finds, an optimizer matched by parameter name;
 - :mod:`.staging`: async save's snapshot copies and background thread;
 - :mod:`.retention`: ``keep_last``/``keep_every``/``keep_best``, policies (``retention=``), kept steps and the
   debris of killed saves;

@@ -438,8 +438,11 @@ class Checkpointer:
         ``keys_not_to_resume``); only the bytes of the parts restored are read (every format).
         ``strict=True`` raises ``KeyError`` naming every missing and unexpected key before anything is
         restored; ``strict=False`` restores what matches and reports the rest (a warning and
-        ``self.last_load``). ``cache`` (True, a directory or a mapping) reads the data through the
-        node-local cache (:mod:`ckptio.cache`). Modules and optimizers (plain, DDP, FSDP2) restore
+        ``self.last_load``), an optimizer's too: the state of the parameters both hold, matched by name
+        (:mod:`.matching`). Whatever ``strict``, tensors of other shapes and an optimizer that cannot be
+        matched raise :class:`~ckptio.errors.StateMismatchError` (a RuntimeError) before anything is
+        restored. ``cache`` (True, a directory or a mapping) reads the data through the node-local cache
+        (:mod:`ckptio.cache`). Modules and optimizers (plain, DDP, FSDP2) restore
         through torch's state_dict functions (:mod:`.statedict`).
 
         The checkpoint's own format is used (any of :data:`FORMATS`, whatever this Checkpointer saves).
@@ -524,28 +527,14 @@ class Checkpointer:
         parts = Parts(state, files=fmt != "dcp", group=self._group)
 
         def check(tree: Mapping[str, Any]) -> None:
-            """Strict: every mismatch raised before anything is restored."""
-            missing: builtins.list[str] = []
-            unexpected: builtins.list[str] = []
-            for k in names:
-                if k not in tree:
-                    missing.append(k)
-                else:
-                    m, u = parts.mismatch(k, tree[k])
-                    missing, unexpected = missing + m, unexpected + u
-            if not picked:
-                unexpected += [str(k) for k in tree if k not in state and k not in t.ignore]
-            if missing or unexpected:
-                raise KeyError(
-                    f"checkpoint {where} (step {s}) does not match the state: missing keys {missing}, unexpected "
-                    f"keys {unexpected}; nothing was restored (pass strict=False to restore what matches, "
-                    f"keys= or exclude= to choose the parts)"
-                )
+            """Every rank, before anything is read into the state or restored (:meth:`Parts.verify`)."""
+            extra = [] if picked else [str(k) for k in tree if k not in state and k not in t.ignore]
+            parts.verify(names, tree, strict, extra, f"checkpoint {where} (step {s})")
 
         where = d if name is None else _uri.join_path(d, name)
 
         def read(d: str) -> tuple[Mapping[str, Any], builtins.list[str]]:
-            checked: Callable[[Mapping[str, Any]], None] | None = check if strict else None
+            checked: Callable[[Mapping[str, Any]], None] = check
             if fmt == "pt-parts":
                 return formats.read_pt_parts(
                     t.files, names, self.load_options, self.weights_only, cache, allow_pickle, checked
@@ -559,7 +548,7 @@ class Checkpointer:
                 wanted = list(names)
                 opts.setdefault("keys", wanted)
                 if not strict:  # those the file lacks are reported missing (its tree is seen before keys= is read)
-                    checked = formats.keep_present(wanted)
+                    checked = formats.keep_present(wanted, check)
                 into = None
             elif picked and fmt == "pt":
                 opts.setdefault("keys", names)  # only these parts' bytes (:mod:`ckptio.formats.torch_entries`)

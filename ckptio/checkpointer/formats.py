@@ -57,11 +57,12 @@ def write_file(fmt: str, uri: str, sd: dict[str, Any], options: Mapping[str, Any
     return [name]
 
 
-def keep_present(wanted: list[str]) -> Callable[[Mapping[str, Any]], None]:
-    """For a ``.fpk`` read of the parts ``wanted`` (``keys=``) that is not strict: a check of the file's
-    tree that keeps in ``wanted`` only the parts it has (the others are then reported missing)."""
+def keep_present(wanted: list[str], check: Callable[[Mapping[str, Any]], None]) -> Callable[[Mapping[str, Any]], None]:
+    """For a ``.fpk`` read of the parts ``wanted`` (``keys=``) that is not strict: ``check``, then keep in
+    ``wanted`` only the parts the file's tree has (the others are then reported missing)."""
 
     def run(tree: Mapping[str, Any]) -> None:
+        check(tree)
         wanted[:] = [k for k in wanted if k in tree]
 
     return run
@@ -180,7 +181,7 @@ def read_dcp(
     match (the templates of :meth:`Parts.templates`: a fresh optimizer's state initialized, DTensor shards
     under FSDP2), into new tensors for entries the templates lack. ``incremental``: its data objects are
     read through the content store of ``d``'s root (:mod:`.content`); ``check``: called with the
-    checkpoint's parts (keys only) before anything is read."""
+    checkpoint's parts (tensors as meta tensors) before anything is read into the state."""
     if not incremental:
         return _read_dcp(d, parts, names, options, process_group, cache, allow_pickle, check)
     backend, _ = step_reader(d, cache)
@@ -217,7 +218,8 @@ def _read_dcp(
     md = reader.keep_metadata()  # torch's load below asks again: answered without a second read
     paths = {fqn: p for fqn, p in (md.planner_data or {}).items() if p}
     ckpt_parts = sorted({str(p[0]) for p in paths.values()})
-    stored = _skeleton(paths.values())
+    values = _values(d, md, paths, names if parts.optimizers(names) else (), process_group, reader)
+    stored = _described(md, paths, values)
     if check is not None:
         check(stored)
     template = parts.templates(names, stored)
@@ -252,15 +254,38 @@ def _read_dcp(
     return tree, ckpt_parts
 
 
-def _skeleton(paths: Iterable[Sequence[Any]]) -> dict[str, Any]:
-    """The nesting of a DCP checkpoint's entries (``planner_data`` paths) as dicts, leaves None."""
-    root: dict[Any, Any] = {}
-    for path in paths:
-        node = root
-        for p in path[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict):
-                nxt = node[p] = {}
-            node = nxt
-        node.setdefault(path[-1], None)
-    return root
+def _values(
+    d: str, md: Any, paths: Mapping[str, Sequence[Any]], names: Iterable[str], process_group: Any, reader: Any
+) -> dict[str, Any]:
+    """The values that are not tensors of the parts ``names`` (an optimizer's groups: what a check of the
+    checkpoint against the state compares), read before any tensor."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .. import dcp
+    from .. import torch_internals as _ti
+
+    wanted = set(names)
+    tree: dict[str, Any] = {}
+    for fqn, path in paths.items():
+        if path[0] in wanted and not isinstance(md.state_dict_metadata.get(fqn), TensorStorageMetadata):
+            _ti.set_element(tree, path, None)
+    if tree:
+        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+    return tree
+
+
+def _described(md: Any, paths: Mapping[str, Sequence[Any]], values: dict[str, Any]) -> dict[str, Any]:
+    """A DCP checkpoint's entries (``planner_data`` paths) as nested dicts and lists: tensors as meta tensors
+    of their shape and dtype, other values as read into ``values`` (:func:`_values`, which this fills), else None."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .. import torch_internals as _ti
+
+    for fqn, path in paths.items():
+        meta = md.state_dict_metadata.get(fqn)
+        if isinstance(meta, TensorStorageMetadata):
+            _ti.set_element(values, path, torch.empty(meta.size, dtype=meta.properties.dtype, device="meta"))
+        elif not tree_has(values, path):
+            _ti.set_element(values, path, None)
+    return values

@@ -41,8 +41,10 @@ def load_model(
     checkpoints; ``"teacher"`` for DINOv3's ``teacher_checkpoint.pth``); ``None``: the whole file is
     the model's state dict (``torch.save(model.state_dict(), path)``). Only that part's bytes are
     read. ``strict=True`` raises ``KeyError`` naming every missing and unexpected key before anything
-    is restored. Every rank of ``process_group`` (default: all, when ``torch.distributed`` is
-    initialized) calls it. ``cache``/``allow_pickle``: as for :meth:`Checkpointer.load`.
+    is restored; tensors of other shapes raise :class:`~ckptio.errors.StateMismatchError` (a RuntimeError)
+    naming the checkpoint, its step, the keys and both shapes, with nothing restored, whatever ``strict``.
+    Every rank of ``process_group`` (default: all, when ``torch.distributed`` is initialized) calls it.
+    ``cache``/``allow_pickle``: as for :meth:`Checkpointer.load`.
     """
     if key is None:
         return _load_whole(model, uri, strict, cache, allow_pickle, Group(process_group, timeout))
@@ -77,12 +79,6 @@ def _load_whole(model: torch.nn.Module, uri: Any, strict: bool, cache: Any, allo
     if not isinstance(sd, dict):
         raise FormatError(f"{f}: holds a {type(sd).__name__}, not a state dict")
     parts = Parts({"model": model}, files=True)
-    if strict:
-        missing, unexpected = parts.mismatch("model", sd)
-        if missing or unexpected:
-            raise KeyError(
-                f"{f} does not match the model: missing keys {missing}, unexpected keys {unexpected}; nothing "
-                f"was restored (pass strict=False to restore what matches)"
-            )
+    parts.verify(["model"], {"model": sd}, strict, [], f"{f} (step {t.step})")
     parts.restore("model", sd, LoadResult(t.step, f))
     return t.step

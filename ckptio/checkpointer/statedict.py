@@ -24,8 +24,10 @@
 * Checkpoints written before (optimizer state keyed by index, a DDP model's keys with ``module.``)
   restore through ``load_state_dict`` as before.
 
-:meth:`Parts.mismatch` tells what a restore would report as missing/unexpected without touching
-anything, so a strict load can refuse before restoring any part.
+:meth:`Parts.verify` checks a checkpoint against the state before a load reads into or restores anything:
+a strict load that does not match, tensors of other shapes and an optimizer that cannot be matched are
+refused with nothing touched. An optimizer is matched by parameter name (:mod:`.matching`), so a
+``strict=False`` load restores the state of the parameters both hold.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from typing import Any
 
 import torch
 
+from ..errors import StateMismatchError
 from ..restore import LoadResult, apply, is_stateful
+from . import matching
+from .matching import NO_OWNER, Diff, index_keyed, int_keys
 
 __all__ = ["Parts"]
 
@@ -79,23 +84,16 @@ def _ddp_prefixed(module: torch.nn.Module, source: Mapping[str, Any]) -> bool:
     return _is_ddp(module) and any(str(x).startswith("module.") for x in source)
 
 
-def _index_keyed(osd: Mapping[str, Any]) -> bool:
-    """An optimizer state dict keyed by parameter index (``optim.state_dict()``), not by name."""
-    state = osd.get("state") or {}
-    groups = osd.get("param_groups") or []
-    keys = list(state) + [p for g in groups if isinstance(g, Mapping) for p in g.get("params", [])]
-    return all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in keys)
+def _live(module: torch.nn.Module, source: Mapping[str, Any]) -> dict[str, Any]:
+    """``module``'s state dict by the names ``source`` (a checkpoint's) uses for it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-
-def _int_keys(osd: Mapping[str, Any]) -> dict[str, Any]:
-    """``osd`` with index keys as ints (DCP stores dict keys as str)."""
-    out = dict(osd)
-    if isinstance(out.get("state"), Mapping):
-        out["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in out["state"].items()}
-    return out
+    return module.state_dict() if _ddp_prefixed(module, source) else get_model_state_dict(module)
 
 
 def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, list) and isinstance(key, int):
+        return node[key] if 0 <= key < len(node) else None
     return node.get(key) if isinstance(node, Mapping) else None
 
 
@@ -123,6 +121,11 @@ class Parts:
         self.rank: int = 0 if group is None else group.rank
         self.world: int = 1 if group is None else group.world
         self._modules = [m for m in _walk(state) if isinstance(m, torch.nn.Module)]
+        self._held: dict[int, Any] = {}  # optimizer id -> its state before the load (:meth:`verify`)
+
+    def optimizers(self, names: Iterable[str]) -> bool:
+        """Whether the parts ``names`` hold an optimizer (:meth:`verify` then compares its groups)."""
+        return any(isinstance(x, torch.optim.Optimizer) for k in names for x in _walk(self.state[k]))
 
     # ---- pairing and options -------------------------------------------------------------------
     def owner(self, optim: torch.optim.Optimizer) -> torch.nn.Module | None:
@@ -236,7 +239,7 @@ class Parts:
             return self._saved(v)
         if isinstance(v, torch.optim.Optimizer):
             m = self.owner(v)
-            named = isinstance(stored, Mapping) and not _index_keyed(stored)
+            named = isinstance(stored, Mapping) and not index_keyed(stored)
             if m is None or not named or not _child(stored, "state"):
                 return v.state_dict()
             return get_optimizer_state_dict(m, v, options=self._options(m))  # initializes a fresh one
@@ -257,34 +260,35 @@ class Parts:
         return apply(self.state[k], source, f"{k}.", res, self._restore_stateful)
 
     def _restore_stateful(self, target: Any, source: Any, prefix: str, res: LoadResult) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         if isinstance(target, torch.nn.Module):
             if not isinstance(source, Mapping):
                 raise TypeError(f"{prefix[:-1]}: the checkpoint holds a {type(source).__name__}, not a module's state")
+            have = _live(target, source)  # what torch reports misses a file's keys under FSDP2 (full state dicts)
             if _ddp_prefixed(target, source):
-                out = target.load_state_dict(source, strict=False)  # saved with the DDP prefix
+                target.load_state_dict(source, strict=False)  # saved with the DDP prefix
             else:
-                out = set_model_state_dict(
-                    target, dict(source), options=self._options(target, strict=False, loading=True)
-                )
-            res.missing_keys += [prefix + x for x in out.missing_keys]
-            res.unexpected_keys += [prefix + x for x in out.unexpected_keys]
+                set_model_state_dict(target, dict(source), options=self._options(target, strict=False, loading=True))
+            res.missing_keys += [prefix + x for x in have if x not in source]
+            res.unexpected_keys += [prefix + str(x) for x in source if x not in have]
         elif isinstance(target, torch.optim.Optimizer):
             if not isinstance(source, Mapping):
                 raise TypeError(
                     f"{prefix[:-1]}: the checkpoint holds a {type(source).__name__}, not an optimizer's state"
                 )
-            if _index_keyed(source):
-                target.load_state_dict(_int_keys(source))
+            if index_keyed(source):
+                target.load_state_dict(int_keys(source))
                 return
             m = self.owner(target)
             if m is None:
-                raise ValueError(
-                    f"{prefix[:-1]}: the checkpoint holds optimizer state by parameter name, but no module in the "
-                    f"state given to load() holds all of this optimizer's parameters; pass the model in the same state"
-                )
-            set_optimizer_state_dict(m, target, dict(source), options=self._options(m, loading=True))
+                raise ValueError(f"{prefix[:-1]}: {NO_OWNER}")
+            found = matching.match(matching.names(m, target), source, prefix)
+            before = self._held.get(id(target))
+            before = matching.held(target) if before is None else before
+            matching.restore(m, target, source, found, before, self._options(m, loading=True, strict=False))
+            res.missing_keys += found.missing
+            res.unexpected_keys += found.unexpected
         elif _per_rank(target) and (_by_rank(source) or source == {}):  # {}: dcp read no entry for this rank
             own = self._own(source, prefix, res)
             if own is not None:
@@ -292,30 +296,56 @@ class Parts:
         else:
             target.load_state_dict(source)
 
-    # ---- what a restore would report -----------------------------------------------------------
-    def mismatch(self, k: str, source: Any) -> tuple[list[str], list[str]]:
-        """(missing, unexpected) keys restoring part ``k`` from ``source`` would report; touches nothing.
-        ``source`` may be a skeleton (leaves of any type): only its keys are compared."""
-        missing: list[str] = []
-        unexpected: list[str] = []
-        self._diff(self.state[k], source, f"{k}.", missing, unexpected)
-        return missing, unexpected
+    # ---- checked before anything is read or restored -----------------------------------------------
+    def verify(self, names: Iterable[str], tree: Mapping[str, Any], strict: bool, extra: list[str], what: str) -> None:
+        """Check the checkpoint's parts ``tree`` (a tensor may stand as anything with its ``shape``: a meta
+        tensor, fastpickle's ``TensorInfo``) against the parts ``names`` of the state, before a load reads
+        into or restores anything. Raises
+        :class:`StateMismatchError` for what cannot be restored (tensors of other shapes, an optimizer that
+        cannot be matched), ``KeyError`` for a strict load that does not match (every missing and unexpected
+        key; ``extra``: the checkpoint's parts the state lacks); keeps each optimizer's state for the restore
+        (:func:`.matching.held`). ``what`` names the checkpoint and step in the messages."""
+        d = Diff()
+        for k in names:
+            if k in tree:
+                self._diff(self.state[k], tree[k], f"{k}.", d)
+            else:
+                d.missing.append(k)
+        d.unexpected += extra
+        keys = f"missing keys {d.missing}, unexpected keys {d.unexpected}"
+        if d.problems:
+            raise StateMismatchError(
+                f"{what} cannot be restored into the state: {'; '.join(d.problems)}; nothing was restored "
+                f"({keys}; keys= or exclude= choose the parts to restore)"
+            )
+        if strict and (d.missing or d.unexpected):
+            raise KeyError(
+                f"{what} does not match the state: {keys}; nothing was restored (pass strict=False to restore "
+                f"what matches, keys= or exclude= to choose the parts)"
+            )
 
-    def _diff(self, target: Any, source: Any, prefix: str, missing: list[str], unexpected: list[str]) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
+    def _diff(self, target: Any, source: Any, prefix: str, d: Diff) -> None:
         if isinstance(target, torch.nn.Module) and isinstance(source, Mapping):
-            have = set(target.state_dict() if _ddp_prefixed(target, source) else get_model_state_dict(target))
-            missing += [prefix + x for x in have if x not in source]
-            unexpected += [prefix + str(x) for x in source if x not in have]
+            have = _live(target, source)
+            d.missing += [prefix + x for x in have if x not in source]
+            d.unexpected += [prefix + str(x) for x in source if x not in have]
+            d.shapes(prefix, have, source)
+        elif isinstance(target, torch.optim.Optimizer):
+            self._held[id(target)] = matching.held(target)
+            d.optimizer(target, source, prefix, self.owner(target))
+        elif isinstance(target, torch.nn.Module):
+            d.problems.append(f"{prefix[:-1]}: the checkpoint holds a {type(source).__name__}, not a module's state")
         elif _per_rank(target) and _by_rank(source):  # the same answer on every rank: all raise or none
-            missing += [f"{prefix}rank{r}" for r in range(self.world) if f"rank{r}" not in source]
-        elif isinstance(target, torch.optim.Optimizer) or is_stateful(target):
-            return  # their own load_state_dict decides
+            d.missing += [f"{prefix}rank{r}" for r in range(self.world) if f"rank{r}" not in source]
+        elif is_stateful(target):
+            return  # its own load_state_dict decides
         elif isinstance(target, dict) and isinstance(source, Mapping):
             for x in target:
                 if x not in source:
-                    missing.append(f"{prefix}{x}")
+                    d.missing.append(f"{prefix}{x}")
                 else:
-                    self._diff(target[x], source[x], f"{prefix}{x}.", missing, unexpected)
-            unexpected += [f"{prefix}{x}" for x in source if x not in target]
+                    self._diff(target[x], source[x], f"{prefix}{x}.", d)
+            d.unexpected += [f"{prefix}{x}" for x in source if x not in target]
+        elif isinstance(target, list) and isinstance(source, (list, tuple)) and len(target) == len(source):
+            for i, (x, y) in enumerate(zip(target, source, strict=True)):
+                self._diff(x, y, f"{prefix}{i}.", d)

@@ -41,8 +41,8 @@ def load_source(
     into: Any = None,
     check: Callable[[Any], None] | None = None,
 ) -> Any:
-    """``check``: called with the file's tree (tensors as references) before any tensor byte is read or
-    written into ``into``; what it raises is the load's error."""
+    """``check``: called with the file's tree (tensors as their :class:`.layout.TensorInfo`: shape, dtype) before
+    any tensor byte is read or written into ``into``; what it raises is the load's error."""
     if verify is None:  # an explicit mapping stays lazy unless verification is asked for
         verify = mmap is not True
     share = mmap is None  # by default a remote load may return views of what it read ahead (not mmap=False)
@@ -62,7 +62,7 @@ def load_source(
         if meta.check is not None:  # a damaged header or metadata is the error to report, not a mismatch
             meta.check()
             meta.check = None
-        check(decode_tree(meta, Ref, allow_pickle))
+        check(decode_tree(meta, meta.tensors.__getitem__, allow_pickle))
     if keys is not None:
         keys = list(keys)
         skeleton = decode_tree(meta, Ref, allow_pickle)

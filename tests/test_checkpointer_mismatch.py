@@ -1,0 +1,162 @@
+"""Checkpointer.load (and load_model) when the state given differs from the checkpoint: a model grown or
+reshaped, an optimizer over other parameters or groups. A load restores what matches, the optimizer's state
+too, bitwise as the checkpoint holds it, and reports the rest; a load that fails (strict, shapes, an
+optimizer it cannot match) names the checkpoint, its step and the keys, and leaves the model and the
+optimizer bitwise as they were. The cases live in ``mismatch_cases.py``; the fuzzer runs random ones there
+in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import mismatch_cases as mc
+import zygote
+from multiproc import results, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_non_strict_load_restores_the_optimizer_state_both_hold(tmp_path, fmt, optim, stepped):
+    """DINOv3's flow: the model given directly has parameters the checkpoint lacks, its optimizer is new."""
+    save, load = mc.replace(mc.GROWN[0], optim=optim), mc.replace(mc.GROWN[1], optim=optim, steps=int(stepped))
+    root = str(tmp_path / "run")
+    out = mc.run_case(fmt, False, save, load, root)
+    assert out["outcome"] == "ok", out.get("message")
+    assert out["bad"] == []  # the matching parameters and their state bitwise; x and its state as they were
+    missing, unexpected = out["result"]
+    assert missing == [
+        "model.layers.x.weight",
+        "model.layers.x.bias",
+        "optim.state.layers.x.weight",
+        "optim.state.layers.x.bias",
+        "optim.param_groups.1",
+    ]
+    assert unexpected == []
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_the_optimizer_restored_in_part_trains_on(tmp_path, fmt):
+    from ckptio.checkpointer import Checkpointer, CheckpointWarning
+
+    save, load = mc.GROWN
+    m, _, o = save.build()
+    Checkpointer(tmp_path, format=fmt).save(3, {"model": m, "optim": o})
+    m2, _, o2 = load.build()
+    with pytest.warns(CheckpointWarning, match=r"optim\.state\.layers\.x\.weight"):
+        assert Checkpointer(tmp_path, format=fmt).load({"model": m2, "optim": o2}, strict=False) == 3
+    assert [g["lr"] for g in o2.param_groups] == [0.01, 0.5]  # the checkpoint's group; x's keeps its own
+    m2().backward()
+    o2.step()
+    assert all(len(o2.state[p]) == 3 for p in m2.parameters())
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_shape_mismatch_names_the_checkpoint_and_touches_nothing(tmp_path, fmt, strict):
+    from ckptio.errors import StateMismatchError
+
+    root = str(tmp_path / "run")
+    out = mc.run_case(fmt, strict, *mc.RESHAPED, root)
+    assert out["error"] == "StateMismatchError" and out["bad"] == [], out
+    assert issubclass(StateMismatchError, RuntimeError)  # what torch's size mismatch is
+    msg = out["message"]
+    for part in (root, "step 3", "model.layers.l1.weight has shape (4, 2) in the checkpoint, (5, 2) here"):
+        assert part in msg, msg
+    assert "model.layers.l0" not in msg  # only what differs
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_a_strict_load_refuses_an_optimizer_over_other_parameters_before_restoring_the_model(tmp_path, fmt):
+    out = mc.run_case(fmt, True, *mc.OPTIMIZER_GREW, str(tmp_path / "run"))
+    assert out["error"] == "KeyError" and out["bad"] == [], out
+    assert "optim.state.layers.l1.weight" in out["message"]
+    out = mc.run_case(fmt, False, *mc.OPTIMIZER_GREW, str(tmp_path / "run2"))
+    assert out["outcome"] == "ok" and out["bad"] == [], out
+
+
+def test_optimizer_groups_that_are_not_groups_fail_naming_the_checkpoint(tmp_path):
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.errors import StateMismatchError
+
+    m, _, o = mc.GROWN[0].build()
+    ck = Checkpointer(tmp_path, format="pt")
+    ck.save(3, {"model": m, "optim": o})
+    f = os.path.join(ck.uri(3), "state.pt")
+    sd = torch.load(f)
+    sd["optim"]["param_groups"] = [{"params": 7}]
+    torch.save(sd, f)
+    m2, _, o2 = mc.GROWN[0].build()
+    before = mc.snapshot(m2, o2)
+    with pytest.raises(StateMismatchError, match=r"state\.pt \(step 3\).*optim\.param_groups: not a list of groups"):
+        ck.load({"model": m2, "optim": o2}, strict=False)
+    assert mc.same(mc.snapshot(m2, o2), before)
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_load_model_names_the_checkpoint_step_and_shapes(tmp_path, fmt):
+    from ckptio.checkpointer import Checkpointer, load_model
+    from ckptio.errors import StateMismatchError
+
+    m, _, o = mc.GROWN[0].build()
+    ck = Checkpointer(tmp_path / "run", format=fmt)
+    ck.save(3, {"model": m, "optim": o})
+    m2, _, _ = mc.RESHAPED[1].build()
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    uris = [ck.uri(3)] + ([] if fmt == "dcp" else [os.path.join(ck.uri(3), f"state.{fmt}")])
+    for uri in uris:
+        for strict in (True, False):
+            with pytest.raises(RuntimeError) as e:
+                load_model(m2, uri, strict=strict)
+            msg = str(e.value)
+            assert isinstance(e.value, StateMismatchError) and uri in msg
+            assert "(step 3)" in msg or uri != ck.uri(3), msg  # a bare file's step: the number its name ends with
+            assert "model.layers.l1.weight has shape (4, 2) in the checkpoint, (5, 2) here" in msg
+            assert all(mc.tensors_same(v, before[k]) for k, v in m2.state_dict().items())
+    if fmt != "dcp":  # a file holding the state dict itself (key=None)
+        import ckptio
+
+        path = str(tmp_path / f"sd.{fmt}")
+        ckptio.dump(m.state_dict(), path)
+        shapes = r"layers\.l1\.bias has shape \(4,\) in the checkpoint, \(5,\) here"
+        with pytest.raises(StateMismatchError, match=rf"sd\.{fmt}.*{shapes}"):
+            load_model(m2, path, key=None, strict=False)
+        assert all(mc.tensors_same(v, before[k]) for k, v in m2.state_dict().items())
+
+
+@pytest.mark.parametrize("world,mode", [(1, "plain"), (2, "ddp"), (2, "fsdp2")])
+def test_mismatched_loads_under_gloo(tmp_path, world, mode):
+    """A 1-process gloo group with the modules as they are; 2 gloo ranks with DDP modules, and FSDP2."""
+    run_ranks(mc.ranks_main, world, str(tmp_path), mode, timeout=240)
+    assert results(str(tmp_path), world) == ["ok"] * world
+
+
+def _fuzz(seed: int, count: int, timeout: float) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+    proc = zygote.run(
+        [sys.executable, os.path.join(here, "mismatch_cases.py"), str(seed), str(count)], timeout=timeout, env=env
+    )
+    found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(found) == count, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    bad = [r for r in found if r["bad"]]
+    assert not bad, json.dumps(bad[:3], indent=1)[:6000]
+
+
+def test_fuzz_mismatched_loads():
+    """Random mismatches between the saved and the loading model and optimizer, each format, strict or not:
+    a correct partial restore (bitwise) or a clear error with nothing changed."""
+    _fuzz(51, 16, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_mismatched_loads_long(seed):
+    _fuzz(1000 + seed, 150, timeout=600)
