@@ -67,27 +67,29 @@ def b64(data: bytes) -> str:
 
 # ---- the child ---------------------------------------------------------------------------------
 def mutated(original: bytes, m: dict) -> bytes:
-    """What the target holds after mutation ``m`` of its ``original`` bytes."""
+    """What the target holds after mutation ``m`` of its ``original`` bytes (a recipe keeps its magic:
+    without it, it is a data file, not a recipe)."""
     from ckptio.incremental import MAGIC
 
+    magic = MAGIC if original.startswith(MAGIC) else b""
+    text = original[len(magic) :]
     if "bytes" in m:
-        return base64.b64decode(m["bytes"])
+        return magic + base64.b64decode(m["bytes"])
     if "fill" in m:
         unit = base64.b64decode(m["fill"])
         whole, rest = divmod(m["size"], len(unit))
-        return unit * whole + unit[:rest] if rest else unit * whole
-    magic = MAGIC if original.startswith(MAGIC) else b""
-    if "deep" in m:  # (a recipe keeps its magic)
+        return magic + (unit * whole + unit[:rest] if rest else unit * whole)
+    if "deep" in m:
         return magic + b"[" * m["deep"] + b"]" * m["deep"]
     if "blocks" in m:  # a recipe of that many blocks, none of them stored
         blocks = [[f"{i:032x}", 1 << 20] for i in range(m["blocks"])]
         return MAGIC + json.dumps({"hash": "xxh3_128", "size": len(blocks) << 20, "blocks": blocks}).encode()
     if "truncate" in m:
-        return original[: m["truncate"] % max(1, len(original))]
+        return magic + text[: m["truncate"] % max(1, len(text))]
     if "flip" in m:
-        i = m["flip"] % max(1, len(original))
-        return original[:i] + bytes([original[i] ^ m.get("mask", 1)]) + original[i + 1 :]
-    body = json.loads(original[len(magic) :])
+        i = m["flip"] % max(1, len(text))
+        return magic + text[:i] + bytes([text[i] ^ m.get("mask", 1)]) + text[i + 1 :]
+    body = json.loads(text)
     if "claim" in m:  # a recipe's last block claims more bytes than its content object holds
         body["blocks"][-1][1] = m["claim"]
         body["size"] = sum(n for _, n in body["blocks"])
@@ -123,7 +125,6 @@ class Scene:
         torch.manual_seed(0)
         n = 640 if target == "recipe" else 8  # a recipe's blocks are 1 MiB or more
         self.model = torch.nn.Linear(n, n)
-        kw = self._kw()
         if target.startswith("cosmos"):
             self.root = f"{base}/checkpoints"
             self._cosmos()
@@ -139,6 +140,7 @@ class Scene:
             return
         if target == "tier.json":
             self.tier = f"{tmp}/tier"
+        kw = self._kw()
         ck = Checkpointer(self.root, **kw)
         for step in (1, 2):
             ck.save(step, {"model": self.model}, metrics={"loss": float(step)})

@@ -286,3 +286,17 @@ def test_the_marker_reader_takes_what_ckptio_writes():
     data = markers.dumps(value, "m.json", indent=1, sort_keys=True)
     assert markers.loads(data, "m.json") == value
     assert markers.loads(json.dumps([[[1]]] * 1000).encode(), "m.json")  # 3,000 arrays, 3 deep
+
+
+def test_a_recipe_over_its_cap_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from ckptio.incremental import MAGIC
+    from ckptio.incremental import backend as inc_backend
+
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, format="fpk", incremental=True)
+    ck.save(1, {"w": torch.ones(1 << 19)})
+    with open(os.path.join(ck.uri(1), "state.fpk"), "wb") as f:
+        f.write(MAGIC + b" " * (200 << 10))
+    monkeypatch.setattr(inc_backend, "MAX_RECIPE_BYTES", 100 << 10)
+    with pytest.raises(FormatError, match=r"state.fpk: not a valid ckptio recipe \(204816 bytes, more than 102400\)"):
+        Checkpointer(root, format="fpk").load({"w": torch.zeros(1 << 19)})
