@@ -63,8 +63,8 @@ def check(local: Layout, remote: Layout) -> None:
         theirs = markers.read_json(local.backend, _path(local), _shown(local))
     except FileNotFoundError:
         return
-    except FormatError as e:
-        raise FormatError(f"{e}; {fix}") from None
+    except FormatError as e:  # its reason, after the name
+        raise FormatError(f"{_shown(local)}: damaged ({str(e).removeprefix(_shown(local) + ': ')}); {fix}") from None
     bound, root = (theirs.get("identity"), theirs.get("root")) if isinstance(theirs, dict) else (None, None)
     if not isinstance(bound, str) or not isinstance(root, str):
         raise FormatError(f"{_shown(local)}: damaged (not the JSON ckptio writes: root and identity); {fix}")

@@ -119,7 +119,7 @@ class Content:
             return set()
         if self._mine is not None and self._mine[0] == step:  # this rank's own last save: known already
             return set(self._mine[1])
-        reader = IncrementalBackend(self.layout.backend, self.store)
+        reader = IncrementalBackend(self.layout.backend, self.store, confirm_sizes=False)
         try:
             uris = data_files(self.layout, step)
             mine = [u for u in uris if _uri.basename(u).startswith(f"__{rank}_")]
@@ -144,7 +144,7 @@ class Content:
             if s not in steps:  # deleted (retention, delete()): its content may go
                 del self._refs[s]
                 self._due = 0.0
-        reader = IncrementalBackend(self.layout.backend, self.store)
+        reader = IncrementalBackend(self.layout.backend, self.store, confirm_sizes=False)
         try:
             for s in steps:
                 if s in self._refs:
@@ -221,7 +221,7 @@ def usage(root_uri: str) -> dict[str, Any]:
     and the bytes only it holds (deleting it alone frees them), and the root's physical bytes."""
     layout = Layout(root_uri.rstrip("/") or root_uri)
     store = store_for(layout.backend, layout.root)
-    reader = IncrementalBackend(layout.backend, store)
+    reader = IncrementalBackend(layout.backend, store, confirm_sizes=False)
     sizes = store.sizes()
     users: dict[str, int] = {}
     rows: list[tuple[int, int, int, set[str]]] = []

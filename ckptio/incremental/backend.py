@@ -16,7 +16,8 @@ their recipes name.
 
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
 (parsed strictly, each block's stored size confirmed before anything is sized from the recipe:
-:meth:`~.store.BlockStore.check_sizes`; cached per URI for the wrapper's life), its blocks fetched in
+:meth:`~.store.BlockStore.check_sizes`, unless the wrapper only lists the blocks recipes name:
+``confirm_sizes=False``; cached per URI for the wrapper's life), its blocks fetched in
 parallel straight into the caller's buffer, each hash checked (partly read blocks are fetched whole,
 to check them, and the last few are kept). Once a block came from a local file
 (:attr:`BlockStore.local_reads`), a read's blocks are read in the caller's thread: readers already read
@@ -64,13 +65,16 @@ _KEEP_BYTES = 64 << 20
 class IncrementalBackend(ForwardingBackend):
     """``inner`` with objects stored as recipes over ``store``'s content blocks (module docstring)."""
 
-    def __init__(self, inner: Backend, store: BlockStore, *, check_blocks: bool = True) -> None:
+    def __init__(
+        self, inner: Backend, store: BlockStore, *, check_blocks: bool = True, confirm_sizes: bool = True
+    ) -> None:
         super().__init__(inner)
         # a whole number of the largest blocks: readers that cut a long range into part_size pieces (DCP's,
         # an unverified .fpk load) read each payload's blocks straight into their targets, not each piece
         # through a copy of its whole block (_read_part); a payload's first block starts where it starts
         self.part_size = -(-self.part_size // store.max_block) * store.max_block
         self.check_blocks = check_blocks  # False: for_checked_reads' backend, block lengths checked only
+        self.confirm_sizes = confirm_sizes  # False: recipes read for the blocks they name, not to read them
         self._unchecked: IncrementalBackend | None = None
         self.name = inner.name
         self.store = store
@@ -113,8 +117,9 @@ class IncrementalBackend(ForwardingBackend):
                     raise FormatError(f"{uri}: not a valid ckptio recipe ({size} bytes, more than {MAX_RECIPE_BYTES})")
                 data = head if size <= _PROBE else head + self.inner.read_range(uri, _PROBE, size)
             r = parse_recipe(data, uri)
-            local = self.store.local_reads or self.inner.reads_local
-            self.store.check_sizes(zip(r.hashes, r.lengths, strict=True), uri, 1 if local else self.concurrency)
+            if self.confirm_sizes:
+                local = self.store.local_reads or self.inner.reads_local
+                self.store.check_sizes(zip(r.hashes, r.lengths, strict=True), uri, 1 if local else self.concurrency)
         with self._lock:
             self._recipes[uri] = r
         return r
