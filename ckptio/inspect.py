@@ -37,11 +37,11 @@ def _detect(backend: Backend, uri: str) -> tuple[str, Format | None, str, dict[s
             return "file", None, uri, {}
     # not at module level: `import ckptio` does not pay for the Checkpointer's modules
     from .checkpointer.catalog import is_root
-    from .checkpointer.manifest import _FILE_FORMAT, MARKER_NAME, Layout, _check_manifest, _parse_manifest
+    from .checkpointer.manifest import _FILE_FORMAT, MARKER_NAME, Layout, _check_manifest, read_manifest
 
     marker, m = _uri.join_path(uri, MARKER_NAME), {}
     if backend.isfile(marker):  # a Checkpointer step: its marker names the format and the data file
-        m = _parse_manifest(backend.read(marker), marker)
+        m = read_manifest(backend, marker, marker)
         _, fmt, name = _check_manifest(m, marker)
         if name is not None:
             found = _registry.formats.by_name(_FILE_FORMAT[fmt])

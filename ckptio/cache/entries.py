@@ -7,7 +7,6 @@ blocks read 1 MiB at a time (small enough to stay in the CPU cache between the c
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -15,10 +14,12 @@ from typing import Any
 
 import xxhash
 
+from .. import markers
 from ..backends.local import _preadinto
 
 MIN_BLOCK = 1 << 20
 MAX_BLOCKS = 1 << 14  # so an entry's metadata stays under ~300 kB whatever its size
+MAX_META_BYTES = 1 << 20  # a larger one is damaged: a miss, fetched again
 _CHUNK = 1 << 20
 _KEY = r"[0-9a-f]{40}"
 _DATA = re.compile(rf"({_KEY})-.+")
@@ -88,10 +89,12 @@ class Entry:
             hit = memo.get(meta) if memo is not None else None
             if hit is not None and hit[0] == sig:
                 return hit[1]
-            with open(meta) as f:
-                m: Any = json.load(f)
+            if mst.st_size > MAX_META_BYTES:
+                return False
+            with open(meta, "rb") as f:
+                m: Any = markers.loads(f.read(MAX_META_BYTES + 1), meta)
             block, digests = m["block_size"], bytes.fromhex(m["blocks"])
-        except (OSError, ValueError, KeyError, TypeError):  # no block checksums (the old layout): unverifiable
+        except (OSError, ValueError, KeyError, TypeError):  # damaged, or the old layout: unverifiable
             return False
         if (
             st.st_size != size

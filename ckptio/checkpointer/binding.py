@@ -15,11 +15,11 @@ tiers) is bound to the first root that opens it as a tier, and its steps are tha
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 
+from .. import markers
 from .. import uri as _uri
 from ..errors import FormatError, TierInUseError
 from .manifest import Layout
@@ -41,7 +41,7 @@ def bind(local: Layout, remote: Layout) -> None:
     """Bind the tier ``local`` to ``remote`` (first use), or check that it is bound to it."""
     record = {"root": remote.root_uri, "identity": identity(remote), "time": time.time()}
     try:
-        local.backend.write(_path(local), json.dumps(record, indent=1, sort_keys=True).encode(), mode="create")
+        local.backend.write(_path(local), markers.dumps(record, _shown(local), indent=1, sort_keys=True), mode="create")
     except FileExistsError:  # bound before, or by a process racing this one: which root?
         check(local, remote)
         return
@@ -55,20 +55,19 @@ def bind(local: Layout, remote: Layout) -> None:
 def check(local: Layout, remote: Layout) -> None:
     """Raise :class:`TierInUseError` if the tier ``local`` is bound to another root than ``remote``
     (an unbound tier passes)."""
+    fix = (
+        f"it names the root this local tier serves: if you know that root is {remote.root_uri!r}, delete the "
+        f"file to bind the tier again"
+    )
     try:
-        data = local.backend.read(_path(local))
+        theirs = markers.read_json(local.backend, _path(local), _shown(local))
     except FileNotFoundError:
         return
-    try:
-        theirs = json.loads(data)
-        bound, root = theirs["identity"], theirs["root"]
-        if not isinstance(bound, str) or not isinstance(root, str):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise FormatError(
-            f"{_shown(local)}: damaged (not the JSON ckptio writes: root and identity); it names the root this "
-            f"local tier serves: if you know that root is {remote.root_uri!r}, delete the file to bind the tier again"
-        ) from None
+    except FormatError as e:  # its reason, after the name
+        raise FormatError(f"{_shown(local)}: damaged ({str(e).removeprefix(_shown(local) + ': ')}); {fix}") from None
+    bound, root = (theirs.get("identity"), theirs.get("root")) if isinstance(theirs, dict) else (None, None)
+    if not isinstance(bound, str) or not isinstance(root, str):
+        raise FormatError(f"{_shown(local)}: damaged (not the JSON ckptio writes: root and identity); {fix}")
     if bound != identity(remote):
         raise TierInUseError(
             _shown(local),

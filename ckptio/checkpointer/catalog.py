@@ -19,7 +19,7 @@ from .. import uri as _uri
 from ..errors import CkptioError, FormatError
 from ..threads import Pool
 from .binding import check
-from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, _parse_manifest
+from .manifest import MARKER_NAME, POINTER_NAME, Layout, _check_manifest, read_manifest
 from .retention import kept
 
 __all__ = ["catalog", "is_root"]
@@ -51,12 +51,10 @@ def _row(layout: Layout, step: int, size: int) -> dict[str, Any]:
     marker = layout.user_uri(step, MARKER_NAME)
     row: dict[str, Any] = {"step": step, "uri": layout.uri(step), "size": size}
     try:
-        data = layout.backend.read(_uri.join_path(layout.dir(step), MARKER_NAME))
+        m = read_manifest(layout.backend, _uri.join_path(layout.dir(step), MARKER_NAME), marker)
+        _, fmt, _ = _check_manifest(m, marker)
     except FileNotFoundError:
         return {**row, "state": "incomplete", "format": None}
-    try:
-        m = _parse_manifest(data, marker)
-        _, fmt, _ = _check_manifest(m, marker)
     except FormatError as e:
         return {**row, "state": "damaged", "format": None, "problem": str(e)}
     metrics = m.get("metrics")

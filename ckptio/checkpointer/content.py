@@ -25,7 +25,7 @@ from .. import uri as _uri
 from ..backends.base import Backend
 from ..errors import CkptioError, FormatError, logger
 from ..incremental import CONTENT_DIR, BlockStore, IncrementalBackend
-from .manifest import _DATA_FILE, _FILE_FORMAT, CheckpointWarning, Layout
+from .manifest import _DATA_FILE, _FILE_FORMAT, MARKER_NAME, CheckpointWarning, Layout, _check_manifest
 
 log = logger("ckptio.checkpointer")
 
@@ -119,7 +119,7 @@ class Content:
             return set()
         if self._mine is not None and self._mine[0] == step:  # this rank's own last save: known already
             return set(self._mine[1])
-        reader = IncrementalBackend(self.layout.backend, self.store)
+        reader = IncrementalBackend(self.layout.backend, self.store, confirm_sizes=False)
         try:
             uris = data_files(self.layout, step)
             mine = [u for u in uris if _uri.basename(u).startswith(f"__{rank}_")]
@@ -144,7 +144,7 @@ class Content:
             if s not in steps:  # deleted (retention, delete()): its content may go
                 del self._refs[s]
                 self._due = 0.0
-        reader = IncrementalBackend(self.layout.backend, self.store)
+        reader = IncrementalBackend(self.layout.backend, self.store, confirm_sizes=False)
         try:
             for s in steps:
                 if s in self._refs:
@@ -191,8 +191,8 @@ def data_files(layout: Layout, step: int) -> list[str]:
     """The (resolved) URIs of the data files of committed incremental ``step`` (none when it is not
     incremental): ``pt``/``fpk`` the marker's file, ``dcp`` the data objects its ``.metadata`` names."""
     m = layout.manifest(step)
-    fmt = m.get("format")
-    if m.get(CONTENT_KEY) is None or (fmt not in _DATA_FILE and fmt != "dcp"):
+    _, fmt, _ = _check_manifest(m, layout.user_uri(step, MARKER_NAME))  # its file names too
+    if m.get(CONTENT_KEY) is None:
         return []
     d = layout.dir(step)
     if fmt == "dcp":
@@ -203,12 +203,7 @@ def data_files(layout: Layout, step: int) -> list[str]:
         return sorted(
             set(data_objects(loads_metadata(layout.backend.read(meta), meta), layout.backend, d, meta).values())
         )
-    out = []
-    for name in m.get("files") or [_DATA_FILE[fmt]]:
-        if name in ("", ".", "..") or any(c in name for c in "/\\:\0"):
-            raise FormatError(f"{layout.user_uri(step, 'checkpoint.json')}: file name {name!r}")
-        out.append(_uri.join_path(d, name))
-    return out
+    return [_uri.join_path(d, name) for name in m.get("files") or [_DATA_FILE[fmt]]]
 
 
 def step_hashes(layout: Layout, step: int, reader: IncrementalBackend) -> set[str]:
@@ -226,7 +221,7 @@ def usage(root_uri: str) -> dict[str, Any]:
     and the bytes only it holds (deleting it alone frees them), and the root's physical bytes."""
     layout = Layout(root_uri.rstrip("/") or root_uri)
     store = store_for(layout.backend, layout.root)
-    reader = IncrementalBackend(layout.backend, store)
+    reader = IncrementalBackend(layout.backend, store, confirm_sizes=False)
     sizes = store.sizes()
     users: dict[str, int] = {}
     rows: list[tuple[int, int, int, set[str]]] = []

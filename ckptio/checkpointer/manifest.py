@@ -25,7 +25,6 @@ deserializer or a path.
 from __future__ import annotations
 
 import builtins
-import json
 import os
 import re
 import warnings
@@ -33,7 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import markers
 from .. import uri as _uri
+from ..backends.base import Backend
 from ..context import resolve
 from ..errors import CkptioError, FormatError, IncompleteCheckpointError, NotFoundError, Redacting, logger
 from ..threads import Pool
@@ -43,14 +44,16 @@ log = logger("ckptio.checkpointer")
 MARKER_NAME = "checkpoint.json"
 POINTER_NAME = "latest.txt"
 STEP_DIGITS = 12
+MAX_STEP_DIGITS = 20  # a step past 2**64 is no step: a longer all-digit name is another file's
 FORMATS = ("dcp", "fpk", "pt")
 _DATA_FILE = {"pt": "state.pt", "fpk": "state.fpk"}
 _FILE_FORMAT = {"pt": "torch", "fpk": "fastpickle"}  # the ckptio format each data file is read with, whatever its name
 
 
 def _is_step_name(name: str) -> bool:
-    """ASCII digits only: ``str.isdigit`` also takes '²' and other characters ``int()`` refuses."""
-    return name.isascii() and name.isdigit()
+    """ASCII digits only (``str.isdigit`` also takes '²' and other characters ``int()`` refuses), at
+    most :data:`MAX_STEP_DIGITS` of them."""
+    return len(name) <= MAX_STEP_DIGITS and name.isascii() and name.isdigit()
 
 
 def _is_own_name(name: str) -> bool:
@@ -71,15 +74,25 @@ class CheckpointInfo:
 def step_of_name(u: str) -> int:
     """The step of a checkpoint without a marker: the number its name ends with (``1000``, ``step100.pt``,
     ``iter_000001000_model.pt``: a DINOv3 step directory, a Cosmos file), else 0."""
-    found = re.findall(r"\d+", _uri.basename(u.rstrip("/")))
-    return int(found[-1]) if found else 0
+    found = re.findall(r"[0-9]+", _uri.basename(u.rstrip("/")))
+    return int(found[-1]) if found and len(found[-1]) <= MAX_STEP_DIGITS else 0
 
 
 def _parse_manifest(data: bytes, marker: str) -> Any:
     try:
-        return json.loads(data)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise FormatError(f"{marker}: not valid JSON ({e}); the commit marker is damaged") from None
+        return markers.loads(data, marker)
+    except FormatError as e:
+        raise FormatError(f"{e}; the commit marker is damaged") from None
+
+
+def read_manifest(backend: Backend, path: str, marker: str) -> Any:
+    """The commit marker at ``path`` (resolved; ``marker``: its URI, for errors), parsed, not yet
+    checked (:func:`_check_manifest`); at most :data:`~ckptio.markers.MAX_JSON_BYTES` are read."""
+    try:
+        data = markers.read(backend, path, marker, markers.MAX_JSON_BYTES)
+    except FormatError as e:
+        raise FormatError(f"{e}; the commit marker is damaged") from None
+    return _parse_manifest(data, marker)
 
 
 def _check_manifest(m: Any, marker: str) -> tuple[int, str, str | None]:
@@ -137,7 +150,7 @@ def target_of_uri(u: str) -> tuple[int, str, str, str | None, bool]:
         return step_of_name(u), _uri.parent(u), fmt, _uri.basename(u), False
     if backend.isfile(_uri.join_path(d, MARKER_NAME)):
         marker = _uri.join_path(u, MARKER_NAME)
-        m = _parse_manifest(backend.read(_uri.join_path(d, MARKER_NAME)), marker)
+        m = read_manifest(backend, _uri.join_path(d, MARKER_NAME), marker)
         s, fmt, name = _check_manifest(m, marker)
         return s, u, fmt, name, m.get("content") is not None
     if backend.isfile(_uri.join_path(d, ".metadata")):
@@ -236,18 +249,19 @@ class Layout:
         return self.committed_among(self.step_dirs())
 
     def pointer(self) -> int | None:
-        """The step the latest pointer names (checked for its form only), or None."""
+        """The step the latest pointer names (checked for its form only), or None (a warning if it is
+        malformed: then :meth:`latest` falls back to the newest complete checkpoint)."""
+        shown = f"{self.root_uri}/{POINTER_NAME}"
         try:
-            text = self.backend.read(_uri.join_path(self.root, POINTER_NAME)).decode("utf-8").strip()
+            data = markers.read(self.backend, _uri.join_path(self.root, POINTER_NAME), shown, markers.MAX_POINTER_BYTES)
+            text = markers.text(data, shown).strip()
+            name = _uri.basename(text)
+            if not _is_step_name(name):
+                raise FormatError(f"{shown}: names no step directory: {text[:80]!r}")
         except FileNotFoundError:
             return None
-        name = _uri.basename(text)
-        if not _is_step_name(name):
-            warnings.warn(
-                f"ignoring malformed latest pointer {self.root_uri}/{POINTER_NAME}: {text[:80]!r}",
-                CheckpointWarning,
-                stacklevel=4,
-            )
+        except FormatError as e:
+            warnings.warn(f"ignoring malformed latest pointer: {e}", CheckpointWarning, stacklevel=4)
             return None
         self.names.setdefault(int(name), name)
         return int(name)
@@ -280,14 +294,14 @@ class Layout:
         m = self.manifests.get(step)
         if m is None:
             try:
-                data = self.backend.read(_uri.join_path(self.dir(step), MARKER_NAME))
+                path = _uri.join_path(self.dir(step), MARKER_NAME)
+                m = read_manifest(self.backend, path, self.user_uri(step, MARKER_NAME))
             except FileNotFoundError:
                 if self.backend.isdir(self.dir(step)):
                     raise IncompleteCheckpointError(
                         f"checkpoint {self.uri(step)} is incomplete (no {MARKER_NAME})"
                     ) from None
                 raise NotFoundError(self.uri(step), "no checkpoint for this step") from None
-            m = _parse_manifest(data, self.user_uri(step, MARKER_NAME))
             self.manifests[step] = m
         return m
 
@@ -319,7 +333,7 @@ class Layout:
 
     def commit(self, step: int, manifest: dict[str, Any]) -> None:
         """Write the marker (create-only: the checkpoint is complete from here on), then the pointer."""
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        data = markers.dumps(manifest, self.user_uri(step, MARKER_NAME), indent=1, sort_keys=True)
         self.backend.write(_uri.join_path(self.dir(step), MARKER_NAME), data, mode="create")
         self.manifests[step] = manifest
         self.started.discard(step)

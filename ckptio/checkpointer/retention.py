@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import threading
 import time
 import warnings
@@ -42,6 +41,7 @@ import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
+from .. import markers
 from .. import uri as _uri
 from ..errors import FormatError, NotFoundError, logger
 from ..incremental import CONTENT_DIR
@@ -139,10 +139,16 @@ def _keep(rules: _Rules, layout: Layout, steps: Sequence[int], latest: int) -> s
         scored = []
         for s in steps:
             try:
-                v = layout.manifest(s).get("metrics", {}).get(rules.best_metric)
+                m = layout.manifest(s)
             except FileNotFoundError:
                 continue
-            if v is not None and v == v:  # NaN (a diverged step) is never the best
+            except FormatError as e:  # never deleted for a score it cannot tell
+                warnings.warn(f"retention keeps step {s}: {e}", CheckpointWarning, stacklevel=2)
+                keep.add(s)
+                continue
+            metrics = m.get("metrics") if isinstance(m, dict) else None
+            v = metrics.get(rules.best_metric) if isinstance(metrics, dict) else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:  # NaN: a diverged step, never best
                 scored.append((v if rules.best_mode == "min" else -v, -s, s))
         keep.update(s for *_, s in sorted(scored)[: rules.keep_best])
     return keep
@@ -205,25 +211,21 @@ def abandoned(layout: Layout, step: int, stale_after: float | None) -> bool:
 
 def kept(layout: Layout) -> dict[str, int]:
     """Name -> step of every kept step under ``layout``'s root (``kept.json``; none: ``{}``)."""
+    where = _uri.join_path(layout.root_uri, KEPT_NAME)
+    fix = "retention stops until it is fixed: rewrite it (or delete it, which drops every kept name)"
     try:
-        data = layout.backend.read(_uri.join_path(layout.root, KEPT_NAME))
+        names = markers.read_json(layout.backend, _uri.join_path(layout.root, KEPT_NAME), where)
     except FileNotFoundError:
         return {}
-    where = _uri.join_path(layout.root_uri, KEPT_NAME)
-    try:
-        names = json.loads(data)
-    except ValueError:
-        names = None
+    except FormatError as e:
+        raise FormatError(f"{e}; {fix}") from None
     if not isinstance(names, dict) or not all(type(v) is int and v >= 0 for v in names.values()):
-        raise FormatError(
-            f"{where}: not the JSON ckptio writes (name -> step); retention stops until it is fixed: "
-            f"rewrite it (or delete it, which drops every kept name)"
-        )
+        raise FormatError(f"{where}: not the JSON ckptio writes (name -> step); {fix}")
     return names
 
 
 def _write_kept(layout: Layout, names: dict[str, int]) -> None:
-    data = json.dumps(dict(sorted(names.items())), indent=1).encode()
+    data = markers.dumps(dict(sorted(names.items())), _uri.join_path(layout.root_uri, KEPT_NAME), indent=1)
     layout.backend.write(_uri.join_path(layout.root, KEPT_NAME), data, mode="overwrite")
 
 

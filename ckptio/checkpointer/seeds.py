@@ -36,10 +36,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .. import markers
 from .. import uri as _uri
 from ..backends.base import Backend, ObjectInfo
 from ..context import resolve
-from ..errors import IncompleteCheckpointError, NotFoundError
+from ..errors import FormatError, IncompleteCheckpointError, NotFoundError
 from ..io import load
 from ..threads import Pool
 from .manifest import MARKER_NAME, CheckpointWarning
@@ -48,8 +49,9 @@ KEYS = ("model", "optim", "scheduler", "trainer")  # Cosmos's KEYS_TO_SAVE
 POINTER = "latest_checkpoint.txt"
 DCP_METADATA = ".metadata"
 KEEP_SUFFIX = "_keep"
-_FLAT = re.compile(r"iter_(\d{9,})(?:_(model|optim|scheduler))?\.pt")
-_ITER = re.compile(r"iter_(\d{9,})(\.pt)?")
+# ASCII digits ("\d" takes '٠' and other digits int() reads), at most 20 (no step is past 2**64)
+_FLAT = re.compile(r"iter_([0-9]{9,20})(?:_(model|optim|scheduler))?\.pt")
+_ITER = re.compile(r"iter_([0-9]{9,20})(\.pt)?")
 _ZIP_END = b"PK\x05\x06"  # end of central directory record; torch.save writes no zip comment
 _ZIP_START = b"PK\x03\x04"
 
@@ -196,17 +198,17 @@ class CosmosSteps(SeedSteps):
         return set(self._parts)
 
     def pointer(self) -> int | None:
+        shown = _uri.join_path(self.uri, POINTER)
         try:
-            text = self.backend.read(_uri.join_path(self.root, POINTER)).decode("utf-8", "replace").strip()
+            data = markers.read(self.backend, _uri.join_path(self.root, POINTER), shown, markers.MAX_POINTER_BYTES)
+            text = markers.text(data, shown).strip()
+            m = _ITER.fullmatch(_uri.basename(text))
+            if m is None:
+                raise FormatError(f"{shown}: names no step: {text[:80]!r}")
         except FileNotFoundError:
             return None
-        m = _ITER.fullmatch(_uri.basename(text)) if text else None
-        if m is None:
-            warnings.warn(
-                f"ignoring malformed Cosmos pointer {_uri.join_path(self.uri, POINTER)}: {text[:80]!r}",
-                CheckpointWarning,
-                stacklevel=3,
-            )
+        except FormatError as e:
+            warnings.warn(f"ignoring malformed Cosmos pointer: {e}", CheckpointWarning, stacklevel=3)
             return None
         return int(m.group(1))
 

@@ -31,7 +31,7 @@ from .manifest import (
     Layout,
     _check_manifest,
     _is_step_name,
-    _parse_manifest,
+    read_manifest,
     target_of_uri,
 )
 
@@ -108,7 +108,7 @@ def is_complete(uri: str | os.PathLike) -> bool:
     marker = _uri.join_path(d, MARKER_NAME)
     if backend.isfile(marker):
         try:
-            m = _parse_manifest(backend.read(marker), _uri.join_path(u, MARKER_NAME))
+            m = read_manifest(backend, marker, _uri.join_path(u, MARKER_NAME))
             _, fmt, name = _check_manifest(m, _uri.join_path(u, MARKER_NAME))
         except (FormatError, FileNotFoundError):
             return False

@@ -7,7 +7,7 @@ from typing import Any
 
 from .. import uri as _uri
 from ..errors import CkptioError
-from .manifest import MARKER_NAME, Layout, _parse_manifest
+from .manifest import MARKER_NAME, Layout, read_manifest
 
 SIZES_KEY = "sizes"
 
@@ -49,7 +49,7 @@ def verify(layout: Layout, step: int) -> str | None:
         if not layout.committed(step):
             return "not committed there"
         marker = layout.user_uri(step, MARKER_NAME)
-        m = _parse_manifest(layout.backend.read(_uri.join_path(layout.dir(step), MARKER_NAME)), marker)
+        m = read_manifest(layout.backend, _uri.join_path(layout.dir(step), MARKER_NAME), marker)
         sizes = marker_sizes(m, marker) if isinstance(m, dict) else None
         if sizes is None:
             return None  # committed by a plain Checkpointer: the format's own checks are all there is

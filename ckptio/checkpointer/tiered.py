@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import os
 import threading
 import time
@@ -57,13 +56,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from .. import markers
 from .. import uri as _uri
 from ..backends.base import ObjectInfo
 from ..context import resolve
 from ..errors import CkptioError, NotFoundError, logger
 from ..transfer import copy_objects
 from .binding import bind, check
-from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, _parse_manifest
+from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, read_manifest
 from .replication import ReplicationError, Replicator
 from .retention import _Rules, cleanup, prune
 from .tier_sizes import SIZES_KEY, file_sizes, marker_sizes, verify
@@ -189,10 +189,9 @@ class Tier:
             m: Any = {SIZES_KEY: owned}
         else:
             try:
-                data = local.backend.read(_uri.join_path(local.dir(step), MARKER_NAME))
+                m = read_manifest(local.backend, _uri.join_path(local.dir(step), MARKER_NAME), marker)
             except FileNotFoundError:
                 return  # deleted or replaced meanwhile (or another node's step): nothing to replicate
-            m = _parse_manifest(data, marker)
         sizes = marker_sizes(m, marker) if isinstance(m, dict) else None
         if sizes is None:  # committed by a plain Checkpointer on this root: list what is there
             sizes = file_sizes(local, step)
@@ -205,7 +204,7 @@ class Tier:
             return
         rmarker = _uri.join_path(remote.dir(step), MARKER_NAME)
         if remote.committed(step):
-            theirs = _parse_manifest(remote.backend.read(rmarker), remote.user_uri(step, MARKER_NAME))
+            theirs = read_manifest(remote.backend, rmarker, remote.user_uri(step, MARKER_NAME))
             if isinstance(theirs, dict) and theirs.get("time") == m.get("time") and theirs.get(SIZES_KEY) == sizes:
                 self._finish(step)  # replicated before (a restart, or killed before the pointer moved)
                 return
@@ -220,7 +219,8 @@ class Tier:
             remote.rmtree(remote.dir(step))  # debris of an interrupted replication
         copy_files(local, remote, step, self.mine(sizes))
         await_files(remote, step, sizes, self.timeout if self.per_rank else None)
-        remote.backend.write(rmarker, json.dumps(m, indent=1, sort_keys=True).encode(), mode="create")
+        data = markers.dumps(m, remote.user_uri(step, MARKER_NAME), indent=1, sort_keys=True)
+        remote.backend.write(rmarker, data, mode="create")
         remote.manifests[step] = m
         self._finish(step)
 

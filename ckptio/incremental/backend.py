@@ -15,11 +15,14 @@ its writers were given and what they stored, :attr:`~IncrementalBackend.referenc
 their recipes name.
 
 Reads see the logical bytes: an object that starts with the recipe magic is read through its recipe
-(parsed strictly, cached per URI for the wrapper's life), its blocks fetched in parallel straight into
-the caller's buffer, each hash checked (partly read blocks are fetched whole, to check them, and the
-last few are kept). Once a block came from a local file (:attr:`BlockStore.local_reads`), a read's
-blocks are read in the caller's thread: readers already read ranges from several threads, and more
-threads only contend for the CPUs a local read needs. Plain objects are the wrapped backend's.
+(parsed strictly, each block's stored size confirmed before anything is sized from the recipe:
+:meth:`~.store.BlockStore.check_sizes`, unless the wrapper only lists the blocks recipes name:
+``confirm_sizes=False``; cached per URI for the wrapper's life), its blocks fetched in
+parallel straight into the caller's buffer, each hash checked (partly read blocks are fetched whole,
+to check them, and the last few are kept). Once a block came from a local file
+(:attr:`BlockStore.local_reads`), a read's blocks are read in the caller's thread: readers already read
+ranges from several threads, and more threads only contend for the CPUs a local read needs. Plain
+objects are the wrapped backend's.
 
 Capabilities, each explicit: ``local_file`` is the wrapped backend's for a plain object and None for
 a recipe; ``held`` is declined; ``assembled`` True for a recipe (formats keep their own checksums: a
@@ -46,6 +49,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..backends.base import Backend, Buffer, Held, ObjectInfo, WriteMode, Writer
+from ..errors import FormatError
 from ..osio import prefault
 from ..threads import Pool
 from ..wrappers.forwarding import ForwardingBackend
@@ -61,13 +65,16 @@ _KEEP_BYTES = 64 << 20
 class IncrementalBackend(ForwardingBackend):
     """``inner`` with objects stored as recipes over ``store``'s content blocks (module docstring)."""
 
-    def __init__(self, inner: Backend, store: BlockStore, *, check_blocks: bool = True) -> None:
+    def __init__(
+        self, inner: Backend, store: BlockStore, *, check_blocks: bool = True, confirm_sizes: bool = True
+    ) -> None:
         super().__init__(inner)
         # a whole number of the largest blocks: readers that cut a long range into part_size pieces (DCP's,
         # an unverified .fpk load) read each payload's blocks straight into their targets, not each piece
         # through a copy of its whole block (_read_part); a payload's first block starts where it starts
         self.part_size = -(-self.part_size // store.max_block) * store.max_block
         self.check_blocks = check_blocks  # False: for_checked_reads' backend, block lengths checked only
+        self.confirm_sizes = confirm_sizes  # False: recipes read for the blocks they name, not to read them
         self._unchecked: IncrementalBackend | None = None
         self.name = inner.name
         self.store = store
@@ -106,8 +113,13 @@ class IncrementalBackend(ForwardingBackend):
             data = head
             if len(head) == _PROBE:
                 size = self.inner.stat(uri).size
-                data = head if size <= _PROBE else head + self.inner.read_range(uri, _PROBE, MAX_RECIPE_BYTES + 1)
+                if size > MAX_RECIPE_BYTES:
+                    raise FormatError(f"{uri}: not a valid ckptio recipe ({size} bytes, more than {MAX_RECIPE_BYTES})")
+                data = head if size <= _PROBE else head + self.inner.read_range(uri, _PROBE, size)
             r = parse_recipe(data, uri)
+            if self.confirm_sizes:
+                local = self.store.local_reads or self.inner.reads_local
+                self.store.check_sizes(zip(r.hashes, r.lengths, strict=True), uri, 1 if local else self.concurrency)
         with self._lock:
             self._recipes[uri] = r
         return r
@@ -200,7 +212,7 @@ class IncrementalBackend(ForwardingBackend):
             self._blocks.move_to_end(h)
         if mine:
             try:
-                whole = bytearray(length)
+                whole = bytearray(length)  # as the storage holds: BlockStore.check_sizes
                 self.store.read_into(h, memoryview(whole), uri, self.check_blocks)
                 fut.set_result(whole)  # never written again: shared by its readers without a copy
             except BaseException as e:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import markers
 from ..errors import FormatError
 
 MAGIC = b"CKPTIO-RECIPE 1\n"
@@ -66,8 +67,8 @@ def parse_recipe(data: bytes, uri: str) -> Recipe:
         raise bad(f"{len(data)} bytes, more than {MAX_RECIPE_BYTES}")
     if not data.startswith(MAGIC):
         raise bad("no recipe magic")
-    try:
-        body: Any = json.loads(data[len(MAGIC) :])
+    try:  # a block is 3 values: its pair, its length, the comma before the next
+        body: Any = markers.parse(data[len(MAGIC) :], max_values=3 * MAX_BLOCKS + 8)
     except ValueError as e:
         raise bad(f"not JSON: {e}") from None
     if not isinstance(body, dict) or set(body) != {"hash", "size", "blocks"}:

@@ -21,6 +21,7 @@ import errno
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +33,7 @@ from .. import uri as _uri
 from ..backends.base import Backend, Buffer, ObjectInfo
 from ..errors import IntegrityError, TransferError, note
 from ..osio import open_for_reading, preadinto, preadinto_each, translated
+from ..threads import Pool
 
 CONTENT_DIR = ".content"
 _NAME = re.compile(r"([0-9a-f]{2})/([0-9a-f]{32})")
@@ -73,6 +75,7 @@ class BlockStore:
         self._lock = threading.Lock()
         self._known: set[str] = set()
         self._fresh: set[str] = set()
+        self._sizes: dict[str, int] = {}  # hash -> the size its content object was found to have
         # the storage is local (a read costs CPU time, not waiting): its files have paths, or a block
         # was read from a local file (Backend.local_file)
         self.local_reads = files is not None
@@ -127,7 +130,7 @@ class BlockStore:
         pieces while still in the CPU cache; else the block once read)."""
         # the hot path (plain files, a restore opens one per 1-64 MiB, beside another thread's copies, where
         # every line of Python costs several times its quiet cost): the URI is only made for an error
-        try:
+        with self._naming(h, file_uri):
             if self._files is not None:  # plain files: opened as they are, a missing one raises
                 n, digest = _read_hashed(f"{self._files}/{h[:2]}/{h}", out, check, each)
                 ok = n == len(out) and (not check or digest == h)
@@ -143,6 +146,61 @@ class BlockStore:
                         self.local_reads = True
                         n, digest = _read_hashed(path, out, check, each)
                         ok = n == len(out) and (not check or digest == h)
+        if not ok:
+            raise self._damaged(h, file_uri, f"{n} of {len(out)} bytes read, hash mismatch or short")
+
+    def check_sizes(self, blocks: Iterable[tuple[str, int]], file_uri: str, threads: int = 1) -> None:
+        """Each block's content object is a file holding the length its recipe says (IntegrityError naming
+        the first that does not, or is missing): a reader allocates from a recipe's size, which is then
+        what the storage holds. ``threads``: lookups at once (object stores: one request a block), a few
+        rounds of them at a time. Confirmed sizes are remembered; a read checks the length again."""
+        lengths: dict[str, set[int]] = {}
+        for h, n in blocks:
+            lengths.setdefault(h, set()).add(n)
+        todo = [h for h, ns in lengths.items() if ns != {self._sizes.get(h)}]
+
+        def size(h: str) -> int:
+            return self._stored_size(h, file_uri)
+
+        with contextlib.ExitStack() as stack:
+            run: Callable[..., Iterator[int]] = map
+            if threads > 1 and len(todo) > 1:
+                run = stack.enter_context(Pool(min(threads, len(todo)), thread_name_prefix="ckptio-sizes")).map
+            step = 4 * max(1, threads)
+            for i in range(0, len(todo), step):
+                part = todo[i : i + step]
+                found = list(run(size, part))
+                for h, got in zip(part, found, strict=True):
+                    bad = next((n for n in lengths[h] if n != got), None)
+                    if bad is not None:
+                        raise self._damaged(h, file_uri, f"{got} bytes where its recipe says {bad}")
+                with self._lock:
+                    self._sizes.update(zip(part, found, strict=True))
+
+    def _stored_size(self, h: str, file_uri: str) -> int:
+        with self._naming(h, file_uri):
+            if self._files is None:
+                info = self.backend.stat(self.uri(h))
+                if info.is_dir:
+                    raise IsADirectoryError(errno.EISDIR, "Is a directory")
+                return info.size
+            st = os.stat(f"{self._files}/{h[:2]}/{h}")
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.ESPIPE, "Not a regular file")
+            return st.st_size
+
+    def _damaged(self, h: str, file_uri: str, why: str) -> IntegrityError:
+        return IntegrityError(
+            f"{file_uri}: its content object {self.uri(h)} is damaged ({why}); every checkpoint using it fails to load"
+        )
+
+    @contextlib.contextmanager
+    def _naming(self, h: str, file_uri: str) -> Iterator[None]:
+        """OS errors reading block ``h`` for ``file_uri`` as errors naming both."""
+        try:
+            yield
         except (FileNotFoundError, NotADirectoryError):  # no such file, or a file where its folder should be
             raise IntegrityError(f"{file_uri}: its content object {self.uri(h)} is missing") from None
         except IsADirectoryError:
@@ -160,13 +218,8 @@ class BlockStore:
                 note(err, f"reading {file_uri}, which uses it")
             try:
                 raise err from e
-            finally:  # the error's traceback holds this frame (and ``out``): no reference cycle
+            finally:  # the error's traceback holds this frame: no reference cycle
                 del err
-        if not ok:
-            raise IntegrityError(
-                f"{file_uri}: its content object {self.uri(h)} is damaged ({n} of {len(out)} bytes read, hash "
-                "mismatch or short); every checkpoint using it fails to load"
-            )
 
     # ---- sweep ------------------------------------------------------------------------------------
     def sweep(self, referenced: set[str], grace: float) -> tuple[int, int, float]:
