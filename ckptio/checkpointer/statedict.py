@@ -88,7 +88,13 @@ def _live(module: torch.nn.Module, source: Mapping[str, Any]) -> dict[str, Any]:
     """``module``'s state dict by the names ``source`` (a checkpoint's) uses for it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return module.state_dict() if _ddp_prefixed(module, source) else get_model_state_dict(module)
+    if _ddp_prefixed(module, source) or not _has_tensors(module):  # torch's function refuses an empty module
+        return module.state_dict()
+    return get_model_state_dict(module)
+
+
+def _has_tensors(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _child(node: Any, key: Any) -> Any:
