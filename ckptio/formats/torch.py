@@ -19,12 +19,14 @@ Before torch (or the inspector) sees an archive (``weights_only`` loads, ``inspe
 file) and :func:`pickle_problem` walks its ``data.pkl`` (:mod:`ckptio.formats.pickle_scan`): no
 memo bomb, no ``BUILD`` on a global, no call that allocates from a small argument (torch's
 allow-list admits ``bytearray(n)``, ``torch.FloatTensor(n)``, ``torch.UntypedStorage(n)``).
-Legacy (non-zip) files go to torch unchecked.
+Legacy (non-zip) files go to torch unchecked. Bytes that are no torch.save file (another format's,
+junk) never reach ``torch.load``, whatever ``weights_only`` says (:mod:`.sniff`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import math
@@ -43,7 +45,7 @@ from ..backends.readers import BytesReader, PiecesReader, RangeReader
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor
-from . import pickle_scan
+from . import pickle_scan, sniff
 from .base import StreamFormat, dtype_size, flatten, jsonable
 from .pickle_guard import guard
 
@@ -119,12 +121,13 @@ def check_archive(f: IO[bytes], size: int, uri: str) -> None:
 def _load_checked(f: Any, size: int, uri: str, kw: dict[str, Any]) -> Any:
     import torch
 
+    sniff.expect(uri, "torch", sniff.head_of(f), strict=True)  # no other format reaches an unpickler
     if kw.get("weights_only"):
-        if isinstance(f, (str, os.PathLike)):
-            with open(f, "rb") as g:
-                check_archive(g, size, uri)
-        else:
-            check_archive(f, size, uri)
+        with open(f, "rb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as g:
+            check_archive(g, size, uri)
+    if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors") and not kw.get("mmap"):
+        with open(f, "rb") as g:  # torch.load hands a path named so to safetensors
+            return torch.load(g, **kw)
     return torch.load(f, **kw)
 
 
@@ -143,12 +146,10 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        if kw["weights_only"] and f.seekable():
-            start = f.tell()
-            size = f.seek(0, os.SEEK_END) - start
-            f.seek(start)
-            if start == 0:
-                return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
+        if f.seekable() and f.tell() == 0:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
@@ -451,7 +452,10 @@ def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
         z = zipfile.ZipFile(f)
         why = archive_problem(z, size)
     except zipfile.BadZipFile:
+        f.seek(0)
+        head = f.read(sniff.HEAD)
         f.close()
+        sniff.expect(uri, "torch", head, strict=True)  # another format's file, named .pt
         raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
     except (ValueError, EOFError) as e:  # offsets past either end: a seek before 0, a short read
         f.close()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ... import uri as _uri
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
+from .. import sniff
 
 # fastpickle's sources and ranged/mapped payload readers: one implementation of parallel reads into
 # tensor memory and private mappings for both formats
@@ -37,6 +38,7 @@ def read_header(src: Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
         raise IntegrityError(f"{name}: {size} bytes is too short for a safetensors file (truncated?)")
     first = src.read(0, min(size, HEAD_PREFETCH))
     (n,) = struct.unpack_from("<Q", first)
+    sniff.expect(name, "safetensors", first)  # another format's file, named .safetensors
     if n > MAX_HEADER:
         raise FormatError(f"{name}: header length {n} exceeds the {MAX_HEADER}-byte limit (not a safetensors file?)")
     if 8 + n > size:
