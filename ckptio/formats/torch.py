@@ -41,11 +41,11 @@ from typing import IO, Any
 
 from .. import torch_internals as _ti
 from ..backends.base import Backend, copy_to_file
-from ..backends.readers import BytesReader, PiecesReader, RangeReader
+from ..backends.readers import BytesReader, PiecesReader
 from ..errors import FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor
-from . import pickle_scan, sniff
+from . import pickle_scan, sniff, torch_files
 from .base import StreamFormat, dtype_size, flatten, jsonable
 from .pickle_guard import guard
 
@@ -133,14 +133,7 @@ def _load_checked(f: Any, size: int, uri: str, kw: dict[str, Any]) -> Any:
 
 class TorchFormat(StreamFormat):
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
-        import torch
-
-        try:
-            torch.save(obj, f, **kw)
-        except RuntimeError as e:  # torch's zip writer hides a failed write (disk full...) behind its own error
-            if isinstance(e.__context__, OSError):
-                raise e.__context__ from e
-            raise
+        torch_files.save(obj, f, **kw)  # a failed write's own exception, not the RuntimeError torch raises after it
 
     def load_file(self, f: IO, **kw: Any) -> Any:
         import torch
@@ -199,26 +192,11 @@ def _mmap_default() -> bool:
         return False
 
 
-class _ErrorKeepingReader(RangeReader):
-    """A reader whose read errors survive ``torch.load``: torch's file adapter swallows an exception
-    from ``readinto`` and fails later with one of its own ("read of closed file"), which names
-    neither the object nor the cause."""
-
-    error: BaseException | None = None
-
-    def readinto(self, b: Any) -> int:
-        try:
-            return super().readinto(b)
-        except BaseException as e:
-            self.error = self.error or e
-            raise
-
-
 def _load_through_reader(backend: Backend, uri: str, size: int, kw: dict[str, Any]) -> Any:
     """``torch.load`` through a buffered reader over the backend (bounded memory: each record is read
     straight into its tensor); the backend's own error (damaged, missing) is the one raised."""
 
-    raw = _ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
+    raw = torch_files.ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
     try:
         return _load_checked(io.BufferedReader(raw, buffer_size=1 << 20), size, uri, kw)
     except Exception as e:
