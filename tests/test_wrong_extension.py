@@ -138,3 +138,30 @@ def test_the_sniff_reads_no_more_of_a_remote_object_than_the_load_would(tmp_path
         ckptio.load(uri)
     fetched = sum(r.bytes_out for r in s3_proxy.requests if r.method == "GET")
     assert fetched <= len(data) + 4096, (fetched, len(data))  # (io.load asks 16 bytes: is it a recipe?)
+
+
+def _flipped(data: bytes, at: int, mask: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ mask]) + data[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda g: _flipped(g, 26, 0x10),  # the first record's name length: its local header disagrees
+        lambda g: _flipped(g, 28, 0x40),  # its extra field's length: data.pkl read from the wrong bytes
+        lambda g: b"\x01\x02\x03" + g,  # bytes before the archive (zipfile reads behind them, torch does not)
+    ],
+    ids=["name-length", "extra-length", "prefix"],
+)
+def test_a_damaged_pt_fails_with_a_ckptio_error_naming_it(tmp_path, damage):
+    """Found by the fuzzer: zipfile's own errors (BadZipFile) came out raw, and info/verify read a
+    torch archive behind junk that the load refuses."""
+    path = str(tmp_path / "damaged.pt")
+    torch.save(STATE, path)
+    with open(path, "rb") as f:
+        data = damage(f.read())
+    with open(path, "wb") as f:
+        f.write(data)
+    for check in (ckptio.load, ckptio.info, ckptio.verify):
+        with pytest.raises(FormatError, match="damaged.pt"):
+            check(path)

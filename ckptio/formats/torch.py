@@ -28,11 +28,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import io
 import math
 import os
 import pickle
 import re
+import struct
 import tempfile
 import zipfile
 import zlib
@@ -42,7 +44,7 @@ from typing import IO, Any
 from .. import torch_internals as _ti
 from ..backends.base import Backend, copy_to_file
 from ..backends.readers import BytesReader, PiecesReader
-from ..errors import FormatError, IntegrityError, note
+from ..errors import CkptioError, FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor
 from . import pickle_scan, sniff, torch_files
@@ -52,6 +54,13 @@ from .pickle_guard import guard
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
 INFLATE_MAX = 16  # an archive's records may decompress to at most this many times the archive's size
 _ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_ERRORS = (zipfile.BadZipFile, ValueError, EOFError, zlib.error, struct.error)  # what a damaged archive raises
+
+
+def _damaged(e: BaseException) -> bool:
+    """Whether ``e``, raised while zipfile reads an archive, means the archive is damaged (an offset before
+    its start fails a local file's seek with EINVAL), not that reading failed (a store's error)."""
+    return not isinstance(e, CkptioError) and (isinstance(e, _ZIP_ERRORS) or getattr(e, "errno", 0) == errno.EINVAL)
 
 
 def archive_problem(z: zipfile.ZipFile, size: int) -> str | None:
@@ -106,12 +115,13 @@ def check_archive(f: IO[bytes], size: int, uri: str) -> None:
         f.seek(0)
         try:
             z = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            why = archive_problem(z, size)
+            name = _data_pkl(z) if why is None else None
+            pkl = z.read(name) if name is not None else None
+        except (*_ZIP_ERRORS, OSError) as e:  # (a reader's own error is raised by its caller: _load_through_reader)
             raise FormatError(f"{uri}: not a readable torch.save archive ({type(e).__name__}: {e})") from None
-        why = archive_problem(z, size)
-        name = _data_pkl(z) if why is None else None
-        if why is None and name is not None:
-            why = pickle_problem(z.read(name), size)
+        if pkl is not None:
+            why = pickle_problem(pkl, size)
         if why is not None:
             raise FormatError(f"{uri}: {why}; refusing to load it (the file is corrupt or crafted)")
     finally:
@@ -425,19 +435,20 @@ class _TorchInspector(pickle.Unpickler):
 def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
     """The archive at ``uri`` and its size, its records' sizes checked (:func:`archive_problem`)."""
     f = backend.open_reader(uri)
-    try:
+    try:  # zipfile reads an archive behind any prefix; torch.load and this read only a torch file's bytes
+        sniff.expect(uri, "torch", f.read(sniff.HEAD), strict=True)
         size = f.seek(0, os.SEEK_END)
         z = zipfile.ZipFile(f)
         why = archive_problem(z, size)
-    except zipfile.BadZipFile:
-        f.seek(0)
-        head = f.read(sniff.HEAD)
+    except Exception as e:
         f.close()
-        sniff.expect(uri, "torch", head, strict=True)  # another format's file, named .pt
-        raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
-    except (ValueError, EOFError) as e:  # offsets past either end: a seek before 0, a short read
-        f.close()
-        raise IntegrityError(
+        if isinstance(e, zipfile.BadZipFile):
+            raise FormatError(
+                f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)"
+            ) from None
+        if not _damaged(e):  # the sniff's FormatError, a store's error
+            raise
+        raise IntegrityError(  # offsets past either end: a seek before 0, a short read
             f"{uri}: its zip records point outside the file ({e}): the checkpoint is corrupt"
         ) from None
     if why is not None:
@@ -454,7 +465,12 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
         pkl = _data_pkl(z)
         if pkl is None:
             raise FormatError(f"{uri}: zip archive without data.pkl: not a torch checkpoint")
-        data = z.read(pkl)
+        try:
+            data = z.read(pkl)
+        except Exception as e:
+            if not _damaged(e):
+                raise
+            raise IntegrityError(f"{uri}: cannot read {pkl} ({e}): the checkpoint is corrupt") from None
         why = pickle_problem(data, size)
         if why is not None:
             raise FormatError(f"{uri}: {pkl} {why}; refusing to read it (the file is corrupt or crafted)")
@@ -486,7 +502,9 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
     with z:
         try:
             bad = z.testzip()  # reads every member and checks its CRC32
-        except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        except Exception as e:
+            if not _damaged(e):
+                raise
             raise IntegrityError(f"{uri}: a zip member cannot be read ({e}): the checkpoint is corrupt") from None
         if bad is not None:
             raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")
