@@ -8,7 +8,8 @@ or the exception's type name), its message, how far the peak RSS grew, and which
 
 Kinds: ``pkl`` (``ckptio.load`` of a ``.pkl``), ``metadata`` (``ckptio.dcp.loads_metadata``), ``pt``
 (``ckptio.load`` of a ``.pt``), ``info`` (``ckptio.info``), ``item`` (``ckptio.dcp.checks`` on a DCP
-non-tensor item's bytes).
+non-tensor item's bytes), ``load`` (``ckptio.load`` of any file, with the job's ``kw``), ``memory``
+(the same, the bytes put under the same name in ``memory://``), ``verify`` (``ckptio.verify``).
 """
 
 from __future__ import annotations
@@ -103,11 +104,18 @@ def _changed(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
     return changed
 
 
-def _run(kind: str, path: str) -> object:
+def _run(kind: str, path: str, kw: dict | None = None) -> object:
     import ckptio
 
-    if kind in ("pkl", "pt"):
-        return ckptio.load(path)
+    if kind in ("pkl", "pt", "load"):
+        return ckptio.load(path, **(kw or {}))
+    if kind == "memory":  # the same bytes and name, from memory://
+        uri = f"memory://fuzz/{os.path.basename(path)}"
+        with open(path, "rb") as f:
+            ckptio.put(f.read(), uri)
+        return ckptio.load(uri, **(kw or {}))
+    if kind == "verify":
+        return ckptio.verify(path)
     if kind == "metadata":
         import ckptio.dcp as cd
 
@@ -153,7 +161,7 @@ def _child(args: dict) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         signal.alarm(args["alarm"])
         try:
-            value = _run(job["kind"], job["path"])
+            value = _run(job["kind"], job["path"], job.get("kw"))
             outcome, msg = "ok", repr(value)[:300]
         except FormatError as e:
             outcome, msg = "format", str(e)

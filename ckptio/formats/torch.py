@@ -19,18 +19,22 @@ Before torch (or the inspector) sees an archive (``weights_only`` loads, ``inspe
 file) and :func:`pickle_problem` walks its ``data.pkl`` (:mod:`ckptio.formats.pickle_scan`): no
 memo bomb, no ``BUILD`` on a global, no call that allocates from a small argument (torch's
 allow-list admits ``bytearray(n)``, ``torch.FloatTensor(n)``, ``torch.UntypedStorage(n)``).
-Legacy (non-zip) files go to torch unchecked.
+Legacy (non-zip) files go to torch unchecked. Bytes that are no torch.save file (another format's,
+junk) never reach ``torch.load``, whatever ``weights_only`` says (:mod:`.sniff`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import errno
 import io
 import math
 import os
 import pickle
 import re
+import struct
 import tempfile
 import zipfile
 import zlib
@@ -39,17 +43,24 @@ from typing import IO, Any
 
 from .. import torch_internals as _ti
 from ..backends.base import Backend, copy_to_file
-from ..backends.readers import BytesReader, PiecesReader, RangeReader
-from ..errors import FormatError, IntegrityError, note
+from ..backends.readers import BytesReader, PiecesReader
+from ..errors import CkptioError, FormatError, IntegrityError, note
 from ..osio import anonymous
 from ..threads import Pool, executor
-from . import pickle_scan
+from . import pickle_scan, sniff, torch_files
 from .base import StreamFormat, dtype_size, flatten, jsonable
 from .pickle_guard import guard
 
 IN_MEMORY_MAX = 512 << 20  # a memory:// or remote object up to this size is loaded from memory, not a temporary file
 INFLATE_MAX = 16  # an archive's records may decompress to at most this many times the archive's size
 _ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_ERRORS = (zipfile.BadZipFile, ValueError, EOFError, zlib.error, struct.error)  # what a damaged archive raises
+
+
+def _damaged(e: BaseException) -> bool:
+    """Whether ``e``, raised while zipfile reads an archive, means the archive is damaged (an offset before
+    its start fails a local file's seek with EINVAL), not that reading failed (a store's error)."""
+    return not isinstance(e, CkptioError) and (isinstance(e, _ZIP_ERRORS) or getattr(e, "errno", 0) == errno.EINVAL)
 
 
 def archive_problem(z: zipfile.ZipFile, size: int) -> str | None:
@@ -104,12 +115,13 @@ def check_archive(f: IO[bytes], size: int, uri: str) -> None:
         f.seek(0)
         try:
             z = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            why = archive_problem(z, size)
+            name = _data_pkl(z) if why is None else None
+            pkl = z.read(name) if name is not None else None
+        except (*_ZIP_ERRORS, OSError) as e:  # (a reader's own error is raised by its caller: _load_through_reader)
             raise FormatError(f"{uri}: not a readable torch.save archive ({type(e).__name__}: {e})") from None
-        why = archive_problem(z, size)
-        name = _data_pkl(z) if why is None else None
-        if why is None and name is not None:
-            why = pickle_problem(z.read(name), size)
+        if pkl is not None:
+            why = pickle_problem(pkl, size)
         if why is not None:
             raise FormatError(f"{uri}: {why}; refusing to load it (the file is corrupt or crafted)")
     finally:
@@ -119,12 +131,13 @@ def check_archive(f: IO[bytes], size: int, uri: str) -> None:
 def _load_checked(f: Any, size: int, uri: str, kw: dict[str, Any]) -> Any:
     import torch
 
+    sniff.expect(uri, "torch", sniff.head_of(f), strict=True)  # no other format reaches an unpickler
     if kw.get("weights_only"):
-        if isinstance(f, (str, os.PathLike)):
-            with open(f, "rb") as g:
-                check_archive(g, size, uri)
-        else:
-            check_archive(f, size, uri)
+        with open(f, "rb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as g:
+            check_archive(g, size, uri)
+    if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(".safetensors") and not kw.get("mmap"):
+        with open(f, "rb") as g:  # torch.load hands a path named so to safetensors
+            return torch.load(g, **kw)
     return torch.load(f, **kw)
 
 
@@ -138,25 +151,16 @@ class TorchFormat(StreamFormat):
     open_with = frozenset({"pickle_module"})  # a pickle module of the caller's takes its own load arguments
 
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
-        import torch
-
-        try:
-            torch.save(obj, f, **kw)
-        except RuntimeError as e:  # torch's zip writer hides a failed write (disk full...) behind its own error
-            if isinstance(e.__context__, OSError):
-                raise e.__context__ from e
-            raise
+        torch_files.save(obj, f, **kw)  # a failed write's own exception, not the RuntimeError torch raises after it
 
     def load_file(self, f: IO, **kw: Any) -> Any:
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        if kw["weights_only"] and f.seekable():
-            start = f.tell()
-            size = f.seek(0, os.SEEK_END) - start
-            f.seek(start)
-            if start == 0:
-                return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
+        if f.seekable() and f.tell() == 0:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(0)
+            return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
@@ -205,26 +209,11 @@ def _mmap_default() -> bool:
         return False
 
 
-class _ErrorKeepingReader(RangeReader):
-    """A reader whose read errors survive ``torch.load``: torch's file adapter swallows an exception
-    from ``readinto`` and fails later with one of its own ("read of closed file"), which names
-    neither the object nor the cause."""
-
-    error: BaseException | None = None
-
-    def readinto(self, b: Any) -> int:
-        try:
-            return super().readinto(b)
-        except BaseException as e:
-            self.error = self.error or e
-            raise
-
-
 def _load_through_reader(backend: Backend, uri: str, size: int, kw: dict[str, Any]) -> Any:
     """``torch.load`` through a buffered reader over the backend (bounded memory: each record is read
     straight into its tensor); the backend's own error (damaged, missing) is the one raised."""
 
-    raw = _ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
+    raw = torch_files.ErrorKeepingReader(backend.pin_version(uri), uri, size)  # one version (memory://: a snapshot)
     try:
         return _load_checked(io.BufferedReader(raw, buffer_size=1 << 20), size, uri, kw)
     except Exception as e:
@@ -453,16 +442,20 @@ class _TorchInspector(pickle.Unpickler):
 def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
     """The archive at ``uri`` and its size, its records' sizes checked (:func:`archive_problem`)."""
     f = backend.open_reader(uri)
-    try:
+    try:  # zipfile reads an archive behind any prefix; torch.load and this read only a torch file's bytes
+        sniff.expect(uri, "torch", f.read(sniff.HEAD), strict=True)
         size = f.seek(0, os.SEEK_END)
         z = zipfile.ZipFile(f)
         why = archive_problem(z, size)
-    except zipfile.BadZipFile:
+    except Exception as e:
         f.close()
-        raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)") from None
-    except (ValueError, EOFError) as e:  # offsets past either end: a seek before 0, a short read
-        f.close()
-        raise IntegrityError(
+        if isinstance(e, zipfile.BadZipFile):
+            raise FormatError(
+                f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)"
+            ) from None
+        if not _damaged(e):  # the sniff's FormatError, a store's error
+            raise
+        raise IntegrityError(  # offsets past either end: a seek before 0, a short read
             f"{uri}: its zip records point outside the file ({e}): the checkpoint is corrupt"
         ) from None
     if why is not None:
@@ -479,7 +472,12 @@ def inspect_torch(backend: Backend, uri: str) -> dict[str, Any]:
         pkl = _data_pkl(z)
         if pkl is None:
             raise FormatError(f"{uri}: zip archive without data.pkl: not a torch checkpoint")
-        data = z.read(pkl)
+        try:
+            data = z.read(pkl)
+        except Exception as e:
+            if not _damaged(e):
+                raise
+            raise IntegrityError(f"{uri}: cannot read {pkl} ({e}): the checkpoint is corrupt") from None
         why = pickle_problem(data, size)
         if why is not None:
             raise FormatError(f"{uri}: {pkl} {why}; refusing to read it (the file is corrupt or crafted)")
@@ -511,7 +509,9 @@ def verify_torch(backend: Backend, uri: str) -> dict[str, Any]:
     with z:
         try:
             bad = z.testzip()  # reads every member and checks its CRC32
-        except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        except Exception as e:
+            if not _damaged(e):
+                raise
             raise IntegrityError(f"{uri}: a zip member cannot be read ({e}): the checkpoint is corrupt") from None
         if bad is not None:
             raise IntegrityError(f"{uri}: CRC mismatch in archive member {bad}: the checkpoint is corrupt")

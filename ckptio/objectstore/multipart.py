@@ -84,6 +84,7 @@ class MultipartWriter(Writer):
         self._fill = 0
         self._cap = 0  # the size the buffer being filled may reach (it may still be growing towards it)
         self._handle: Any = None
+        self._begun: concurrent.futures.Future | None = None  # the request that begins the upload
         self._started = False
         self._offset = 0  # bytes handed to parts so far
         self._futures: list[concurrent.futures.Future] = []
@@ -201,6 +202,10 @@ class MultipartWriter(Writer):
         concurrent.futures.wait(self._futures)
         self._futures = []  # each keeps its done callback, which holds this writer: no reference cycle
         self._release_buffers()
+        if not self._started and self._begun is not None:  # a Ctrl-C while the upload began: it may be there
+            concurrent.futures.wait([self._begun])
+            self._started = not self._begun.cancelled() and self._begun.exception() is None
+            self._handle = self._begun.result() if self._started else None
         if self._started:
             try:
                 run(self._loop, self.abort_upload, self._handle)
@@ -304,8 +309,9 @@ class MultipartWriter(Writer):
                     break
                 self._cv.wait()
         try:
-            if not self._started:
-                self._handle = run(self._loop, self.begin)
+            if not self._started:  # a future abort() waits for: a begin whose wait was interrupted
+                self._begun = asyncio.run_coroutine_threadsafe(self.begin(), self._loop)  # may still start one
+                self._handle = self._begun.result()
                 self._started = True
             number, offset = len(self._futures) + 1, self._offset
             self._offset += len(data)

@@ -10,9 +10,15 @@ import xxhash
 
 from ...errors import FormatError, IntegrityError
 from ...threads import Pool
+from .. import sniff
 from .layout import ALIGN, FOOTER, FOOTER_MAGIC, HEADER, MAGIC, VERSION, Meta, reason, validate
 from .read import BackendSource
 from .source import Source
+
+
+def _not_fpk(name: str, header: bytes | memoryview) -> FormatError:
+    """The error for a file without fastpickle's magic: the format its first bytes show, if known."""
+    return sniff.mismatch(name, "fastpickle", header) or FormatError(f"{name}: not a fastpickle file (bad magic)")
 
 
 def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
@@ -24,7 +30,8 @@ def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
         ahead.read_ahead(middle=views)  # the object's size comes with its first request's headers
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
-        raise IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
+        short = IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
+        raise sniff.mismatch(name, "fastpickle", src.view(0, size)) or short
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header: bytes | memoryview = b""
@@ -41,10 +48,10 @@ def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
     footer = tail[-FOOTER.size :]
     meta_off, meta_len, meta_hash, rec_size, version, flags, foot_hash, magic = FOOTER.unpack(footer)
     if not deferred and header[:8] != MAGIC:
-        raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+        raise _not_fpk(name, header)
     if magic != FOOTER_MAGIC or xxhash.xxh3_64_intdigest(footer[:48]) != foot_hash:
         if deferred and src.view(0, HEADER.size)[:8] != MAGIC:
-            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+            raise _not_fpk(name, src.view(0, HEADER.size))
         raise IntegrityError(
             f"{name}: no valid footer in the last {FOOTER.size} bytes: the file is truncated or has trailing bytes"
         )
@@ -62,7 +69,7 @@ def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
     def check_header(header: bytes | memoryview) -> None:
         hmagic, hversion, hflags, align = HEADER.unpack(header)
         if hmagic != MAGIC:
-            raise FormatError(f"{name}: not a fastpickle file (bad magic)")
+            raise _not_fpk(name, header)
         h = xxhash.xxh3_64()
         h.update(header)
         h.update(meta_bytes)

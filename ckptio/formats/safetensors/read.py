@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ... import uri as _uri
 from ...backends.base import Backend
 from ...errors import FormatError, IntegrityError
+from .. import sniff
 
 # fastpickle's sources and ranged/mapped payload readers: one implementation of parallel reads into
 # tensor memory and private mappings for both formats
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
 def read_header(src: Source) -> tuple[dict[str, str], list[TensorEntry], bytes]:
     """Metadata, tensors and the first bytes of the file (one read for all but the largest headers)."""
     name, size = src.name, src.size
+    first = src.read(0, min(size, HEAD_PREFETCH)) if size else b""
+    sniff.expect(name, "safetensors", first)  # another format's file, named .safetensors
     if size < 8:
         raise IntegrityError(f"{name}: {size} bytes is too short for a safetensors file (truncated?)")
-    first = src.read(0, min(size, HEAD_PREFETCH))
     (n,) = struct.unpack_from("<Q", first)
     if n > MAX_HEADER:
         raise FormatError(f"{name}: header length {n} exceeds the {MAX_HEADER}-byte limit (not a safetensors file?)")
