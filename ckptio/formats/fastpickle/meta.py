@@ -31,7 +31,7 @@ def read_meta(src: Source, full: bool = False, views: bool = False) -> Meta:
     name, size = src.name, src.size
     if size < HEADER.size + FOOTER.size:
         short = IntegrityError(f"{name}: {size} bytes is too short for a fastpickle file (truncated?)")
-        raise sniff.mismatch(name, "fastpickle", src.view(0, size)) or short
+        raise (sniff.mismatch(name, "fastpickle", src.view(0, size)) if size else None) or short
     # remote sources: the header and a speculative tail (footer + usually all metadata) in parallel
     tail_len = min(size - HEADER.size, max(FOOTER.size, src.prefetch))
     header: bytes | memoryview = b""
