@@ -22,7 +22,7 @@ from . import uri as _uri
 from .backends.base import Backend
 from .cache import settings as _cache_settings
 from .config import Settings
-from .errors import InvalidURIError, SettingsError, UnknownSchemeError, redact
+from .errors import InvalidURIError, SettingsError, UnknownSchemeError
 
 # easy_io's ``backend_args["backend"]`` names -> registry names
 BACKEND_NAMES = {
@@ -162,9 +162,9 @@ class Context:
             if scheme not in self.settings.aliases:
                 return  # "C:/x", "notes:today": not a scheme ckptio knows
             local = False
-        fix = f"{scheme}://{'/' if local else ''}{_hidden(scheme, rest)}"
-        mapped = f" (which settings map to {_masked(resolved)!r})" if resolved != given else ""
-        given = _masked(given)
+        fix = f"{scheme}://{'/' if local else ''}" + _uri.masked(f"{scheme}:{rest}")[len(scheme) + 1 :]
+        mapped = f" (which settings map to {_uri.masked(resolved)!r})" if resolved != given else ""
+        given = _uri.masked(given)
         raise InvalidURIError(
             f"{given!r}{mapped} is not a URI ({scheme}: needs '//'); did you mean {fix!r}? A local path whose "
             f"first part is '{scheme}:' can be written './{given}'"
@@ -217,18 +217,6 @@ class Context:
                     raise SettingsError(f"backend {entry.name!r} (for {uri!r}): invalid options: {e}") from None
                 self._backends[key] = backend
             return backend
-
-
-def _hidden(scheme: str, rest: str) -> str:
-    """``rest``, what follows ``scheme:`` in a mistyped URI, with what :func:`redact` masks in the URI it
-    stands for (credentials, a query string) masked."""
-    return redact(f"{scheme}://{rest}")[len(scheme) + 3 :]
-
-
-def _masked(path: str) -> str:
-    """``path`` as an error may show it: redacted, also where it is a mistyped URI."""
-    found = _uri.leading_scheme(path)
-    return redact(path) if found is None else path[: len(path) - len(found[1])] + _hidden(*found)
 
 
 _default = Context()

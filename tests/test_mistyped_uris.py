@@ -16,7 +16,7 @@ import pytest
 
 import ckptio
 from ckptio import cli
-from ckptio.errors import InvalidURIError
+from ckptio.errors import InvalidURIError, UnknownFormatError, UnknownOptionError
 
 MISTYPED = [
     ("s3:/team-bucket/x.pt", "s3://team-bucket/x.pt"),
@@ -97,6 +97,9 @@ def test_a_mistyped_uri_never_shows_its_credentials(tmp_path, monkeypatch, capsy
     with pytest.raises(InvalidURIError) as e:
         ckptio.exists(given)
     assert SECRET not in str(e.value) and "did you mean" in str(e.value) and "***" in str(e.value)
+    with pytest.raises((UnknownOptionError, UnknownFormatError)) as e:  # refused before the URI is looked at
+        ckptio.load(given, mmmap=True)
+    assert SECRET not in str(e.value)
     assert cli.main(["ls", given]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert SECRET not in err and "did you mean" in err
@@ -107,7 +110,7 @@ CREDENTIALS_FUZZ = textwrap.dedent(
     import contextlib, io, json, pickle, random, sys
     import ckptio
     from ckptio import cli
-    from ckptio.errors import InvalidURIError
+    from ckptio.errors import InvalidURIError, UnknownFormatError, UnknownOptionError
 
     seed, n, secret = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     rng = random.Random(seed)
@@ -131,7 +134,9 @@ CREDENTIALS_FUZZ = textwrap.dedent(
     for _ in range(n):
         uri = case()
         shown = []
-        for call in (ckptio.resolve, ckptio.exists, lambda u: ckptio.put(b"x", u), ckptio.list_dir_or_file):
+        calls = (ckptio.resolve, ckptio.exists, lambda u: ckptio.put(b"x", u), ckptio.list_dir_or_file,
+                 lambda u: ckptio.load(u, mmmap=True), lambda u: ckptio.dump({}, u, indnt=1))
+        for call in calls:
             try:
                 call(uri)
                 shown.append(["ok", ""])
@@ -148,10 +153,14 @@ CREDENTIALS_FUZZ = textwrap.dedent(
 )
 
 
+REFUSED = ("InvalidURIError", "UnknownOptionError", "UnknownFormatError")  # a misspelt keyword, a query as extension
+
+
 def test_fuzz_mistyped_uris_never_show_credentials(tmp_path):
     """Mistyped URIs of every kind of scheme (and an alias) carrying a secret in their userinfo, their query
-    string or both, through resolve/exists/put/list and ``ckptio ls`` in a child: each is refused as a
-    mistyped URI and the secret appears in no error's str, repr, pickle or notes, nor in the CLI's output."""
+    string or both, through resolve/exists/put/list, load/dump with a misspelt keyword and ``ckptio ls`` in a
+    child: each is refused (a mistyped URI, the keyword, or a query read as the extension) and the secret
+    appears in no error's str, repr, pickle or notes, nor in the CLI's output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "5"))
@@ -169,7 +178,7 @@ def test_fuzz_mistyped_uris_never_show_credentials(tmp_path):
     for c in cases:
         for kind, text in c["shown"]:
             assert SECRET not in text, (kind, c["uri"], text)
-            assert kind == "InvalidURIError" or (kind == "cli" and text.startswith(str(cli.EXIT_USAGE))), c
+            assert kind in REFUSED or (kind == "cli" and text.startswith(str(cli.EXIT_USAGE))), c
     assert os.listdir(tmp_path) == []
 
 

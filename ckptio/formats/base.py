@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, ClassVar
 
+from .. import uri as _uri
 from ..backends.base import Backend, WriteMode, Writer
 from ..errors import FormatError, UnknownOptionError
 from ..osio import translate_os_errors
@@ -117,7 +118,7 @@ def check_keywords(
     raise UnknownOptionError(
         f"{call.__name__}() got an unexpected keyword argument {unknown[0]!r}"
         + (f"; did you mean {close[0]!r}?" if close else "")
-        + f" ({call.__name__}() of {uri!r}, a {fmt.name} file, takes: {', '.join(takes)})"
+        + f" ({call.__name__}() of {_uri.masked(uri)!r}, a {fmt.name} file, takes: {', '.join(takes)})"
     )
 
 
