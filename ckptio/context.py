@@ -162,8 +162,9 @@ class Context:
             if scheme not in self.settings.aliases:
                 return  # "C:/x", "notes:today": not a scheme ckptio knows
             local = False
-        fix = f"{scheme}://{'/' if local else ''}{rest}"
-        mapped = f" (which settings map to {resolved!r})" if resolved != given else ""
+        fix = f"{scheme}://{'/' if local else ''}" + _uri.masked(f"{scheme}:{rest}")[len(scheme) + 1 :]
+        mapped = f" (which settings map to {_uri.masked(resolved)!r})" if resolved != given else ""
+        given = _uri.masked(given)
         raise InvalidURIError(
             f"{given!r}{mapped} is not a URI ({scheme}: needs '//'); did you mean {fix!r}? A local path whose "
             f"first part is '{scheme}:' can be written './{given}'"

@@ -249,7 +249,7 @@ class FormatRegistry(_Registry):
         if entry is not None:
             return entry
         raise UnknownFormatError(
-            f"no format for {uri!r}: its extension matches none of {', '.join(self.keys())}. Pass "
+            f"no format for {_uri.masked(uri)!r}: its extension matches none of {', '.join(self.keys())}. Pass "
             f"file_format=... or register one with @ckptio.register_format(name, extensions=[...])."
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import InvalidURIError
+from .errors import InvalidURIError, redact
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # a path that starts like a URI with its '//' missing or mangled: "s3:/b/k", "s3:b", " S3 :/b", "s3:\\b"
@@ -36,6 +36,17 @@ def leading_scheme(path: str) -> tuple[str, str] | None:
     Whether the scheme is one ckptio knows (a mistyped URI) is the caller's question."""
     m = None if _SCHEME_RE.match(path) else _LEADING_SCHEME_RE.match(path)
     return (m.group(1).lower(), path[m.end() :]) if m else None
+
+
+def masked(path: str | os.PathLike) -> str:
+    """``path`` as a message may show it: :func:`~ckptio.errors.redact`'s masking, also where ``path`` is a URI
+    mistyped without its '//' (``s3:/KEY:SECRET@b/k``, ``https:/h/x?X-Amz-Signature=...``)."""
+    path = str(os.fspath(path))
+    found = leading_scheme(path)
+    if found is None:
+        return redact(path)
+    scheme, rest = found
+    return path[: len(path) - len(rest)] + redact(f"{scheme}://{rest}")[len(scheme) + 3 :]
 
 
 def bucket_key(uri: str) -> tuple[str, str]:

@@ -16,7 +16,7 @@ import pytest
 
 import ckptio
 from ckptio import cli
-from ckptio.errors import InvalidURIError
+from ckptio.errors import InvalidURIError, UnknownFormatError, UnknownOptionError
 
 MISTYPED = [
     ("s3:/team-bucket/x.pt", "s3://team-bucket/x.pt"),
@@ -74,6 +74,112 @@ def test_cli_ls_of_a_mistyped_uri_says_the_fix(tmp_path, monkeypatch, capsys):
     assert cli.main(["ls", "s3:/team-bucket"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "did you mean 's3://team-bucket'" in err and "./s3:/team-bucket" in err
+
+
+SECRET = "S3CR3T-PW-4711"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        f"s3:/AKIAEXAMPLE:{SECRET}@team-bucket/x.pt",
+        f"s3:AKIAEXAMPLE:{SECRET}@team-bucket/x.pt",
+        f" S3 ://user:{SECRET}@team-bucket/x.pt",
+        f"https:/user:{SECRET}@host/x.pt",
+        f"https:/host/x.pt?X-Amz-Signature={SECRET}",
+        f"memory:/b/x.pt?token={SECRET}",
+    ],
+)
+def test_a_mistyped_uri_never_shows_its_credentials(tmp_path, monkeypatch, capsys, given):
+    """The error repeats the string it refuses: what ``redact`` masks in the URI it stands for is masked
+    there too, in the error and in the CLI's output."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidURIError) as e:
+        ckptio.exists(given)
+    assert SECRET not in str(e.value) and "did you mean" in str(e.value) and "***" in str(e.value)
+    with pytest.raises((UnknownOptionError, UnknownFormatError)) as e:  # refused before the URI is looked at
+        ckptio.load(given, mmmap=True)
+    assert SECRET not in str(e.value)
+    assert cli.main(["ls", given]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert SECRET not in err and "did you mean" in err
+
+
+CREDENTIALS_FUZZ = textwrap.dedent(
+    r"""
+    import contextlib, io, json, pickle, random, sys
+    import ckptio
+    from ckptio import cli
+    from ckptio.errors import InvalidURIError, UnknownFormatError, UnknownOptionError
+
+    seed, n, secret = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rng = random.Random(seed)
+    ckptio.configure(aliases={"ckpt": "memory://aliased"}, backends={"s3": {"anon": True}, "gcs": {"anon": True}})
+    SCHEMES = ["s3", "s3a", "gs", "gcs", "memory", "file", "https", "http", "ckpt"]
+    SEPS = [":/", ":", ":\\\\", ": //", " ://", ":/ /"]
+
+    def case():
+        scheme = "".join(c.upper() if rng.random() < 0.3 else c for c in rng.choice(SCHEMES))
+        user = rng.choice(["", "user:", "AKIAEXAMPLE:", ":"])
+        where = rng.choice(["userinfo", "query", "both"])
+        host = rng.choice(["b", "team-bucket", "host:9000", "127.0.0.1"])
+        path = "/".join(rng.choice(["k", "run7", "x.pt", "%41"]) for _ in range(rng.randrange(1, 4)))
+        auth = f"{user}{secret}@" if where != "query" else ""
+        query = "?" + rng.choice(["X-Amz-Signature=", "token=", "sig="]) + secret if where != "userinfo" else ""
+        if where == "both" and rng.random() < 0.5:
+            query += "&X-Amz-Credential=" + secret
+        return rng.choice(["", " ", "	"]) + scheme + rng.choice(SEPS) + auth + host + "/" + path + query
+
+    out = []
+    for _ in range(n):
+        uri = case()
+        shown = []
+        calls = (ckptio.resolve, ckptio.exists, lambda u: ckptio.put(b"x", u), ckptio.list_dir_or_file,
+                 lambda u: ckptio.load(u, mmmap=True), lambda u: ckptio.dump({}, u, indnt=1))
+        for call in calls:
+            try:
+                call(uri)
+                shown.append(["ok", ""])
+            except Exception as e:
+                text = " ".join([str(e), repr(e), repr(pickle.dumps(e)), repr(getattr(e, "__notes__", []))])
+                shown.append([type(e).__name__, text])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(["ls", uri])
+        shown.append(["cli", str(code) + " " + err.getvalue()])
+        out.append({"uri": uri, "shown": shown})
+    print(json.dumps(out))
+    """
+)
+
+
+REFUSED = ("InvalidURIError", "UnknownOptionError", "UnknownFormatError")  # a misspelt keyword, a query as extension
+
+
+def test_fuzz_mistyped_uris_never_show_credentials(tmp_path):
+    """Mistyped URIs of every kind of scheme (and an alias) carrying a secret in their userinfo, their query
+    string or both, through resolve/exists/put/list, load/dump with a misspelt keyword and ``ckptio ls`` in a
+    child: each is refused (a mistyped URI, the keyword, or a query read as the extension) and the secret
+    appears in no error's str, repr, pickle or notes, nor in the CLI's output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "5"))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", CREDENTIALS_FUZZ, str(seed), "150", SECRET],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout)
+    assert len(cases) == 150
+    for c in cases:
+        for kind, text in c["shown"]:
+            assert SECRET not in text, (kind, c["uri"], text)
+            assert kind in REFUSED or (kind == "cli" and text.startswith(str(cli.EXIT_USAGE))), c
+    assert os.listdir(tmp_path) == []
 
 
 FUZZ = textwrap.dedent(

@@ -111,6 +111,163 @@ def test_the_options_a_format_takes_still_work(tmp_path):
     ckptio.dump({"a": 1}, str(tmp_path / "z.json"), indent=2, sort_keys=True)
 
 
+def test_options_the_underlying_library_takes_still_work(tmp_path):
+    """A keyword the library under a format takes passes, as it did before keywords were checked: json's
+    decoder ``strict``, msgpack's packer ``autoreset``/``buf_size``."""
+    path = tmp_path / "ctl.json"
+    path.write_text('{"a": "x\ty"}')  # a raw tab: only strict=False decodes it
+    assert ckptio.load(str(path), strict=False) == {"a": "x\ty"}
+    ckptio.dump({"a": 1}, str(tmp_path / "x.msgpack"), autoreset=True, buf_size=1 << 16)
+    assert ckptio.load(str(tmp_path / "x.msgpack")) == {"a": 1}
+
+
+def test_a_plugin_format_takes_its_own_options(tmp_path):
+    """A plug-in format's options are those its ``load``/``dump`` take by keyword, written with or without
+    ``*``; a subclass of a built-in format that adds one takes it (the declared options of its base describe
+    the base's methods, not the subclass's)."""
+    from ckptio.formats.simple import JsonFormat
+
+    @ckptio.register_format("shout", extensions=[".shout"])
+    class Shout(ckptio.Format):
+        def dump(self, obj, backend, uri, mode="overwrite", loud=False):
+            backend.write(uri, (obj.upper() if loud else obj).encode(), mode=mode)
+
+        def load(self, backend, uri, lower=False):
+            text = backend.read(uri).decode()
+            return text.lower() if lower else text
+
+    @ckptio.register_format("tagged_json", extensions=[".tjson"])
+    class Tagged(JsonFormat):
+        def load_file(self, f, *, tag=None, **kw):
+            return {"tag": tag, **super().load_file(f, **kw)}
+
+    try:
+        path = str(tmp_path / "x.shout")
+        ckptio.dump("Hi", path, loud=True)
+        assert ckptio.load(path, lower=True) == "hi"
+        with pytest.raises(UnknownOptionError, match="'lowre'; did you mean 'lower'"):
+            ckptio.load(path, lowre=True)
+        path = str(tmp_path / "x.tjson")
+        ckptio.dump({"a": 1}, path, indent=1)
+        assert ckptio.load(path, tag="t", object_pairs_hook=dict) == {"tag": "t", "a": 1}
+    finally:
+        ckptio.registry.formats.unregister("shout")
+        ckptio.registry.formats.unregister("tagged_json")
+
+
+PLUGIN_FUZZ = textwrap.dedent(
+    r"""
+    import json, os, random, sys
+    import torch
+    import ckptio
+    from ckptio.errors import UnknownOptionError
+    from ckptio.formats.simple import JsonFormat, PickleFormat
+    from ckptio.formats.torch import TorchFormat
+
+    seed, n, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rng = random.Random(seed)
+    NAMES = ["tag", "level", "lower", "verbose", "shards", "codec", "strict_shapes", "dtype", "prefix", "limit"]
+    SEEN = {}
+    BASES = {"Format": ({"a": 1}, None), "JsonFormat": ({"a": 1}, JsonFormat), "PickleFormat": ({"a": 1}, PickleFormat),
+             "TorchFormat": ({"a": torch.ones(1)}, TorchFormat)}
+
+    def params(names, var_kw):
+        out, star = [], False
+        for name in names:
+            if rng.random() < 0.5 and not star:
+                out.append(f"{name}=None")  # positional-or-keyword, with a default
+            else:
+                out.append(("" if star else "*, ") + f"{name}=None")
+                star = True
+        return ", ".join(out + (["**kw"] if var_kw else []))
+
+    def source(i, base, names, var_kw):
+        rec = "SEEN.update({" + ", ".join(f"{n!r}: {n}" for n in names) + "})"
+        if base == "Format":
+            body = [
+                f"class F{i}(ckptio.Format):",
+                f"    def dump(self, obj, backend, uri, mode='overwrite', {params(names, var_kw)}):",
+                f"        {rec}",
+                "        backend.write(uri, b'x', mode=mode)",
+                f"    def load(self, backend, uri, {params(names, var_kw)}):",
+                f"        {rec}",
+                "        return {'a': 1}",
+            ]
+        else:
+            own = ", ".join(f"{n}=None" for n in names)
+            op, args = ("load", "backend, uri") if base == "TorchFormat" else ("load_file", "f")
+            body = [
+                f"class F{i}({base}):",
+                f"    def {op}(self, {args}, *, {own}, **kw):",
+                f"        {rec}",
+                f"        return super().{op}({args}, **kw)",
+            ]
+        return chr(10).join(body) + chr(10)
+
+    out = []
+    for i in range(n):
+        base = rng.choice(sorted(BASES))
+        names = rng.sample(NAMES, rng.randrange(1, 4))
+        var_kw = base != "Format" or rng.random() < 0.3
+        ns = {"ckptio": ckptio, "SEEN": SEEN, **{b: v[1] for b, v in BASES.items() if v[1] is not None}}
+        exec(source(i, base, names, var_kw), ns)
+        ckptio.register_format(f"fuzz{i}", extensions=[f".fz{i}"])(ns[f"F{i}"])
+        path = os.path.join(root, f"x.fz{i}")
+        ckptio.dump(BASES[base][0], path)
+        case = {"base": base, "names": names, "var_kw": var_kw}
+        try:
+            for name in names:
+                SEEN.clear()
+                ckptio.load(path, **{name: i})
+                case.setdefault("received", []).append(SEEN.get(name))
+            SEEN.clear()
+            if base == "Format":
+                ckptio.dump({"a": 1}, path, **{names[0]: -i})
+                case["dumped"] = SEEN.get(names[0])
+            case["outcome"] = "ok"
+        except Exception as e:
+            case["outcome"] = f"{type(e).__name__}: {e}"
+        try:
+            ckptio.load(path, **{names[0] + "x": 1})
+            case["misspelt"] = "ok"
+        except UnknownOptionError:
+            case["misspelt"] = "refused"
+        except Exception as e:
+            case["misspelt"] = type(e).__name__
+        out.append(case)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_fuzz_plugin_format_options(tmp_path):
+    """Plug-in formats generated at random (on ``Format`` with options written with or without ``*`` and with
+    or without ``**kwargs``; subclasses of the json, pickle and torch formats adding options), in a child:
+    every option a format's own methods take reaches them through ``ckptio.load``/``dump``; a misspelt one is
+    refused by a format whose methods take no ``**kwargs`` (and passed on by the others, as before)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "3"))
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", PLUGIN_FUZZ, str(seed), "60", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout)
+    assert len(cases) == 60 and {c["base"] for c in cases} == {"Format", "JsonFormat", "PickleFormat", "TorchFormat"}
+    i = 0
+    for i, c in enumerate(cases):
+        assert c["outcome"] == "ok" and c["received"] == [i] * len(c["names"]), c
+        assert c.get("dumped", -i) == -i, c
+        if not c["var_kw"]:
+            assert c["misspelt"] == "refused", c
+        else:
+            assert c["misspelt"] != "refused", c
+
+
 def test_the_cli_suggests_the_closest_option(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["ls", "--recursve", "/tmp"])

@@ -97,6 +97,26 @@ def test_the_first_failure_says_what_is_waited_on_and_for_how_long(silent, caplo
         assert float(said) <= 1, (said, e.value)  # never a wait longer than the attempt had (the deadline's)
 
 
+# the variable each store's client reads its endpoint from when the settings give none
+ENDPOINT_VARIABLES = {"s3": "AWS_ENDPOINT_URL", "gcs": "STORAGE_EMULATOR_HOST"}
+
+
+@pytest.mark.parametrize("kind,scheme", [("s3", "s3"), ("gcs", "gs")])
+def test_an_endpoint_from_the_environment_is_the_one_named(silent, caplog, monkeypatch, kind, scheme):
+    """No ``endpoint_url`` in the settings, the client's own variable names the endpoint: the message names
+    that endpoint (where the requests go), never 'the default endpoint', and so does the error."""
+    monkeypatch.setenv(ENDPOINT_VARIABLES[kind], silent.url)
+    options = _options(kind, silent.url)
+    del options["endpoint_url"]
+    ckptio.configure(backends={kind: options})
+    with caplog.at_level(logging.WARNING, logger="ckptio.retry"), pytest.raises(TransferError) as e:
+        ckptio.exists(f"{scheme}://team-bucket/x.pt")
+    first = caplog.records[0].getMessage()
+    assert silent.conns, "the requests went to the endpoint of the environment"
+    assert f"at {silent.url}:" in first and "default" not in first, first
+    assert silent.url in str(e.value), e.value
+
+
 def test_the_cli_shows_it_without_verbose_and_hints_at_the_timeouts(silent, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
     env.update(
@@ -124,7 +144,7 @@ def test_the_cli_shows_it_without_verbose_and_hints_at_the_timeouts(silent, tmp_
 
 FUZZ = textwrap.dedent(
     r"""
-    import json, logging, random, sys, time
+    import json, logging, os, random, sys, time
     sys.path.insert(0, sys.argv[3])
     import ckptio
     from test_unanswered import REPLIES, Unanswering, _options
@@ -150,7 +170,12 @@ FUZZ = textwrap.dedent(
             extra["timeout"] = 0.25
         server = Unanswering(REPLIES[reply])
         ckptio.reset()
-        ckptio.configure(backends={kind: _options(kind, server.url, **extra)})
+        options = _options(kind, server.url, **extra)
+        variable = {"s3": "AWS_ENDPOINT_URL", "gcs": "STORAGE_EMULATOR_HOST"}[kind]
+        os.environ.pop(variable, None)
+        if rng.random() < 0.4:  # the endpoint from the client's own variable, none in the settings
+            os.environ[variable] = options.pop("endpoint_url")
+        ckptio.configure(backends={kind: options})
         records.clear()
         uri = f"{scheme}://b/k{rng.randrange(100)}.fpk"
         started = time.monotonic()

@@ -143,6 +143,11 @@ class GCSBackend(ObjectStoreBackend):
     def __repr__(self) -> str:
         return f"<GCSBackend endpoint={self.endpoint_url or 'google'!r}>"
 
+    @property
+    def endpoint(self) -> str:
+        """Where requests go: ``endpoint_url``, else gcsfs's (``STORAGE_EMULATOR_HOST``, Google's)."""
+        return self._fs._location
+
     # ---- plumbing --------------------------------------------------------------------------
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:

@@ -220,6 +220,11 @@ class S3Backend(ObjectStoreBackend):
     def __repr__(self) -> str:
         return f"<S3Backend endpoint={self.endpoint_url or 'aws'!r} region={self.region!r}>"
 
+    @property
+    def endpoint(self) -> str | None:
+        """Where requests go: ``endpoint_url``, else the client's (``AWS_ENDPOINT_URL``, AWS's) once it is made."""
+        return self.endpoint_url or getattr(getattr(self._client, "meta", None), "endpoint_url", None)
+
     # ---- plumbing --------------------------------------------------------------------------
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -278,7 +283,7 @@ class S3Backend(ObjectStoreBackend):
         return self._run(uri, lambda: self._op(uri, method, lambda s3: getattr(s3, method)(**kwargs)))
 
     def translate(self, e: BaseException, uri: str) -> BaseException:
-        return translate(e, uri, checksum=self.checksum, endpoint_url=self.endpoint_url)
+        return translate(e, uri, checksum=self.checksum, endpoint_url=self.endpoint)
 
     def close_clients(self) -> None:
         direct, self._direct = self._direct, None

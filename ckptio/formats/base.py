@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, ClassVar
 
+from .. import uri as _uri
 from ..backends.base import Backend, WriteMode, Writer
 from ..errors import FormatError, UnknownOptionError
 from ..osio import translate_os_errors
@@ -73,15 +74,20 @@ class Format(abc.ABC):
     def options(self, operation: str, given: Iterable[str]) -> frozenset[str] | None:
         """The keywords ``load`` or ``dump`` (``operation``) takes besides the backend, URI and object, for a
         call giving ``given``; None: not known (anything is passed on)."""
-        declared: frozenset[str] | None = getattr(self, f"{operation}_options")
         if not self.open_with.isdisjoint(given):
             return None
-        if declared is not None:
+        mro = type(self).__mro__
+        owner = next(c for c in mro if f"{operation}_options" in vars(c))
+        # declared options describe the methods of the class declaring them: a subclass that overrides
+        # load/load_file (dump/dump_file) may take more
+        methods = next(c for c in mro if operation in vars(c) or f"{operation}_file" in vars(c))
+        declared: frozenset[str] | None = getattr(self, f"{operation}_options")
+        if declared is not None and issubclass(owner, methods):
             return declared
         params = inspect.signature(getattr(self, operation)).parameters.values()
         if any(p.kind is p.VAR_KEYWORD for p in params):
             return None
-        return frozenset(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+        return frozenset(_keywords(getattr(self, operation)) | {p.name for p in params if p.kind is p.KEYWORD_ONLY})
 
     def can(self, operation: str) -> bool:
         """Whether this format implements ``inspect`` or ``verify`` (the defaults only raise)."""
@@ -112,7 +118,7 @@ def check_keywords(
     raise UnknownOptionError(
         f"{call.__name__}() got an unexpected keyword argument {unknown[0]!r}"
         + (f"; did you mean {close[0]!r}?" if close else "")
-        + f" ({call.__name__}() of {uri!r}, a {fmt.name} file, takes: {', '.join(takes)})"
+        + f" ({call.__name__}() of {_uri.masked(uri)!r}, a {fmt.name} file, takes: {', '.join(takes)})"
     )
 
 

@@ -33,7 +33,9 @@ class BytesFormat(StreamFormat):
 
 
 class JsonFormat(StreamFormat):
-    load_options = frozenset({"cls", "object_hook", "parse_float", "parse_int", "parse_constant", "object_pairs_hook"})
+    load_options = frozenset(
+        {"cls", "object_hook", "parse_float", "parse_int", "parse_constant", "object_pairs_hook", "strict"}
+    )
     dump_options = frozenset(
         {"durable", "skipkeys", "ensure_ascii", "check_circular", "allow_nan", "cls", "indent", "separators"}
         | {"default", "sort_keys"}
@@ -92,7 +94,10 @@ class MsgpackFormat(StreamFormat):
         {"object_hook", "list_hook", "use_list", "raw", "timestamp", "strict_map_key", "unicode_errors"}
         | {"object_pairs_hook", "ext_hook", "max_str_len", "max_bin_len", "max_array_len", "max_map_len", "max_ext_len"}
     )
-    dump_options = frozenset({"durable", "default", "unicode_errors", "use_single_float", "strict_types", "datetime"})
+    dump_options = frozenset(
+        {"durable", "default", "unicode_errors", "use_single_float", "strict_types", "datetime", "autoreset"}
+        | {"buf_size"}
+    )
 
     def dump_file(self, obj: Any, f: IO, **kw: Any) -> None:
         import msgpack

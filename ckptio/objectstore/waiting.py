@@ -17,8 +17,8 @@ def retrying(
     policy: Any, what: str, uri: str, said: str, attempt: int, elapsed: float, delay: float, where: Any = None
 ) -> str:
     """The warning for attempt ``attempt`` of ``what`` of ``uri`` having failed with ``said`` after ``elapsed``
-    seconds (of the request), to be retried after ``delay`` seconds; ``where``: the backend (its
-    ``endpoint_url`` and ``name``) or None."""
+    seconds (of the request), to be retried after ``delay`` seconds; ``where``: the backend (its ``endpoint``,
+    where its requests go, and ``name``) or None."""
     if attempt > 1:
         return (
             f"retrying {what} of {uri} after {said} (attempt {attempt} of {policy.max_attempts}, waiting {delay:.2f}s)"
@@ -29,7 +29,7 @@ def retrying(
     quiet = policy.stall_timeout if policy.timeout is None else min(policy.stall_timeout, policy.timeout)
     at_most = time_left if policy.timeout is None else min(time_left, left * policy.timeout + waits)
     name = getattr(where, "name", "")
-    endpoint = getattr(where, "endpoint_url", None) or (f"the default {name} endpoint" if name else "")
+    endpoint = getattr(where, "endpoint", None) or (f"the default {name} endpoint" if name else "")
     name = name or "<BACKEND>"
     var = f"CKPTIO_{name.upper()}_<OPTION>"
     return (
