@@ -48,6 +48,7 @@ from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
 from ..objectstore.backend import Entry, ObjectStoreBackend, check_versions
+from ..objectstore.names import GCS
 from ..objectstore.replies import check_reply, redirected
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
@@ -58,6 +59,7 @@ check_versions("gcs", MIN_VERSIONS)
 try:
     import aiohttp
     import gcsfs
+    import yarl
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'"
@@ -76,6 +78,7 @@ class GCSBackend(ObjectStoreBackend):
     name = "gcs"
     scheme = "gs"
     classify = staticmethod(classify)
+    naming = GCS
     _raw_errors = (*ObjectStoreBackend._raw_errors, json.JSONDecodeError)
 
     def __init__(
@@ -182,7 +185,7 @@ class GCSBackend(ObjectStoreBackend):
         session = _body.no_hidden_retries(await self._fs._set_session())
         hdrs = self._headers(headers)
         kw = {"params": params, "data": data, "timeout": self._timeout, "headers": hdrs, "allow_redirects": False}
-        async with session.request(method, url, **kw) as r:
+        async with session.request(method, yarl.URL(url, encoded=True), **kw) as r:  # sent as quoted here
             if r.status not in ok:
                 raise HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
             if into is None:

@@ -27,6 +27,7 @@ from ..threads import Pool, shared_pool
 from . import here as _here
 from . import retry as _retry
 from .multipart import size_option
+from .names import S3, Rule
 from .pinned import PinnedReads, hook_takes, range_of
 from .ranged import VersionPin, parallel_readv, run, start
 from .replies import whole
@@ -66,6 +67,7 @@ class ObjectStoreBackend(Backend):
 
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
     _options: dict[str, Any]  # the constructor's arguments, set by the subclass (see with_options)
+    naming: ClassVar[Rule] = S3  # the store's bucket and object names (:mod:`.names`)
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
     # the store answers a suffix range ("Range: bytes=-N") with the object's last N bytes, so
     # start_read_tail needs no size (a server that ignores it is caught, and read again by offset)
@@ -181,6 +183,7 @@ class ObjectStoreBackend(Backend):
     # ---- plumbing ----------------------------------------------------------------------------
     def _split(self, uri: str, *, key_required: bool = True) -> tuple[str, str]:
         bucket, key = _uri.bucket_key(uri)
+        self.naming.check(uri, bucket, key)
         if key_required and not key.strip("/"):
             raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected {self.scheme}://BUCKET/KEY)")
         return bucket, key
