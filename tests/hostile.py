@@ -208,7 +208,7 @@ def gzipped(reply: Reply, sent: Asked, *, consistent: bool = True) -> Reply:
     rewritten to the compressed length, as if those were the object's bytes."""
     if reply.status not in (200, 206):
         return reply
-    body = gzip.compress(reply.body)
+    body = gzip.compress(reply.body, compresslevel=1)
     headers = [*reply.without("content-encoding", "content-range"), ("Content-Encoding", "gzip")]
     if reply.status == 206:
         rng = reply.header("content-range") or ""

@@ -91,7 +91,7 @@ def _mutation(rng: random.Random, decoy: str):
         elif body == "extra":
             data = data + b"\x00" * 17
         if encoding == "gzip-body":
-            data = gzip.compress(data)
+            data = gzip.compress(data, compresslevel=1)
             headers.append(("Content-Encoding", "gzip"))
         elif encoding is not None and encoding != "gzip-header":
             headers.append(("Content-Encoding", encoding))

@@ -60,9 +60,9 @@ def _tensors(n: int):
 
 PATHS = {
     "first": lambda flavor: _bytes(100_000),  # one GET: the first holds it all
-    "ranged": lambda flavor: _bytes(12 * MiB if flavor == "s3" else MiB + 5),  # the first GET, then ranges
-    "fpk": lambda flavor: _tensors(3_000_000 if flavor == "s3" else 300_000),  # more than one GET
-    "pt": lambda flavor: _tensors(3_000_000 if flavor == "s3" else 300_000),
+    "ranged": lambda flavor: _bytes(6 * MiB if flavor == "s3" else MiB + 5),  # the first GET, then ranges
+    "fpk": lambda flavor: _tensors(1_500_000 if flavor == "s3" else 300_000),  # more than one GET
+    "pt": lambda flavor: _tensors(1_500_000 if flavor == "s3" else 300_000),
 }
 
 
@@ -126,6 +126,36 @@ def test_a_redirect_to_another_host_is_not_followed(store, path, status, later):
 @pytest.mark.parametrize("path", PATHS)
 def test_a_gzip_encoded_reply_is_refused(store, path, consistent):
     _assert_refused(_read_through(store, path, answer=functools.partial(gzipped, consistent=consistent)))
+
+
+@pytest.mark.parametrize(
+    "content_range, start, end, ok",
+    [
+        ("bytes 0-99/100", 0, 4096, True),  # the object ends first
+        ("bytes 10-19/100", 10, 20, True),
+        ("bytes 10-99/100", 10, 20, True),  # more than asked: only what was asked is read
+        ("bytes 11-20/100", 10, 20, False),
+        ("bytes 0-9/100", 10, 20, False),
+        ("bytes 10-14/100", 10, 20, False),  # fewer, and the object goes on
+        ("bytes 10-14/*", 10, 20, False),
+        ("bytes 10250-10239/10240", 10250, 10260, True),  # none: past the end (the GCS emulator)
+        ("bytes 0--1/0", 0, 4096, True),  # an empty object (the GCS emulator)
+        ("bytes 90-99/100", -10, 0, True),  # a suffix
+        ("bytes 0-9/100", -10, 0, False),
+        ("bytes 0-99/100", -200, 0, True),
+        (None, 0, 10, False),
+        ("bytes x-y/z", 0, 10, False),
+    ],
+)
+def test_a_206_must_name_the_bytes_asked_for(content_range, start, end, ok):
+    from ckptio.objectstore.replies import WrongRangeError, check_reply
+
+    headers = {} if content_range is None else {"content-range": content_range}
+    if ok:
+        check_reply("gs://b/k", 206, headers, start, end)
+    else:
+        with pytest.raises(WrongRangeError, match="gs://b/k"):
+            check_reply("gs://b/k", 206, headers, start, end)
 
 
 # ---- GCS metadata replies --------------------------------------------------------------------------
