@@ -59,8 +59,13 @@ def _mutation(rng: random.Random, decoy: str):
     change_rng = random.Random(rng.random())
     said = f"status={status} range={content_range} length={length} encoding={encoding} body={body}"
 
+    moved: set[tuple[str, str | None]] = set()  # requests sent for other bytes: their Content-Range stays true
+
     def ask(sent):
-        return shift(sent) if change_rng.random() < 0.2 else sent.headers
+        if change_rng.random() >= 0.2:
+            return sent.headers
+        moved.add((sent.path, sent.range()))
+        return shift(sent)
 
     smaller: list[bool] = []  # a 200 sent that says the object is smaller than it is
 
@@ -70,7 +75,8 @@ def _mutation(rng: random.Random, decoy: str):
         headers, data, out_status = list(reply.headers), reply.body, status or reply.status
         cr = reply.header("content-range")
         headers = [(k, v) for k, v in headers if k.lower() not in ("content-range", "content-encoding", "location")]
-        if content_range is None and cr:
+        # (other bytes relabelled as the bytes asked for is a body damaged in flight: only a checksum tells)
+        if (content_range is None or (sent.path, sent.range()) in moved) and cr:
             headers.append(("Content-Range", cr))
         elif content_range == "shift" and cr:
             a, _, rest = cr[6:].partition("-")
@@ -168,7 +174,9 @@ def main() -> None:
                     if got != want and smaller and isinstance(got, bytes) and want.startswith(got):
                         out["outcome"] = "smaller"  # as a 200 said: no client tells that without a checksum
                     elif got != want:
-                        out["outcome"], out["problem"] = "problem", f"other bytes returned ({len(got)} bytes)"
+                        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                        out["outcome"], out["problem"] = "problem", f"other bytes returned ({len(got)}, from {at})"
+                        out["log"] = [f"{m} {path[:60]} {h.get('Range')}" for m, path, h in p.requests]
                 except CkptioError as e:
                     out["outcome"], out["error"] = "refused", f"{type(e).__name__}: {str(e)[:300]}"
                 except CaseTimeout:
