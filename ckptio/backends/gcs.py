@@ -48,6 +48,8 @@ from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
 from ..objectstore.backend import Entry, ObjectStoreBackend, check_versions
+from ..objectstore.names import GCS
+from ..objectstore.replies import check_reply, redirected
 from .base import DEFAULT_CONCURRENCY, Buffer, ObjectInfo, WriteMode, Writer, check_mode
 
 # checked before the imports below: an old release can fail there with a less helpful error
@@ -57,6 +59,7 @@ check_versions("gcs", MIN_VERSIONS)
 try:
     import aiohttp
     import gcsfs
+    import yarl
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
     raise MissingDependencyError(
         f"gs:// needs gcsfs, which is not installed ({_e.name or _e}); run: pip install 'ckptio[gcs]'"
@@ -65,6 +68,7 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of this
 READ_PART_SIZE = 64 * 1024 * 1024  # ranged reads: fewer, larger GETs (emulators pay per request)
 
+from ..objectstore import gcs_support as _gcs  # noqa: E402
 from ..objectstore.gcs_support import HTTPStatus, classify, on_read_headers, quote_key, read_params  # noqa: E402
 
 
@@ -74,6 +78,7 @@ class GCSBackend(ObjectStoreBackend):
     name = "gcs"
     scheme = "gs"
     classify = staticmethod(classify)
+    naming = GCS
     _raw_errors = (*ObjectStoreBackend._raw_errors, json.JSONDecodeError)
 
     def __init__(
@@ -115,7 +120,7 @@ class GCSBackend(ObjectStoreBackend):
         self.upload_part_size = -(-up // CHUNK_ALIGN) * CHUNK_ALIGN
         self._bearer: str | None = None
         if self._refresher.provider is not None:
-            self._bearer = self._token_from(self._refresher.provider())
+            self._bearer = _gcs.bearer_token(self._refresher.provider())
         self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
         self.direct_reads = bool(direct_reads)
         self._direct: _direct.DirectGets | None = None  # made by the first GET from a caller's thread
@@ -161,19 +166,8 @@ class GCSBackend(ObjectStoreBackend):
     def _upload_url(self) -> str:
         return f"{self._fs._location}/upload/storage/v1"
 
-    @staticmethod
-    def _token_from(creds: Any) -> str:
-        tok = creds.get("token") or creds.get("access_token") if isinstance(creds, dict) else creds
-        tok = tok.strip() if isinstance(tok, str) else tok  # a token read from a file ends with a newline
-        if not isinstance(tok, str) or not tok:
-            raise CredentialsError(
-                "gcs credential_provider",
-                "the GCS credential_provider must return an OAuth access token (a string) or a dict with 'token'",
-            )
-        return tok
-
     async def _apply_credentials(self, creds: Any) -> None:
-        self._bearer = self._token_from(creds)
+        self._bearer = _gcs.bearer_token(creds)
 
     async def _attempt(
         self,
@@ -195,16 +189,18 @@ class GCSBackend(ObjectStoreBackend):
         stall = self.policy.stall_timeout
         session = _body.no_hidden_retries(await self._fs._set_session())
         hdrs = self._headers(headers)
-        async with session.request(method, url, params=params, data=data, timeout=self._timeout, headers=hdrs) as r:
+        kw = {"params": params, "data": data, "timeout": self._timeout, "headers": hdrs, "allow_redirects": False}
+        async with session.request(method, yarl.URL(url, encoded=True), **kw) as r:  # sent as quoted here
             if r.status not in ok:
                 raise HTTPStatus(r.status, await _retry.stall_guard(r.read(), stall))
             if into is None:
                 body = await _retry.stall_guard(r.read(), stall)
-                return r.status, r.headers, (json.loads(body) if body else {}) if parse_json else body
+                return r.status, r.headers, _gcs.parse_json(body, uri) if parse_json else body
+            pos, want = 0, sum(len(v) for v in into)
             _retry.check_ranged_status(r.status, range_start, uri)
+            check_reply(uri, r.status, r.headers, range_start, range_start + want)
             if on_headers is not None:
                 on_headers(r.status, r.headers)
-            pos, want = 0, sum(len(v) for v in into)
             async with _retry.StallWatch(stall) as watch:
                 while pos < want:
                     chunk = await watch(r.content.read(want - pos))
@@ -262,6 +258,8 @@ class GCSBackend(ObjectStoreBackend):
                 )
             elif e.status == 403:
                 out = AccessDeniedError(uri, f"GCS denied access (HTTP 403: {e.message()})")
+            elif 300 <= e.status < 400:
+                out = redirected(uri, e.status, None)
             else:
                 out = TransferError(errno.EIO, f"GCS error HTTP {e.status} for {uri}: {e.message()}", uri)
         elif isinstance(e, (aiohttp.ClientError, OSError, asyncio.TimeoutError)):
@@ -305,7 +303,7 @@ class GCSBackend(ObjectStoreBackend):
                     "GET",
                     f"{self._api}/b/{bucket}/o/{quote_key(key)}",
                     params=params,
-                    headers={"Range": f"bytes={start}-{end - 1}"},
+                    headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"},
                     ok=(200, 206),
                     into=into,
                     on_headers=functools.partial(on_read_headers, uri, on_size, pin),
@@ -362,6 +360,7 @@ class GCSBackend(ObjectStoreBackend):
             if reply.status not in (200, 206):
                 raise HTTPStatus(reply.status, reply.error_body_here())
             _retry.check_ranged_status(reply.status, 0, uri)
+            check_reply(uri, reply.status, reply.headers, 0, n)
             on_read_headers(uri, on_size, pin, reply.status, reply.headers)
         except Exception as e:
             if reply is not None:
@@ -413,13 +412,9 @@ class GCSBackend(ObjectStoreBackend):
         self.open_writer(uri, mode=mode).write_all(data)  # type: ignore[attr-defined]
 
     # ---- metadata --------------------------------------------------------------------------
-    def _entry(self, o: dict) -> Entry:
-        mtime = self._fs._parse_timestamp(o["updated"]).timestamp() if o.get("updated") else None
-        return o["name"], int(o.get("size", 0)), mtime, str(o.get("generation"))
-
     def _head(self, uri: str, bucket: str, key: str) -> ObjectInfo:
-        _, size, mtime, version = self._entry(self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{quote_key(key)}"))
-        return ObjectInfo(uri, size, mtime, version)
+        o = self._json(uri, "GET", f"{self._api}/b/{bucket}/o/{quote_key(key)}")
+        return ObjectInfo(uri, *_gcs.entry(o, uri, self._fs._parse_timestamp)[1:])
 
     def _list_page(
         self, uri: str, bucket: str, prefix: str, *, delimiter: bool, token: str | None, limit: int | None = None
@@ -432,7 +427,7 @@ class GCSBackend(ObjectStoreBackend):
         if limit:
             params["maxResults"] = str(limit)
         r = self._json(uri, "GET", f"{self._api}/b/{bucket}/o", params=params)
-        return [self._entry(o) for o in r.get("items", [])], r.get("prefixes", []), r.get("nextPageToken") or None
+        return _gcs.listing(r, uri, self._fs._parse_timestamp)
 
     def delete(self, uri: str) -> None:
         bucket, key = self._split(uri)

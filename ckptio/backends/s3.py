@@ -52,6 +52,7 @@ from ..objectstore import multipart as _multipart
 from ..objectstore import ranged as _ranged
 from ..objectstore import retry as _retry
 from ..objectstore.backend import Entry, ObjectStoreBackend, check_versions
+from ..objectstore.replies import check_reply
 from .base import Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
 
 # checked before the imports below: an old release can fail there with a less helpful error
@@ -68,8 +69,10 @@ except ImportError as _e:  # pragma: no cover - exercised in a subprocess test
 
 # after the version check:
 from ..objectstore.s3_client import (  # noqa: E402
+    ClientReply,
     S3ClientConfig,
     body_checksum,
+    client_get,
     credentials_from,
     direct_route,
     own_retries,
@@ -102,37 +105,6 @@ S3_CONCURRENCY = 16
 # Direct reads GET a presigned URL at once (see S3Backend._direct_get); its lifetime only
 # has to cover the request's start.
 PRESIGNED_SECONDS = 900
-
-
-class _ClientReply:
-    """The client's GetObject reply as a direct GET's (status, lower-case headers, ``fill``, ``close``)."""
-
-    def __init__(self, resp: dict[str, Any], stall: float) -> None:
-        meta = resp.get("ResponseMetadata", {})
-        self.status, self.headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
-        self._body, self._stall = resp["Body"], stall
-
-    async def fill(self, into: list[memoryview], checksum: Any = None) -> int:
-        """The body through ``into`` (each piece through ``checksum.update`` too: botocore checks only a
-        body read past its end, which a read of exactly its range never is)."""
-        total = 0
-        async with _retry.StallWatch(self._stall) as watch:
-            for view in into:  # the body streams through the buffers in order
-                pos = 0
-                while pos < len(view):
-                    n = await watch(self._body.readinto(view[pos:]))
-                    if not n:
-                        break
-                    if checksum is not None:
-                        checksum.update(view[pos : pos + n])
-                    pos += n
-                total += pos
-                if pos < len(view):
-                    break
-        return total
-
-    def close(self) -> None:
-        self._body.close()
 
 
 class S3Backend(ObjectStoreBackend):
@@ -317,11 +289,11 @@ class S3Backend(ObjectStoreBackend):
         async def once(s3: Any) -> int:
             cond = {"IfMatch": pin.token} if pin is not None and pin.token else {}
             try:
-                reply: _direct.DirectResponse | _ClientReply | None = await self._direct_get(
+                reply: _direct.DirectResponse | ClientReply | None = await self._direct_get(
                     s3, bucket, key, rng, cond, stall
                 )
                 if reply is None:  # the client's own GET
-                    reply = _ClientReply(await s3.get_object(Bucket=bucket, Key=key, Range=rng, **cond), stall)
+                    reply = await client_get(s3, uri, stall, Bucket=bucket, Key=key, Range=rng, **cond)
             except ClientError as e:
                 code = e.response.get("Error", {}).get("Code")
                 if code == "InvalidRange":
@@ -333,6 +305,7 @@ class S3Backend(ObjectStoreBackend):
             total, check = 0, None
             status, headers = reply.status, reply.headers
             try:
+                check_reply(uri, status, headers, start, end)
                 if pin is not None:
                     pin.check(uri, headers.get("etag"))
                 size = None

@@ -27,8 +27,10 @@ from ..threads import Pool, shared_pool
 from . import here as _here
 from . import retry as _retry
 from .multipart import size_option
+from .names import S3, Rule
 from .pinned import PinnedReads, hook_takes, range_of
 from .ranged import VersionPin, parallel_readv, run, start
+from .replies import whole
 
 # one object of a listing page: key, size, mtime, version token
 Entry = tuple[str, int, "float | None", "str | None"]
@@ -65,6 +67,7 @@ class ObjectStoreBackend(Backend):
 
     scheme: ClassVar[str] = ""  # the default URI scheme, for messages and listings
     _options: dict[str, Any]  # the constructor's arguments, set by the subclass (see with_options)
+    naming: ClassVar[Rule] = S3  # the store's bucket and object names (:mod:`.names`)
     _raw_errors: ClassVar[tuple[type[BaseException], ...]] = (_retry.TruncatedBodyError, _retry.StalledError)
     # the store answers a suffix range ("Range: bytes=-N") with the object's last N bytes, so
     # start_read_tail needs no size (a server that ignores it is caught, and read again by offset)
@@ -180,6 +183,7 @@ class ObjectStoreBackend(Backend):
     # ---- plumbing ----------------------------------------------------------------------------
     def _split(self, uri: str, *, key_required: bool = True) -> tuple[str, str]:
         bucket, key = _uri.bucket_key(uri)
+        self.naming.check(uri, bucket, key)
         if key_required and not key.strip("/"):
             raise InvalidURIError(f"URI names a bucket, not an object: {uri!r} (expected {self.scheme}://BUCKET/KEY)")
         return bucket, key
@@ -236,9 +240,9 @@ class ObjectStoreBackend(Backend):
                 fetch = functools.partial(self._get_range, uri, bucket, key)
             return await parallel_readv(fetch, mvs, offset, self.part_size, self.concurrency)
 
-        n = self._run(uri, go)
-        if n == 0 and any(len(m) for m in mvs):
-            self.stat(uri)  # 0 bytes: past the end, or no such object (raises NotFoundError)
+        n, want = self._run(uri, go), sum(len(m) for m in mvs)
+        if n < want:  # the end of the object, or no such object (NotFoundError): as its metadata says
+            whole(uri, n, min(self.stat(uri).size, offset + want), offset)
         return n
 
     def read_head(self, uri: str, buf: Buffer, on_size: Callable[[int], None], *, pin: VersionPin | None = None) -> int:
@@ -464,7 +468,7 @@ class ObjectStoreBackend(Backend):
             staged = not sized  # dest runs before the first byte of the body, or never: the body is in ``head``
             if staged:
                 if size <= k:
-                    return bytes(head[: first.result()])
+                    return bytes(head[: whole(uri, first.result(), size)])
                 with lock:
                     sized.append(fresh_bytes(size))
             out, view = sized[0]
@@ -472,7 +476,7 @@ class ObjectStoreBackend(Backend):
             n = first.result()
             if staged:
                 view[:n] = head[:n]
-            return bytes_of(out, view, n if n < k else k + got)
+            return bytes_of(out, view, whole(uri, n if n < k else k + got, size))
         except BaseException:
             give_up()  # ``out`` and ``view``, if this frame holds them, are zeroed with the rest
             if first is not None:  # it fills ``head`` (or the bytes, alive while it does) until it ends

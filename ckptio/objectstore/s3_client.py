@@ -4,8 +4,9 @@ keeps its request hooks: :class:`S3ClientConfig` turns the endpoint, region and 
 botocore's retries off; :func:`own_retries` hooks every aiobotocore client it opens (retries left to
 :class:`~ckptio.objectstore.retry.RetryPolicy`, the prehashed ``s3v4`` signer); :func:`credentials_from`
 reads what a ``credential_provider`` returns; :func:`direct_route` tells whether a presigned GET may go
-around the client's HTTP session (:mod:`.direct`), with that session's TLS settings. The aiobotocore
-names these reach into are in this module only.
+around the client's HTTP session (:mod:`.direct`), with that session's TLS settings; :func:`client_get`
+sends the client's own GetObject and reads its reply as a direct one (:class:`ClientReply`). The aiobotocore names these reach into are in
+this module only.
 
 Imported by :mod:`ckptio.backends.s3` after its client-version check (it imports s3fs and botocore).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -22,8 +24,9 @@ from typing import Any
 
 import s3fs
 
-from ..errors import CredentialsError
+from ..errors import CredentialsError, TransferError
 from . import body as _body
+from . import retry as _retry
 from .s3_support import PREHASHED_SIGNER, choose_prehashed_signer, load_credentials_file
 
 
@@ -137,6 +140,49 @@ def presign_v4(signature_version: Any = None, **kwargs: Any) -> str | None:
     version is not set (the endpoint rules say ``v4``), which AWS regions opened since 2014 refuse;
     anything else (unsigned, SigV4a, S3 Express) is left to botocore."""
     return "s3v4-query" if signature_version in ("s3-query", "v4-query") else None
+
+
+class ClientReply:
+    """The client's GetObject reply as a direct GET's (status, lower-case headers, ``fill``, ``close``)."""
+
+    def __init__(self, resp: dict[str, Any], stall: float) -> None:
+        meta = resp.get("ResponseMetadata", {})
+        self.status, self.headers = meta.get("HTTPStatusCode"), meta.get("HTTPHeaders", {})
+        self._body, self._stall = resp["Body"], stall
+        hops = getattr(getattr(self._body, "raw_stream", None), "history", None) or ()
+        if hops:  # the client followed a redirect: the reply is that redirect (check_reply refuses it)
+            self.status, self.headers = hops[0].status, {"location": str(hops[0].headers.get("Location", ""))}
+
+    async def fill(self, into: list[memoryview], checksum: Any = None) -> int:
+        """The body through ``into`` (each piece through ``checksum.update`` too: botocore checks only a
+        body read past its end, which a read of exactly its range never is)."""
+        total = 0
+        async with _retry.StallWatch(self._stall) as watch:
+            for view in into:  # the body streams through the buffers in order
+                pos = 0
+                while pos < len(view):
+                    n = await watch(self._body.readinto(view[pos:]))
+                    if not n:
+                        break
+                    if checksum is not None:
+                        checksum.update(view[pos : pos + n])
+                    pos += n
+                total += pos
+                if pos < len(view):
+                    break
+        return total
+
+    def close(self) -> None:
+        self._body.close()
+
+
+async def client_get(s3: Any, uri: str, stall: float, **params: Any) -> ClientReply:
+    """The client's own GetObject of ``params``. A TypeError it raises parsing an odd error reply (a 304
+    that carries a checksum header) is a TransferError naming ``uri``."""
+    try:
+        return ClientReply(await s3.get_object(**params), stall)
+    except TypeError as e:
+        raise TransferError(errno.EIO, f"the S3 client could not read the reply to a GET of {uri}", uri) from e
 
 
 class BodyChecksum:
