@@ -174,7 +174,7 @@ def main() -> None:
                     if got != want and smaller and isinstance(got, bytes) and want.startswith(got):
                         out["outcome"] = "smaller"  # as a 200 said: no client tells that without a checksum
                     elif got != want:
-                        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
                         out["outcome"], out["problem"] = "problem", f"other bytes returned ({len(got)}, from {at})"
                         out["log"] = [f"{m} {path[:60]} {h.get('Range')}" for m, path, h in p.requests]
                 except CkptioError as e:

@@ -5,8 +5,8 @@ botocore's retries off; :func:`own_retries` hooks every aiobotocore client it op
 :class:`~ckptio.objectstore.retry.RetryPolicy`, the prehashed ``s3v4`` signer); :func:`credentials_from`
 reads what a ``credential_provider`` returns; :func:`direct_route` tells whether a presigned GET may go
 around the client's HTTP session (:mod:`.direct`), with that session's TLS settings; :func:`client_get`
-sends the client's own GetObject and reads its reply as a direct one (:class:`ClientReply`). The aiobotocore names these reach into are in
-this module only.
+sends the client's own GetObject and reads its reply as a direct one (:class:`ClientReply`). The aiobotocore
+names these reach into are in this module only.
 
 Imported by :mod:`ckptio.backends.s3` after its client-version check (it imports s3fs and botocore).
 """
