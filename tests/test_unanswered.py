@@ -177,7 +177,7 @@ FUZZ = textwrap.dedent(
             os.environ[variable] = options.pop("endpoint_url")
         ckptio.configure(backends={kind: options})
         records.clear()
-        uri = f"{scheme}://b/k{rng.randrange(100)}.fpk"
+        uri = f"{scheme}://team-bucket/k{rng.randrange(100)}.fpk"
         started = time.monotonic()
         try:
             {"ls": lambda: list(ckptio.list_dir_or_file(uri.rsplit("/", 1)[0])), "exists": lambda: ckptio.exists(uri),
