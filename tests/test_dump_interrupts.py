@@ -176,3 +176,101 @@ def test_a_dump_inside_an_except_block_keeps_its_own_error(tmp_path):
         with pytest.raises(RuntimeError, match="refuses to be pickled"):
             ckptio.dump({"x": _Refuses(), "w": torch.ones(1000)}, str(tmp_path / "x.pt"))
     assert os.listdir(tmp_path) == []
+
+
+class _RefusesWhileHandling:
+    def __reduce__(self):
+        try:
+            {}["missing"]
+        except KeyError:
+            raise RuntimeError("this object refuses to be pickled")  # noqa: B904 - its context: the KeyError
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_runtime_error_raised_while_pickling_is_not_replaced_by_its_context(tmp_path, request, where):
+    """An object's own RuntimeError, raised while it handles another exception, reaches the caller as
+    itself: only torch's closing error after a failed write stands for the write's exception."""
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("memory_uri")
+    with pytest.raises(RuntimeError, match="refuses to be pickled"):
+        ckptio.dump({"x": _RefusesWhileHandling(), "w": torch.ones(1000)}, f"{root}/x.pt")
+    assert not ckptio.exists(f"{root}/x.pt") and (where != "local" or os.listdir(tmp_path) == [])
+
+
+# ---- the fuzzer: which exception a failing .pt dump raises ------------------------------------------------------
+
+_ERRORS_CHILD = r"""
+import json, random, sys, torch, ckptio
+from ckptio.errors import IntegrityError
+TYPES = {"RuntimeError": RuntimeError, "ValueError": ValueError, "KeyError": KeyError, "OSError": OSError,
+         "IntegrityError": IntegrityError, "MemoryError": MemoryError, "TypeError": TypeError}
+root, seed, cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(seed)
+
+class Raises:
+    def __init__(self, exc, context, style):
+        self.exc, self.context, self.style = exc, context, style
+    def __reduce__(self):
+        if self.context is None:
+            raise self.exc
+        try:
+            raise self.context
+        except BaseException as c:
+            if self.style == "from":
+                raise self.exc from c
+            raise self.exc
+
+for case in range(cases):
+    token = f"token-{seed}-{case}"
+    exc = TYPES[rng.choice(sorted(TYPES))](token)
+    state = {f"t{i}": torch.full((1 << 14,), float(i)) for i in range(rng.randrange(1, 6))}
+    kw = {"_use_new_zipfile_serialization": rng.random() < 0.8}
+    if rng.random() < 0.5:  # the pickled object raises, maybe while handling another exception
+        context = rng.choice([None, KeyError("k"), OSError(5, "io"), RuntimeError("r"), ValueError("v")])
+        state[rng.choice(["a", "z"])] = Raises(exc, context, rng.choice(["plain", "from"]))
+    else:  # the write raises, once some bytes are written
+        at = rng.randrange(1, 64 << 10)
+        def progress(done, total, exc=exc, at=at):
+            if done >= at:
+                raise exc
+        kw["progress"] = progress
+    uri = f"{root}/{case}.pt"
+    try:
+        if rng.random() < 0.5:
+            try:
+                raise LookupError("the caller's own")
+            except LookupError:
+                ckptio.dump(state, uri, **kw)
+        else:
+            ckptio.dump(state, uri, **kw)
+        got = "FINISHED"
+    except BaseException as e:
+        same = e is exc or (type(e) is TypeError and e.__cause__ is exc)  # dump names the file in a TypeError
+        got = f"{type(exc).__name__}:{exc}" if same else f"OTHER {type(e).__name__}: {str(e)[:300]}"
+    want = f"{type(exc).__name__}:{exc}"
+    if got != want and not (got == "FINISHED" and "progress" in kw):
+        print(f"case {case} {kw} wanted {want} got {got}", flush=True)
+        sys.exit(1)
+print("OK", flush=True)
+"""
+
+
+def _errors_fuzz(tmp_path, seed: int, cases: int) -> None:
+    for root in (str(tmp_path), "memory://fuzz-errors"):
+        proc = zygote.run(
+            [sys.executable, "-c", _ERRORS_CHILD, root, str(seed), str(cases)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and proc.stdout.strip() == "OK", (root, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert [f for f in os.listdir(tmp_path) if not f[0].isdigit()] == []
+
+
+def test_failing_dump_errors_fuzz(tmp_path):
+    _errors_fuzz(tmp_path, seed=5, cases=40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_failing_dump_errors_fuzz_long(tmp_path, seed):
+    _errors_fuzz(tmp_path, seed=100 + seed, cases=300)

@@ -31,13 +31,16 @@ class ErrorKeepingReader(RangeReader):
 def save(obj: Any, f: Any, **kw: Any) -> None:
     """``torch.save(obj, f, **kw)``; what a write raised (a ``KeyboardInterrupt`` wherever it landed in
     it, an ``OSError``, a ckptio error) leaves as itself, not as the ``RuntimeError`` torch's closing
-    of the archive raises in its context."""
+    of the archive raises in its context (``[enforce fail at inline_container.cc]``)."""
     import torch
 
     active = sys.exc_info()[1]  # an exception the caller is handling: the context of any error, not this save's
     try:
         torch.save(obj, f, **kw)
     except RuntimeError as e:
-        if e.__context__ is None or e.__context__ is active or e.__suppress_context__:
+        context = None if e.__suppress_context__ else e.__context__
+        # only the archive's closing error stands for the write's; a RuntimeError the pickled objects
+        # raised while handling an exception (their own, or the caller's) is theirs to raise
+        if context is None or context is active or "inline_container" not in str(e):
             raise
-        raise e.__context__ from None
+        raise context from None
