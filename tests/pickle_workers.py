@@ -114,6 +114,14 @@ def _run(kind: str, path: str, kw: dict | None = None) -> object:
         with open(path, "rb") as f:
             ckptio.put(f.read(), uri)
         return ckptio.load(uri, **(kw or {}))
+    if kind == "fileobj":  # the same bytes from an open file, behind a prefix it was read past (torch reads from there)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(f"{path}.off", "wb") as f:
+            f.write(b"a prefix read past\n" + data)
+        with open(f"{path}.off", "rb") as f:
+            f.seek(19)
+            return ckptio.load(f, file_format="pt", **(kw or {}))
     if kind == "verify":
         return ckptio.verify(path)
     if kind == "metadata":

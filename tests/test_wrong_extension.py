@@ -165,3 +165,20 @@ def test_a_damaged_pt_fails_with_a_ckptio_error_naming_it(tmp_path, damage):
     for check in (ckptio.load, ckptio.info, ckptio.verify):
         with pytest.raises(FormatError, match="damaged.pt"):
             check(path)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_file_object_read_past_a_prefix_is_sniffed_from_where_torch_reads(tmp_path, weights_only):
+    """torch.load reads a file object from its position: a plain pickle there is refused as at the start,
+    and runs no code under weights_only=False; a torch.save file there still loads."""
+    Evil.marker = str(tmp_path / "PWNED")
+    buf = io.BytesIO(b"HDR!" + pickle.dumps(Evil(), protocol=2))
+    buf.read(4)
+    with pytest.raises(FormatError, match="a plain pickle"):
+        ckptio.load(buf, file_format="pt", weights_only=weights_only)
+    assert not os.path.exists(Evil.marker)
+    real = io.BytesIO()
+    torch.save(STATE, real)
+    buf = io.BytesIO(b"HDR!" + real.getvalue())
+    buf.read(4)
+    assert torch.equal(ckptio.load(buf, file_format="pt", weights_only=weights_only)["w"], STATE["w"])

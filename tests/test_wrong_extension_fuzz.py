@@ -107,6 +107,7 @@ def _fuzz(tmp_path, seed: int, cases: int) -> None:
         kinds = [("load", {}), ("memory", {}), (rng.choice(["info", "verify"]), None)]
         if FORMAT_OF[ext] == "torch":
             kinds.append((rng.choice(["load", "memory"]), {"weights_only": False}))
+            kinds.append(("fileobj", {"weights_only": rng.random() < 0.5}))
         for kind, kw in kinds:
             jobs.append({"kind": kind, "path": path, "kw": kw})
             meta.append((real, found, ext, kind, kw))
@@ -123,7 +124,11 @@ def _fuzz(tmp_path, seed: int, cases: int) -> None:
                 assert NAMED[found] in res["msg"] and "file_format=" in res["msg"], what
         elif res["outcome"] != "ok":  # its format's own errors (torch's, for a torch file torch reads)
             # torch's (a truncated legacy file: its weights_only unpickler's EOFError, struct.error)
-            allowed = (*_TORCH_ERRORS, "EOFError", "error") if found == "torch" and kind in ("load", "memory") else ()
+            allowed = (
+                (*_TORCH_ERRORS, "EOFError", "error")
+                if found == "torch" and kind in ("load", "memory", "fileobj")
+                else ()
+            )
             assert res["outcome"] in ("format", *allowed), what
 
 

@@ -78,11 +78,12 @@ def expect(name: str, expected: str, head: bytes | memoryview, *, strict: bool =
 
 
 def head_of(f: str | os.PathLike | IO[bytes]) -> bytes:
-    """The first :data:`HEAD` bytes of a file (a path, or a seekable binary file at its start, left there)."""
+    """The first :data:`HEAD` bytes of a file: a path, or a seekable binary file from where it is (left there)."""
     if isinstance(f, (str, os.PathLike)):
         with open(f, "rb") as g:
             return g.read(HEAD)
+    start = f.tell()
     try:
         return f.read(HEAD)
     finally:
-        f.seek(0)
+        f.seek(start)

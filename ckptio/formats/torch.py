@@ -157,10 +157,11 @@ class TorchFormat(StreamFormat):
         import torch
 
         kw.setdefault("weights_only", not kw.pop("allow_pickle", False))
-        if f.seekable() and f.tell() == 0:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(0)
-            return _load_checked(f, size, getattr(f, "name", "the torch.save file"), kw)
+        name, start = getattr(f, "name", "the torch.save file"), f.tell() if f.seekable() else None
+        if start:  # torch.load reads from there (it refuses a file it cannot seek): so does the check
+            sniff.expect(name, "torch", sniff.head_of(f), strict=True)
+        elif start == 0:
+            return _load_checked(f, f.seek(0, os.SEEK_END) + f.seek(0), name, kw)
         return torch.load(f, **kw)
 
     def load(self, backend: Backend, uri: str, **kw: Any) -> Any:
@@ -450,9 +451,7 @@ def _open_zip(backend: Backend, uri: str) -> tuple[zipfile.ZipFile, int]:
     except Exception as e:
         f.close()
         if isinstance(e, zipfile.BadZipFile):
-            raise FormatError(
-                f"{uri}: not a zip-format torch checkpoint (legacy torch.save format or corrupt)"
-            ) from None
+            raise FormatError(f"{uri}: not a zip-format torch checkpoint (legacy torch.save or corrupt)") from None
         if not _damaged(e):  # the sniff's FormatError, a store's error
             raise
         raise IntegrityError(  # offsets past either end: a seek before 0, a short read
