@@ -54,7 +54,9 @@ def _mutation(rng: random.Random, decoy: str):
     status = rng.choice([None, None, 200, 206, 301, 302, 303, 307, 308, 304, 416, 500])
     content_range = rng.choice([None, None, "drop", "shift", "garbage", "total", "star"])
     length = rng.choice([None, None, None, "short", "long", "zero"])
-    encoding = rng.choice([None, None, "gzip-body", "gzip-header", "identity", "br", "gzip, identity"])
+    encoding = rng.choice(
+        [None, None, "gzip-body", "gzip-header", "identity", "br", "gzip, identity", "aws-chunked", "aws-chunked, gzip"]
+    )
     body = rng.choice([None, None, "cut", "empty", "extra"])
     change_rng = random.Random(rng.random())
     said = f"status={status} range={content_range} length={length} encoding={encoding} body={body}"

@@ -128,6 +128,26 @@ def test_a_gzip_encoded_reply_is_refused(store, path, consistent):
     _assert_refused(_read_through(store, path, answer=functools.partial(gzipped, consistent=consistent)))
 
 
+def _coded(value: str):
+    """The reply as it was, with ``Content-Encoding: value`` (the body unchanged)."""
+
+    def answer(reply, sent):
+        if reply.status not in (200, 206):
+            return reply
+        return type(reply)(reply.status, [*reply.without("content-encoding"), ("Content-Encoding", value)], reply.body)
+
+    return answer
+
+
+@pytest.mark.parametrize("value", ["aws-chunked", "identity", "aws-chunked, identity"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_coding_that_leaves_the_stored_bytes_is_read(s3_endpoint, path, value):
+    """S3-compatible servers other than AWS keep ``aws-chunked`` (an upload's framing) in an object's
+    metadata and send it back with the object's plain bytes: was refused as an encoded body."""
+    error, got, want, uri = _read_through(("s3", s3_endpoint), path, answer=_coded(value))
+    assert error is None and got == want, f"{uri}: {error!r}"
+
+
 @pytest.mark.parametrize(
     "content_range, start, end, ok",
     [

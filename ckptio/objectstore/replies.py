@@ -5,8 +5,8 @@ read path of both stores (the IO loop's client, a direct GET, a GET from the cal
 
 * a redirect is not followed (the store's client is told not to, or the check finds it did): the error
   names the object and where the server pointed;
-* an encoded body (``Content-Encoding`` other than ``identity``: gzip from a proxy or a transcoding
-  server) is not the object's stored bytes: an :class:`~ckptio.errors.IntegrityError`;
+* an encoded body (a ``Content-Encoding`` coding other than ``identity`` or S3's ``aws-chunked``: gzip
+  from a proxy or a transcoding server) is not the object's stored bytes: an :class:`~ckptio.errors.IntegrityError`;
 * a 206 must name, in ``Content-Range``, the bytes asked for (from the byte asked for: more are not
   read; fewer only where the object ends first; none, ``bytes S-(S-1)/S``, where the object ends before the
   start asked, as emulators answer): another range is a :class:`WrongRangeError`, retried as a
@@ -28,6 +28,9 @@ from ..errors import IntegrityError, TransferError
 from .retry import TruncatedBodyError
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(-?\d+)/(\d+|\*)")
+# codings that leave a body as stored: none, ``identity``, and ``aws-chunked``, an upload's framing that
+# S3-compatible servers other than AWS keep in the object's metadata and send back with its plain bytes
+_STORED = frozenset(("", "identity", "aws-chunked"))
 
 
 class WrongRangeError(TruncatedBodyError):
@@ -53,7 +56,7 @@ def check_reply(uri: str, status: int | None, headers: Mapping[str, str], start:
     if status is not None and 300 <= status < 400:
         raise redirected(uri, status, headers.get("location"))
     encoding = (headers.get("content-encoding") or "").strip().lower()
-    if encoding not in ("", "identity"):
+    if any(c.strip() not in _STORED for c in encoding.split(",")):
         raise IntegrityError(
             f"{uri}: the server sent the object encoded (Content-Encoding: {encoding[:40]}), not its bytes as "
             "stored; a proxy or server that compresses replies is in the way"
