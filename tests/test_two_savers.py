@@ -201,3 +201,70 @@ def test_savers_of_the_same_steps_fuzzer():
     r = zygote.run([sys.executable, worker, "3", "7"], timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checked" in r.stdout
+
+
+def test_a_tiered_saver_leaves_another_savers_step_in_progress_on_the_local_tier_alone(tmp_path, monkeypatch):
+    """Two tiered savers of one root on one node share its local tier. A's step 1 is written there, its
+    marker not yet; B commits step 2, and its eviction took A's step 1 for a killed save's debris: A then
+    committed step 1 locally without its data, and its replication failed (and was retried) for ever."""
+    root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    a, b = (Checkpointer(root, format="fpk", local_tier=tier) for _ in range(2))
+    at_commit, go, failed = threading.Event(), threading.Event(), []
+    real_commit = Layout.commit
+
+    def commit(self, step, manifest):
+        if threading.current_thread().name == "saver-a":
+            at_commit.set()
+            go.wait(60)
+        return real_commit(self, step, manifest)
+
+    def save_a():
+        try:
+            a.save(1, state(1))
+            a.wait()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            failed.append(e)
+
+    monkeypatch.setattr(Layout, "commit", commit)
+    saver_a = threading.Thread(target=save_a, name="saver-a")
+    saver_a.start()
+    try:
+        assert at_commit.wait(60)
+        b.save(2, state(2))
+        b.wait()
+    finally:
+        go.set()
+        saver_a.join(60)
+    a.close(), b.close()
+    assert not failed, failed
+    assert check_every_committed_step(tier) == [1, 2] and check_every_committed_step(root) == [1, 2]
+
+
+def test_the_local_tier_evicts_a_killed_saves_debris_once_stale_and_a_saves_own_at_once(tmp_path, monkeypatch):
+    """The local tier's eviction deletes uncommitted step directories by the rule retention follows."""
+    root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    ck = Checkpointer(root, format="pt", local_tier=tier, stale_after=3600)
+    ck.save(1, state(1))
+    fresh, old = os.path.join(tier, "000000000002"), os.path.join(tier, "000000000003")
+    for d in (fresh, old):  # killed saves: recent (maybe still running elsewhere) and hours ago
+        os.makedirs(d)
+        with open(os.path.join(d, "state.pt"), "wb") as f:
+            f.write(b"torn")
+    long_ago = time.time() - 7200
+    for p in (os.path.join(old, "state.pt"), old):
+        os.utime(p, (long_ago, long_ago))
+    ck.save(5, state(5))
+    assert os.path.exists(fresh) and not os.path.exists(old)
+
+    def fail(*args):
+        raise OSError("disk gone")
+
+    with monkeypatch.context() as m:
+        m.setattr(ck._layout, "commit", fail)
+        with pytest.raises(OSError, match="disk gone"):
+            ck.save(6, state(6))  # its own debris, fresh: evicted after its next commit
+    ck.save(7, state(7))
+    ck.wait()
+    assert not os.path.exists(os.path.join(tier, "000000000006")) and os.path.exists(fresh)
+    ck.close()
+    assert check_every_committed_step(root) == [1, 5, 7]
