@@ -1,10 +1,11 @@
-"""A fuzzer of savers of one root saving the same steps (run by test_two_savers in a child).
+"""A fuzzer of savers of one root (run by test_two_savers in a child).
 
-``python savers_fuzz.py SECONDS [SEED]``: for SECONDS, rounds of two or three Checkpointers (``pt`` or
-``fpk``, incremental or not) on a fresh root, each in its own thread (a saver of its own: each
-Checkpointer knows only its own saves), saving random steps of a small pool, so most steps are saved
-by several of them; every storage call sleeps 0-2 ms and every commit marker waits 0-20 ms, so one's
-save of a step starts while another's is about to commit it. In some rounds one saver dies right
+``python savers_fuzz.py SECONDS [SEED] [shared|distinct]``: for SECONDS, rounds of two or three
+Checkpointers (``pt`` or ``fpk``, incremental or not; ``distinct``: or tiered, sharing one local tier)
+on a fresh root, each in its own thread (a saver of its own: each Checkpointer knows only its own
+saves), saving random steps of a small pool: ``shared`` (the default), most steps saved by several of
+them; ``distinct``, each step by one. Every storage call sleeps 0-2 ms and every commit marker waits
+0-20 ms, so one's save starts while another's is about to commit. In some rounds one saver dies right
 after clearing the way for one of its steps (it raises, writing nothing more). Every save either
 commits or raises a ckptio error on a step another saver saves too (the first marker wins); every
 committed step loads bitwise as one of the savers that saved it. Prints ``checked N rounds``.
@@ -64,9 +65,11 @@ def hooks() -> None:
     Layout.commit, Checkpointer._prepare = commit, prepare  # type: ignore[method-assign]
 
 
-def one(rng: random.Random, root: str) -> None:
+def one(rng: random.Random, root: str, shared: bool) -> None:
     n, fmt, incremental = rng.choice([2, 3]), rng.choice(["pt", "fpk"]), rng.random() < 0.5
-    steps = [sorted(rng.sample(range(1, 7), 3)) for _ in range(n)]
+    tier = None if shared or incremental or rng.random() < 0.5 else f"{root}-tier"
+    pool = rng.sample(range(1, 10), 3 * n)
+    steps = [sorted(rng.sample(range(1, 7), 3)) if shared else sorted(pool[i::n]) for i in range(n)]
     victim = rng.randrange(n) if rng.random() < 0.5 else None
     die_after = rng.randrange(1, 4)
     outcomes: list[dict[int, str]] = [{} for _ in range(n)]
@@ -75,45 +78,54 @@ def one(rng: random.Random, root: str) -> None:
     def saver(i: int) -> None:
         local.rng, local.prepared = random.Random(seeds[i]), 0
         local.die_after = die_after if i == victim else None
-        ck = Checkpointer(root, format=fmt, incremental=incremental, content_grace=0)
-        for step in steps[i]:
-            try:
-                ck.save(step, state(step, i))
-                outcomes[i][step] = "ok"
-            except Died:
-                outcomes[i][step] = "died"
-                return
-            except CkptioError as e:
-                outcomes[i][step] = type(e).__name__
-            except BaseException as e:  # noqa: BLE001 - reported below
-                outcomes[i][step] = f"raw {type(e).__name__}: {e}"
+        ck = Checkpointer(root, format=fmt, incremental=incremental, local_tier=tier)  # content_grace: one hour
+        try:
+            for step in steps[i]:
+                try:
+                    ck.save(step, state(step, i))
+                    outcomes[i][step] = "ok"
+                except Died:
+                    outcomes[i][step] = "died"
+                    return
+                except CkptioError as e:
+                    outcomes[i][step] = type(e).__name__
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    outcomes[i][step] = f"raw {type(e).__name__}: {e}"
+            ck.wait()  # tiered: replicated
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcomes[i][-1] = f"raw {type(e).__name__}: {e}"
+        finally:
+            ck.close()
 
     threads = [threading.Thread(target=saver, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    savers = {s: [i for i in range(n) if s in steps[i]] for s in range(1, 7)}
-    case = f"{fmt} incremental={incremental} steps={steps} victim={victim} after={die_after} {outcomes}"
+    savers = {s: [i for i in range(n) if s in steps[i]] for s in range(1, 10)}
+    case = f"{fmt} incremental={incremental} tier={tier} steps={steps} victim={victim} after={die_after} {outcomes}"
     for mine in outcomes:
         for step, outcome in mine.items():
-            assert outcome in ("ok", "died") or (len(savers[step]) > 1 and not outcome.startswith("raw")), case
+            assert outcome in ("ok", "died") or (len(savers.get(step, ())) > 1 and "raw" not in outcome), case
     committed = Checkpointer(root).list()
-    for step, mine in ((s, [i for i in savers[s] if outcomes[i].get(s) == "ok"]) for s in range(1, 7)):
+    for step, mine in ((s, [i for i in savers[s] if outcomes[i].get(s) == "ok"]) for s in savers):
         assert step in committed or not mine, f"step {step} saved by {mine} is not committed: {case}"
-    for step in committed:
-        got: dict = {"model": {}, "trainer": {}}
-        try:
-            assert Checkpointer(root).load(got, step=step, strict=False) == step
-        except Exception as e:
-            raise AssertionError(f"committed step {step} does not load ({e!r}): {case}") from e
-        wants = [state(step, i)["model"] for i in savers[step]]
-        assert any(all(torch.equal(got["model"][k], v) for k, v in w.items()) for w in wants), (step, case)
+    for where in [root] + ([tier] if tier else []):  # the local tier: what eviction left
+        committed = Checkpointer(where).list()
+        for step in committed:
+            got: dict = {"model": {}, "trainer": {}}
+            try:
+                assert Checkpointer(where).load(got, step=step, strict=False) == step
+            except Exception as e:
+                raise AssertionError(f"{where}: committed step {step} does not load ({e!r}): {case}") from e
+            wants = [state(step, i)["model"] for i in savers[step]]
+            assert any(all(torch.equal(got["model"][k], v) for k, v in w.items()) for w in wants), (step, case)
 
 
 def main() -> None:
     seconds = float(sys.argv[1])
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else random.randrange(1 << 30)
+    shared = (sys.argv[3] if len(sys.argv) > 3 else "shared") == "shared"
     rng = random.Random(seed)
     warnings.simplefilter("ignore")
     hooks()
@@ -122,7 +134,7 @@ def main() -> None:
     try:
         while time.monotonic() < deadline or count < 2:
             try:
-                one(rng, f"{tmp}/r{count}")
+                one(rng, f"{tmp}/r{count}", shared)
             except BaseException:
                 print(f"seed {seed} round {count} failed", flush=True)
                 raise
