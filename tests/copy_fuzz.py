@@ -1,9 +1,9 @@
 """A fuzzer of copies whose sources change while they are copied (run by test_copy_versions in a child).
 
 ``python copy_fuzz.py SECONDS [SEED] [S3_ENDPOINT]``: for SECONDS, copies with random sizes, part sizes,
-``jobs`` and tree shapes from local disk, ``memory://`` and (with an endpoint) S3, to another backend;
-at a random point of the copy's progress one source is replaced (a rename over a local file, an in-place
-rewrite of another size, a new upload, a delete). Each copy must raise IntegrityError or
+``jobs`` and tree shapes from local disk, ``memory://`` and (with an endpoint) S3, to the same or another
+backend (local or memory); at a random point of the bytes written one source is replaced (a rename over a
+local file, an in-place rewrite of another size, a new upload, a delete). Each copy must raise IntegrityError or
 FileNotFoundError naming the changed source, or leave every destination object equal to exactly one
 version of its source; a failed copy leaves no object it had not finished before the change.
 Prints ``checked N copies``.
@@ -11,16 +11,22 @@ Prints ``checked N copies``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import ckptio
 from ckptio import transfer
+from ckptio.backends.base import BufferedWriter
+from ckptio.backends.local import LocalWriter
 from ckptio.errors import IntegrityError
 
 KiB = 1 << 10
@@ -43,6 +49,31 @@ def replace(uri: str, data: bytes | None, how: str) -> None:
         os.replace(path + ".new", path)
 
 
+@contextlib.contextmanager
+def written(seen: Callable[[int], None]) -> Iterator[None]:
+    """``seen(bytes written so far)`` after each write to a local or memory destination in the block,
+    whichever way the copy goes (streamed, or one backend's own ``copy``)."""
+    total, lock, real = [0], threading.RLock(), {cls: cls.write for cls in (LocalWriter, BufferedWriter)}
+
+    def hook(cls: type) -> Callable[..., int]:
+        def write(self: Any, data: Any) -> int:
+            n = real[cls](self, data)
+            with lock:
+                total[0] += memoryview(data).nbytes
+                seen(total[0])
+            return n
+
+        return write
+
+    for cls in real:
+        cls.write = hook(cls)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, write in real.items():
+            cls.write = write  # type: ignore[method-assign]
+
+
 def one(rng: random.Random, src_root: str, dst_root: str, part: int, parts: int) -> None:
     """One copy of 1-3 objects of up to ``parts`` parts each, one of them changed while it runs."""
     n = rng.choice([1, 1, 2, 3])
@@ -61,7 +92,7 @@ def one(rng: random.Random, src_root: str, dst_root: str, part: int, parts: int)
     at = rng.randrange(0, sum(sizes) + 1)
     fired: list[int] = []
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int) -> None:
         if not fired and done >= at:
             fired.append(done)
             replace(f"{src_root}/{victim}", new, how)
@@ -69,7 +100,8 @@ def one(rng: random.Random, src_root: str, dst_root: str, part: int, parts: int)
     tree = n > 1 or rng.random() < 0.5
     src, dst = (src_root, f"{dst_root}/t") if tree else (f"{src_root}/{victim}", f"{dst_root}/t/{victim}")
     try:
-        transfer.copy(src, dst, recursive=tree, jobs=rng.choice([1, 2, 4]), progress=progress)
+        with written(progress):
+            transfer.copy(src, dst, recursive=tree, jobs=rng.choice([1, 2, 4]))
         error = None
     except (IntegrityError, FileNotFoundError) as e:
         error = e
@@ -112,7 +144,7 @@ def main() -> None:
                 "memory": f"memory://fuzz/{case}",
                 "s3": f"s3://{bucket}/{case}" if endpoint else "",
             }
-            dst_kind = "memory" if kind == "local" else "local"
+            dst_kind = rng.choice([kind if kind != "s3" else "local", "memory" if kind == "local" else "local"])
             try:
                 one(rng, roots[kind], f"{roots[dst_kind]}-dst", part, 2 if kind == "s3" else 4)
             except BaseException:

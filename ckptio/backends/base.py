@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar, Literal, Protocol
 
 from .. import uri as _uri
-from ..errors import NotFoundError
+from ..errors import NotFoundError, replaced
 from ..osio import fault_in_ahead, give_back
 from ..threads import shared_pool
 from .readers import RangeReader
@@ -306,7 +306,8 @@ class Backend(abc.ABC):
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
         """Copy within this backend. Default streams through this process in ``part_size`` pieces."""
-        copy_between(self, src, self, dst, mode=mode)
+        with self.open_writer(dst, mode=mode) as w:
+            copy_to_file(self, src, w)  # type: ignore[arg-type]
 
     def exists(self, uri: str) -> bool:
         return self.isfile(uri) or self.isdir(uri)
@@ -444,9 +445,12 @@ class NodeCache(Protocol):
 
 def copy_to_file(backend: Backend, uri: str, f: BinaryIO, *, start: int = 0, size: int | None = None) -> int:
     """Stream an object (from byte ``start``; ``size``: the object's, when known) into an open binary
-    file in ``part_size`` pieces, all from one version of it (``pin_version``); returns bytes copied."""
-    reads = backend.pin_version(uri)
-    size = reads.stat(uri).size if size is None else size  # the size and the bytes of one version
+    file in ``part_size`` pieces, all from one version of it (``pin_version``; a backend that cannot pin
+    has the version it told the size of looked up again after the last read); returns bytes copied."""
+    reads, version = backend.pin_version(uri), None
+    if size is None:  # the size and the bytes of one version
+        info = reads.stat(uri)
+        size, version = info.size, info.version
     chunk = bytearray(min(max(size - start, 1), backend.part_size * backend.concurrency))
     mv, pos = memoryview(chunk), start
     while pos < size:
@@ -455,15 +459,9 @@ def copy_to_file(backend: Backend, uri: str, f: BinaryIO, *, start: int = 0, siz
             raise NotFoundError(uri, f"object shrank while reading at byte {pos} of {size}")
         f.write(mv[:n])
         pos += n
+    if reads is backend and version is not None and (now := backend.stat(uri).version) != version:
+        raise replaced(uri, version, now)
     return pos - start
-
-
-def copy_between(
-    src_backend: Backend, src: str, dst_backend: Backend, dst: str, *, mode: WriteMode = "overwrite"
-) -> None:
-    """Stream one object from any backend to any backend with bounded memory."""
-    with dst_backend.open_writer(dst, mode=mode) as w:
-        copy_to_file(src_backend, src, w)  # type: ignore[arg-type]
 
 
 def start_sized(

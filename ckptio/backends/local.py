@@ -25,11 +25,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from .. import uri as _uri
-from ..errors import AccessDeniedError, AlreadyExistsError, NotDirectoryError, NotFoundError
+from ..errors import AccessDeniedError, AlreadyExistsError, NotDirectoryError, NotFoundError, replaced
 from ..osio import WriteBehind, bytes_of, fresh_bytes, nonblocking, preadv_into, reading, translate_os_errors
 from ..osio import preadinto as _preadinto
 from .base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer, check_mode
-from .local_pin import PinnedFile
+from .local_pin import PinnedFile, version_of
 
 TMP_MARKER = ".ckptio-tmp-"
 
@@ -323,9 +323,14 @@ class LocalBackend(Backend):
             os.unlink(write.handle)
 
     def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
+        """One file's bytes (one descriptor: a rename over ``src`` is not read); one rewritten in place
+        meanwhile (another size or mtime) is an IntegrityError and ``dst`` is not written."""
         with translate_os_errors(src), open(local_path(src), "rb", opener=nonblocking) as fsrc:
+            before = version_of(os.fstat(fsrc.fileno()))
             with self.open_writer(dst, mode=mode) as w:
                 shutil.copyfileobj(fsrc, w, length=self.part_size)
+                if (now := version_of(os.fstat(fsrc.fileno()))) != before:
+                    raise replaced(src, before, now)
 
     @contextlib.contextmanager
     def get_local_path(self, uri: str) -> Iterator[str]:

@@ -183,11 +183,18 @@ def prune(rules: _Rules, layout: Layout, latest: int, busy: Collection[int] = ()
             kept_steps = set(kept(layout).values())
             doomed = [s for s in doomed if s not in kept_steps]
         debris = [s for s in dirs if s not in complete and s < latest and s not in busy]
-        debris = [s for s in debris if s in layout.started or abandoned(layout, s, rules.stale_after)]
+        debris = [s for s in debris if is_debris(layout, s, rules.stale_after)]
         for s in sorted(doomed) + sorted(debris):
             layout.discard(s)
             layout.started.discard(s)
         return sorted(set(complete) - set(doomed)), sorted(doomed)
+
+
+def is_debris(layout: Layout, step: int, stale_after: float | None) -> bool:
+    """Whether the uncommitted directory of ``step`` is debris to delete (retention; a local tier's
+    eviction): this Checkpointer's own (a save of it that failed) or :func:`abandoned` (a killed save's).
+    Anything else may be another saver's step in progress."""
+    return step in layout.started or abandoned(layout, step, stale_after)
 
 
 def abandoned(layout: Layout, step: int, stale_after: float | None) -> bool:

@@ -65,7 +65,7 @@ from ..transfer import copy_objects
 from .binding import bind, check
 from .manifest import MARKER_NAME, POINTER_NAME, CheckpointWarning, Layout, read_manifest
 from .replication import ReplicationError, Replicator
-from .retention import _Rules, cleanup, prune
+from .retention import _Rules, cleanup, is_debris, prune
 from .tier_sizes import SIZES_KEY, file_sizes, marker_sizes, verify
 
 log = logger("ckptio.checkpointer")
@@ -293,13 +293,13 @@ class Tier:
             return
         if self.replicator is not None and self.replicator.scanning:
             return  # the steps found at start are not scheduled yet
-        busy = self._busy() | self._writing
+        busy, stale = self._busy() | self._writing, self.rules.stale_after
         for s in complete[: -self.keep_local]:
             if s in self.replicated and s not in busy:
                 local.discard(s)
-        for s in sorted(dirs):
-            if s < complete[-1] and s not in complete and s not in self._writing:
-                local.discard(s)  # an uncommitted directory older than the newest: a killed save's
+        for s in sorted(dirs):  # an uncommitted directory older than the newest, debris (not another's in progress)
+            if s < complete[-1] and s not in complete and s not in self._writing and is_debris(local, s, stale):
+                local.discard(s)
 
     def _evict_sent(self) -> None:
         """Ranks but 0 (``per_rank``): delete this node's step directories that have no marker here (another
