@@ -160,3 +160,38 @@ def test_fuzz_mismatched_loads():
 @pytest.mark.parametrize("seed", range(4))
 def test_fuzz_mismatched_loads_long(seed):
     _fuzz(1000 + seed, 150, timeout=600)
+
+
+def test_dcp_check_reads_only_the_groups_parameter_lists_before_the_load(tmp_path, monkeypatch):
+    """The check's extra DCP round reads each optimizer group's ``params`` (what it compares), no other value:
+    with many groups (per-layer learning rates) or a large non-tensor part beside, every other item is read
+    once, as by a load without the check."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.dcp.reader import StorageReader
+
+    def build() -> tuple[dict, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3)])
+        o = torch.optim.AdamW([{"params": list(layer.parameters()), "lr": 0.1 * i} for i, layer in enumerate(m)])
+        return {"model": m, "optim": o, "data": {"order": list(range(100))}}, o
+
+    st, o = build()
+    st["model"](torch.ones(2)).sum().backward()
+    o.step()
+    ck = Checkpointer(tmp_path, format="dcp")
+    ck.save(1, st)
+    seen: list[str] = []
+    read_data = StorageReader.read_data
+
+    def counting(self, plan, planner):
+        seen.extend(i.dest_index.fqn for i in plan.items if i.type == LoadItemType.BYTE_IO)
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(StorageReader, "read_data", counting)
+    st2, o2 = build()
+    assert ck.load(st2) == 1
+    assert [g["lr"] for g in o2.param_groups] == [0.0, 0.1, 0.2]
+    twice = sorted({f for f in seen if seen.count(f) > 1})
+    assert twice == [f"optim.param_groups.{i}.params" for i in range(3)], twice

@@ -257,8 +257,8 @@ def _read_dcp(
 def _values(
     d: str, md: Any, paths: Mapping[str, Sequence[Any]], names: Iterable[str], process_group: Any, reader: Any
 ) -> dict[str, Any]:
-    """The values that are not tensors of the parts ``names`` (an optimizer's groups: what a check of the
-    checkpoint against the state compares), read before any tensor."""
+    """The parameter lists of the optimizer groups in the parts ``names`` (``...param_groups.<i>.params``: what a
+    check of the checkpoint against the state compares), read before any tensor; no other value is read twice."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -269,7 +269,8 @@ def _values(
     tree: dict[str, Any] = {}
     for fqn, path in paths.items():
         if path[0] in wanted and not isinstance(md.state_dict_metadata.get(fqn), TensorStorageMetadata):
-            _ti.set_element(tree, path, None)
+            if any(path[i] == "param_groups" and path[i + 2] == "params" for i in range(len(path) - 2)):
+                _ti.set_element(tree, path, None)
     if tree:
         dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
     return tree
