@@ -138,12 +138,10 @@ def test_mismatched_loads_under_gloo(tmp_path, world, mode):
     assert results(str(tmp_path), world) == ["ok"] * world
 
 
-def _fuzz(seed: int, count: int, timeout: float) -> None:
+def _fuzz(seed: int, count: int, timeout: float, script: str = "mismatch_cases.py") -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
-    proc = zygote.run(
-        [sys.executable, os.path.join(here, "mismatch_cases.py"), str(seed), str(count)], timeout=timeout, env=env
-    )
+    proc = zygote.run([sys.executable, os.path.join(here, script), str(seed), str(count)], timeout=timeout, env=env)
     found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(found) == count, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
     bad = [r for r in found if r["bad"]]
@@ -160,6 +158,18 @@ def test_fuzz_mismatched_loads():
 @pytest.mark.parametrize("seed", range(4))
 def test_fuzz_mismatched_loads_long(seed):
     _fuzz(1000 + seed, 150, timeout=600)
+
+
+def test_fuzz_shapes_refused_as_torch_refuses_them():
+    """Random models of other shapes (layers torch's load checks, and ones that load their own way): a load
+    refuses exactly what torch's load_state_dict refuses, touching nothing, else restores as torch does."""
+    _fuzz(52, 16, timeout=120, script="shape_cases.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_fuzz_shapes_refused_as_torch_refuses_them_long(seed):
+    _fuzz(2000 + seed, 150, timeout=600, script="shape_cases.py")
 
 
 def test_dcp_check_reads_only_the_groups_parameter_lists_before_the_load(tmp_path, monkeypatch):
@@ -195,3 +205,52 @@ def test_dcp_check_reads_only_the_groups_parameter_lists_before_the_load(tmp_pat
     assert [g["lr"] for g in o2.param_groups] == [0.0, 0.1, 0.2]
     twice = sorted({f for f in seen if seen.count(f) > 1})
     assert twice == [f"optim.param_groups.{i}.params" for i in range(3)], twice
+
+
+def _qat() -> torch.nn.Module:
+    """A linear layer with a per-channel fake-quantizer: its observer's buffers start empty, and its own
+    ``_load_from_state_dict`` resizes them (and the quantizer's scale and zero point) to the checkpoint's."""
+    from torch.ao.quantization import FakeQuantize, PerChannelMinMaxObserver
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    m.fq = FakeQuantize(
+        observer=PerChannelMinMaxObserver,
+        quant_min=-128,
+        quant_max=127,
+        dtype=torch.qint8,
+        qscheme=torch.per_channel_symmetric,
+        ch_axis=0,
+    )
+    return m
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_a_module_that_loads_its_own_way_resumes(tmp_path, fmt):
+    """Quantization-aware training resumed into a fresh model: the shapes that module's own load accepts
+    (torch's observers resize their buffers) are not refused; a lazy module not yet run is loaded as torch
+    loads it (``pt``), and a 1-element tensor fills a 0-d parameter as torch's load_state_dict does."""
+    from ckptio.checkpointer import Checkpointer
+
+    m = _qat()
+    o = torch.optim.AdamW(m.parameters())
+    m.fq(m[0](torch.ones(2, 4))).sum().backward()
+    o.step()
+    ck = Checkpointer(tmp_path / "qat", format=fmt)
+    ck.save(1, {"model": m, "optim": o})
+    m2 = _qat()
+    o2 = torch.optim.AdamW(m2.parameters())
+    assert ck.load({"model": m2, "optim": o2}) == 1
+    assert mc.same(mc.snapshot(m2, o2), mc.snapshot(m, o))
+    assert all(mc.tensors_same(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+    if fmt == "pt":  # torch's own load of a lazy module into one not run yet
+        ck = Checkpointer(tmp_path / "lazy", format=fmt)
+        lazy = torch.nn.LazyLinear(2)
+        lazy(torch.ones(1, 3))
+        ck.save(1, {"model": lazy})
+        lazy2 = torch.nn.LazyLinear(2)
+        assert ck.load({"model": lazy2}) == 1 and torch.equal(lazy2.weight, lazy.weight)
+    ck = Checkpointer(tmp_path / "scalar", format=fmt)
+    ck.save(1, {"model": {"t": torch.nn.ParameterDict({"t": torch.nn.Parameter(torch.tensor([2.0]))})}})
+    new = torch.nn.ParameterDict({"t": torch.nn.Parameter(torch.tensor(1.0))})
+    assert ck.load({"model": {"t": new}}) == 1 and new["t"].item() == 2.0

@@ -329,7 +329,7 @@ class Parts:
             have = _live(target, source)
             d.missing += [prefix + x for x in have if x not in source]
             d.unexpected += [prefix + str(x) for x in source if x not in have]
-            d.shapes(prefix, have, source)
+            d.shapes(prefix, target, have, source)
         elif isinstance(target, torch.optim.Optimizer):
             self._held[id(target)] = matching.held(target)
             d.optimizer(target, source, prefix, self.owner(target))
