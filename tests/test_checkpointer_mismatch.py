@@ -254,3 +254,23 @@ def test_a_module_that_loads_its_own_way_resumes(tmp_path, fmt):
     ck.save(1, {"model": {"t": torch.nn.ParameterDict({"t": torch.nn.Parameter(torch.tensor([2.0]))})}})
     new = torch.nn.ParameterDict({"t": torch.nn.Parameter(torch.tensor(1.0))})
     assert ck.load({"model": {"t": new}}) == 1 and new["t"].item() == 2.0
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_a_mismatch_on_the_local_tier_is_not_taken_for_a_damaged_copy(tmp_path, fmt):
+    """A state that does not fit the checkpoint fails on the local copy as it is: no warning that the copy
+    cannot be read, no read of the remote copy."""
+    import warnings
+
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.errors import StateMismatchError
+
+    local = str(tmp_path / "local")
+    with Checkpointer(tmp_path / "remote", format=fmt, local_tier=local) as ck:
+        ck.save(1, {"model": torch.nn.Linear(4, 4)})
+        ck.wait()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(StateMismatchError, match=r"local/000000000001.*model\.weight has shape") as e:
+                ck.load({"model": torch.nn.Linear(4, 5)})
+        assert "remote" not in str(e.value)
