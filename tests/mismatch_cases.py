@@ -300,6 +300,55 @@ def ranks_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> Non
     record(out_dir, rank, body)
 
 
+def stages_main(rank: int, world: int, port: int, out_dir: str, seed: int, count: int) -> None:
+    """A rank of a gloo group holding its own stage of a model (as pipeline parallelism does), saved in dcp,
+    then loaded ``count`` times (random: which ranks' stages are reshaped, strict or not): when any rank's
+    check fails, every rank fails at once (no collective left waiting for that rank), that rank with its
+    StateMismatchError, the others naming it (strict: with their own KeyError); else every rank loads."""
+    import random
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.errors import CkptioError, StateMismatchError
+    from multiproc import record
+
+    def stage(n: int) -> dict:
+        torch.manual_seed(rank)
+        return {"model": torch.nn.ModuleDict({f"s{rank}": torch.nn.Linear(2, n)})}
+
+    def body() -> None:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        ck = Checkpointer(f"{out_dir}/run", format="dcp", timeout=30)
+        ck.save(1, stage(2))
+        rng = random.Random(seed)  # the same draws on every rank
+        for _ in range(count):
+            reshaped = {r for r in range(world) if rng.random() < 0.4}
+            strict = rng.random() < 0.3
+            case = f"reshaped {sorted(reshaped)}, strict {strict}"
+            start = time.monotonic()
+            try:
+                ck.load(stage(3 if rank in reshaped else 2), strict=strict)
+                err: Exception | None = None
+            except (CkptioError, KeyError) as e:
+                err = e
+            assert time.monotonic() - start < 20, (case, time.monotonic() - start)
+            want = StateMismatchError if rank in reshaped else KeyError if strict else CkptioError if reshaped else None
+            assert (None if err is None else type(err)) is want, (case, err)
+            if rank in reshaped:
+                assert f"s{rank}.weight has shape (2, 2) in the checkpoint, (3, 2) here" in str(err), (case, err)
+            elif reshaped and not strict:
+                assert all(f"rank {r} failed: StateMismatchError" in str(err) for r in reshaped), (case, err)
+        ck.close()
+        dist.destroy_process_group()
+
+    record(out_dir, rank, body)
+
+
 def main(seed: int, count: int) -> None:
     rng = random.Random(seed)
     for i in range(count):

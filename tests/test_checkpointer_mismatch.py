@@ -138,6 +138,14 @@ def test_mismatched_loads_under_gloo(tmp_path, world, mode):
     assert results(str(tmp_path), world) == ["ok"] * world
 
 
+def test_a_mismatch_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """Ranks holding different states (pipeline stages): a check failing on some ranks of a dcp load fails
+    every rank with its message, before the read's collectives, never a wait for the collective timeout
+    (random cases: which ranks mismatch, strict or not)."""
+    run_ranks(mc.stages_main, 2, str(tmp_path), 53, 8, timeout=120)
+    assert results(str(tmp_path), 2) == ["ok"] * 2
+
+
 def _fuzz(seed: int, count: int, timeout: float, script: str = "mismatch_cases.py") -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}

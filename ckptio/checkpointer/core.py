@@ -539,7 +539,8 @@ class Checkpointer:
                 return formats.read_pt_parts(
                     t.files, names, self.load_options, self.weights_only, cache, allow_pickle, checked
                 )
-            if fmt == "dcp":
+            if fmt == "dcp":  # the ranks agree on the check's outcome before the read's collectives
+                checked = self._group.agreed(check)
                 return formats.read_dcp(
                     d, parts, names, self.load_options, self._pg, cache, allow_pickle, content, checked
                 )
