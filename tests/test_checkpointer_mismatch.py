@@ -43,6 +43,19 @@ def test_a_non_strict_load_restores_the_optimizer_state_both_hold(tmp_path, fmt,
 
 
 @pytest.mark.parametrize("fmt", mc.FORMATS)
+@pytest.mark.parametrize("named", [(True, True), (False, True), (True, False)])
+def test_a_group_restored_in_part_keeps_its_parameter_names(tmp_path, fmt, named):
+    """An optimizer built from named parameters (torch >= 2.6: ``param_names`` in each group): a group that
+    gains a parameter keeps its own names, one for each of its parameters, whatever the checkpoint's said."""
+    save, load = (
+        mc.replace(mc.GROWN[0], named=named[0]),
+        mc.replace(mc.GROWN[1], groups=[None], lrs=[0.5], named=named[1]),
+    )
+    out = mc.run_case(fmt, False, save, load, str(tmp_path / "run"))
+    assert out["outcome"] == "ok" and out["bad"] == [], out
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
 def test_the_optimizer_restored_in_part_trains_on(tmp_path, fmt):
     from ckptio.checkpointer import Checkpointer, CheckpointWarning
 

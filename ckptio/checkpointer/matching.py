@@ -15,7 +15,8 @@ An optimizer saved by name (``get_optimizer_state_dict``) is matched with the op
   unexpected.
 
 :func:`restore` then restores what matches: the state of the parameters the checkpoint holds, as it holds it
-(one it holds without state ends without state), and every group's hyperparameters as above; the other
+(one it holds without state ends without state), and every group's hyperparameters as above (its parameter
+names, ``param_names``, stay its own); the other
 parameters' state stays as it was before the load (:func:`held`; none for a fresh optimizer), although torch's
 function initializes a fresh optimizer's state first. An optimizer saved by index (before its first step, or
 as ``optim.state_dict()``) is restored by position, so its groups must hold as many parameters as the
@@ -39,6 +40,9 @@ NO_OWNER = (
     "the checkpoint holds optimizer state by parameter name, but no module in the state given to load() holds "
     "all of this optimizer's parameters; pass the model in the same state"
 )
+
+
+_OWN = ("params", "param_names")  # a group's own, whatever the checkpoint's group held (torch puts its names back)
 
 
 def _params(osd: Mapping[str, Any]) -> list[list[Any] | None]:
@@ -136,7 +140,7 @@ def restore(
     groups = []
     for g, ns, j in zip(optim.param_groups, mine, found.groups, strict=True):
         hyper = g if j is None else theirs[j]
-        groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": ns})
+        groups.append({**{k: v for k, v in hyper.items() if k not in _OWN}, "params": ns})
     restored = {n: state[n] for ns in mine for n in ns if n in state}
     set_optimizer_state_dict(module, optim, {"state": restored, "param_groups": groups}, options=options)
     for g, ns in zip(optim.param_groups, mine, strict=True):
