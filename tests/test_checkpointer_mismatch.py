@@ -295,3 +295,32 @@ def test_a_mismatch_on_the_local_tier_is_not_taken_for_a_damaged_copy(tmp_path, 
             with pytest.raises(StateMismatchError, match=r"local/000000000001.*model\.weight has shape") as e:
                 ck.load({"model": torch.nn.Linear(4, 5)})
         assert "remote" not in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", mc.FORMATS)
+def test_optimizers_in_a_tuple_are_restored(tmp_path, fmt):
+    """Optimizers (and a scheduler) given in a tuple, as in a list: each restored in place, bitwise, the tuple
+    kept; never its raw state dicts put in its place with the optimizers left as they were."""
+    from ckptio.checkpointer import Checkpointer
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        o1, o2 = torch.optim.AdamW(m[0].parameters()), torch.optim.SGD(m[1].parameters(), lr=0.1, momentum=0.9)
+        return m, (o1, o2, torch.optim.lr_scheduler.StepLR(o1, 1, gamma=0.5)), 7
+
+    m, opts, n = build()
+    for _ in range(2):
+        m(torch.ones(3)).sum().backward()
+        for o in opts[:2]:
+            o.step()
+        opts[2].step()
+    ck = Checkpointer(tmp_path, format=fmt)
+    ck.save(2, {"model": m, "opts": opts, "n": (n, 8)})
+    m2, opts2, _ = build()
+    st = {"model": m2, "opts": opts2, "n": (0, 0)}
+    assert ck.load(st) == 2
+    assert st["opts"] is opts2 and tuple(st["n"]) == (7, 8)
+    for a, b in zip(opts, opts2, strict=True):
+        assert mc.same(a.state_dict(), b.state_dict()), type(a).__name__
+

@@ -250,7 +250,7 @@ class Parts:
             return self._template(v.state_dict(), stored)
         if isinstance(v, Mapping):
             return {k: self._template(x, _child(stored, k)) for k, x in v.items()}
-        if isinstance(v, list):
+        if isinstance(v, (list, tuple)):
             return [self._template(x, _child(stored, i)) for i, x in enumerate(v)]
         return v
 
@@ -346,6 +346,6 @@ class Parts:
                 else:
                     self._diff(target[x], source[x], f"{prefix}{x}.", d)
             d.unexpected += [f"{prefix}{x}" for x in source if x not in target]
-        elif isinstance(target, list) and isinstance(source, (list, tuple)) and len(target) == len(source):
+        elif isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)) and len(target) == len(source):
             for i, (x, y) in enumerate(zip(target, source, strict=True)):
                 self._diff(x, y, f"{prefix}{i}.", d)
