@@ -297,6 +297,29 @@ def test_a_mismatch_on_the_local_tier_is_not_taken_for_a_damaged_copy(tmp_path, 
         assert "remote" not in str(e.value)
 
 
+@pytest.mark.parametrize("first", ["tensors", "scheduler"])
+def test_an_optimizer_after_other_items_of_a_list_loads_from_dcp(tmp_path, first):
+    """The check's read of an optimizer's groups asks for those items only: never for the list items before
+    the optimizer (a dict of tensors, a scheduler), which are no items of the checkpoint themselves."""
+    from ckptio.checkpointer import Checkpointer
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(2, 2)
+        o = torch.optim.AdamW(m.parameters())
+        item = {"ema": torch.zeros(2)} if first == "tensors" else torch.optim.lr_scheduler.StepLR(o, 1)
+        return m, o, {"model": m, "train": [item, o]}
+
+    m, o, st = build()
+    m(torch.ones(2)).sum().backward()
+    o.step()
+    ck = Checkpointer(tmp_path, format="dcp")
+    ck.save(1, st)
+    _, o2, st2 = build()
+    assert ck.load(st2) == 1
+    assert mc.same(o2.state_dict(), o.state_dict())
+
+
 @pytest.mark.parametrize("fmt", mc.FORMATS)
 def test_optimizers_in_a_tuple_are_restored(tmp_path, fmt):
     """Optimizers (and a scheduler) given in a tuple, as in a list: each restored in place, bitwise, the tuple
@@ -324,3 +347,14 @@ def test_optimizers_in_a_tuple_are_restored(tmp_path, fmt):
     for a, b in zip(opts, opts2, strict=True):
         assert mc.same(a.state_dict(), b.state_dict()), type(a).__name__
 
+
+def test_fuzz_nested_states():
+    """Optimizers, schedulers, tensors and values nested at random in dicts, lists and tuples: every one
+    restored in place, bitwise, in every format."""
+    _fuzz(54, 24, timeout=120, script="nesting_cases.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_fuzz_nested_states_long(seed):
+    _fuzz(3000 + seed, 200, timeout=600, script="nesting_cases.py")

@@ -266,13 +266,16 @@ def _values(
     from .. import torch_internals as _ti
 
     wanted = set(names)
-    tree: dict[str, Any] = {}
+    flat: dict[str, Any] = {}  # by fqn: a nested request would ask for the list items before one as well
     for fqn, path in paths.items():
         if path[0] in wanted and not isinstance(md.state_dict_metadata.get(fqn), TensorStorageMetadata):
             if any(path[i] == "param_groups" and path[i + 2] == "params" for i in range(len(path) - 2)):
-                _ti.set_element(tree, path, None)
-    if tree:
-        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+                flat[fqn] = None
+    if flat:
+        dcp.load(flat, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+    tree: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        _ti.set_element(tree, paths[fqn], value)
     return tree
 
 
