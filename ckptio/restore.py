@@ -66,9 +66,13 @@ def apply(
                 target.copy_(source)  # a view of the same memory (read in place): no copy
             return target
         return source
-    if isinstance(target, list) and isinstance(source, (list, tuple)) and len(target) == len(source):
-        for i, x in enumerate(source):  # e.g. a list of optimizers: each restored in place
-            target[i] = apply(target[i], x, f"{prefix}{i}.", res, stateful)
+    if isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)) and len(target) == len(source):
+        pairs = enumerate(zip(target, source, strict=True))  # e.g. a list or tuple of optimizers: each in place
+        items = [apply(t, x, f"{prefix}{i}.", res, stateful) for i, (t, x) in pairs]
+        if isinstance(target, list):
+            target[:] = items
+        elif any(a is not b for a, b in zip(items, target, strict=True)):  # a tuple of values: the stored ones
+            return tuple(items) if type(target) is tuple else source
         return target
     if isinstance(target, dict) and isinstance(source, Mapping):
         for k in list(target):

@@ -57,6 +57,7 @@ class Side:
     idle: tuple = ()
     frozen: tuple = ()
     seed: int = 0
+    named: bool = False  # the optimizer built from named parameters (its groups hold ``param_names``)
 
     def build(self, wrap=None) -> tuple[Net, torch.nn.Module, torch.optim.Optimizer]:
         """The model, the model as the Checkpointer gets it (``wrap(model)``: DDP, FSDP2) and the optimizer,
@@ -66,7 +67,8 @@ class Side:
         groups = []
         for names, lr in zip(self.groups, self.lrs, strict=True):
             names = list(self.layers) if names is None else names
-            groups.append({"params": [p for n in names for p in m.layers[n].parameters()], "lr": lr})
+            params = [(f"layers.{n}.{k}", p) for n in names for k, p in m.layers[n].named_parameters()]
+            groups.append({"params": params if self.named else [p for _, p in params], "lr": lr})
         if self.optim == "adamw":
             o: torch.optim.Optimizer = torch.optim.AdamW(groups, weight_decay=0.1)
         else:
@@ -163,6 +165,10 @@ def expect_restored(saved: dict, before: dict, after: dict, params: dict) -> lis
     for i, (names, hyper) in enumerate(after["groups"]):
         hits = [saved["groups"][i][1]] if positional else [h for ns, h in saved["groups"] if set(ns) & set(names)]
         want = hits[0] if len(hits) == 1 else before["groups"][i][1]
+        own = before["groups"][i][1]  # matched by name: the group's parameter names stay its own; by index,
+        if not positional or "param_names" not in want:  # the checkpoint's if it has them (torch's load_state_dict)
+            want = {k: v for k, v in want.items() if k != "param_names"}
+            want.update({"param_names": own["param_names"]} if "param_names" in own else {})
         if not same(hyper, want):
             bad.append(f"group {i}: {hyper} != {want}")
     return bad
@@ -215,7 +221,7 @@ def draw(rng: random.Random) -> tuple[str, bool, Side, Side]:
     names = [f"l{i}" for i in range(rng.randint(1, 4))]
     layers = {n: (rng.randint(1, 4), rng.randint(1, 4), rng.random() < 0.8, "float32") for n in names}
     optim = rng.choice(["adamw", "sgd"])
-    save = Side(layers, optim, steps=rng.choice([0, 1, 1, 2]), seed=rng.randint(0, 99))
+    save = Side(layers, optim, steps=rng.choice([0, 1, 1, 2]), seed=rng.randint(0, 99), named=rng.random() < 0.3)
     if rng.random() < 0.2:
         save.idle = (rng.choice(names),)
     if rng.random() < 0.1:
@@ -237,7 +243,7 @@ def draw(rng: random.Random) -> tuple[str, bool, Side, Side]:
         elif what == "bias":
             i, o, b, dt = new[n]
             new[n] = (i, o, not b, dt)
-    load = Side(new, optim, steps=rng.choice([0, 0, 1]), seed=rng.randint(100, 199))
+    load = Side(new, optim, steps=rng.choice([0, 0, 1]), seed=rng.randint(100, 199), named=rng.random() < 0.3)
     for side in (save, load):
         ls = list(side.layers)
         rng.shuffle(ls)
@@ -295,6 +301,55 @@ def ranks_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> Non
                         bad.append((fmt, i, strict, out))
         assert not bad, bad
         dist.barrier()
+        dist.destroy_process_group()
+
+    record(out_dir, rank, body)
+
+
+def stages_main(rank: int, world: int, port: int, out_dir: str, seed: int, count: int) -> None:
+    """A rank of a gloo group holding its own stage of a model (as pipeline parallelism does), saved in dcp,
+    then loaded ``count`` times (random: which ranks' stages are reshaped, strict or not): when any rank's
+    check fails, every rank fails at once (no collective left waiting for that rank), that rank with its
+    StateMismatchError, the others naming it (strict: with their own KeyError); else every rank loads."""
+    import random
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptio.checkpointer import Checkpointer
+    from ckptio.errors import CkptioError, StateMismatchError
+    from multiproc import record
+
+    def stage(n: int) -> dict:
+        torch.manual_seed(rank)
+        return {"model": torch.nn.ModuleDict({f"s{rank}": torch.nn.Linear(2, n)})}
+
+    def body() -> None:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        ck = Checkpointer(f"{out_dir}/run", format="dcp", timeout=30)
+        ck.save(1, stage(2))
+        rng = random.Random(seed)  # the same draws on every rank
+        for _ in range(count):
+            reshaped = {r for r in range(world) if rng.random() < 0.4}
+            strict = rng.random() < 0.3
+            case = f"reshaped {sorted(reshaped)}, strict {strict}"
+            start = time.monotonic()
+            try:
+                ck.load(stage(3 if rank in reshaped else 2), strict=strict)
+                err: Exception | None = None
+            except (CkptioError, KeyError) as e:
+                err = e
+            assert time.monotonic() - start < 20, (case, time.monotonic() - start)
+            want = StateMismatchError if rank in reshaped else KeyError if strict else CkptioError if reshaped else None
+            assert (None if err is None else type(err)) is want, (case, err)
+            if rank in reshaped:
+                assert f"s{rank}.weight has shape (2, 2) in the checkpoint, (3, 2) here" in str(err), (case, err)
+            elif reshaped and not strict:
+                assert all(f"rank {r} failed: StateMismatchError" in str(err) for r in reshaped), (case, err)
+        ck.close()
         dist.destroy_process_group()
 
     record(out_dir, rank, body)

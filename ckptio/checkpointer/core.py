@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import uri as _uri
-from ..errors import AlreadyExistsError, CkptioError, logger
+from ..errors import AlreadyExistsError, CkptioError, StateMismatchError, logger
 from . import formats
 from . import retention as _retention
 from .content import CONTENT_HASH, CONTENT_KEY, Content
@@ -539,7 +539,8 @@ class Checkpointer:
                 return formats.read_pt_parts(
                     t.files, names, self.load_options, self.weights_only, cache, allow_pickle, checked
                 )
-            if fmt == "dcp":
+            if fmt == "dcp":  # the ranks agree on the check's outcome before the read's collectives
+                checked = self._group.agreed(check)
                 return formats.read_dcp(
                     d, parts, names, self.load_options, self._pg, cache, allow_pickle, content, checked
                 )
@@ -562,9 +563,10 @@ class Checkpointer:
             try:
                 source, ckpt_parts = read(d)
             except (OSError, CkptioError) as e:
-                if self._tier is None or self._world > 1 or not self._tier.is_local(d):
+                tier = self._tier if self._world == 1 else None
+                if tier is None or not tier.is_local(d) or isinstance(e, StateMismatchError):  # not the copy's fault
                     raise
-                d = self._tier.fallback(s, d, e)  # a damaged local copy: read the remote one
+                d = tier.fallback(s, d, e)  # a damaged local copy: read the remote one
                 source, ckpt_parts = read(d)
         except Exception as e:  # noqa: BLE001 - raised below on every rank (one rank's read may fail alone)
             err = e

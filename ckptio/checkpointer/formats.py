@@ -257,8 +257,8 @@ def _read_dcp(
 def _values(
     d: str, md: Any, paths: Mapping[str, Sequence[Any]], names: Iterable[str], process_group: Any, reader: Any
 ) -> dict[str, Any]:
-    """The values that are not tensors of the parts ``names`` (an optimizer's groups: what a check of the
-    checkpoint against the state compares), read before any tensor."""
+    """The parameter lists of the optimizer groups in the parts ``names`` (``...param_groups.<i>.params``: what a
+    check of the checkpoint against the state compares), read before any tensor; no other value is read twice."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -266,12 +266,16 @@ def _values(
     from .. import torch_internals as _ti
 
     wanted = set(names)
-    tree: dict[str, Any] = {}
+    flat: dict[str, Any] = {}  # by fqn: a nested request would ask for the list items before one as well
     for fqn, path in paths.items():
         if path[0] in wanted and not isinstance(md.state_dict_metadata.get(fqn), TensorStorageMetadata):
-            _ti.set_element(tree, path, None)
-    if tree:
-        dcp.load(tree, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+            if any(path[i] == "param_groups" and path[i + 2] == "params" for i in range(len(path) - 2)):
+                flat[fqn] = None
+    if flat:
+        dcp.load(flat, d, planner=DefaultLoadPlanner(), process_group=process_group, storage_reader=reader)
+    tree: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        _ti.set_element(tree, paths[fqn], value)
     return tree
 
 

@@ -75,6 +75,20 @@ class Group:
             finally:  # the error's traceback holds this frame: no reference cycle through it
                 del err
 
+    def agreed(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``fn`` for a step every rank runs before a collective (a dcp read): the ranks :meth:`agree` on its
+        outcome, so every rank raises, or none, and no collective waits for a rank that failed."""
+
+        def run(x: Any) -> None:
+            err = None
+            try:
+                fn(x)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                err = e
+            self.agree(err)
+
+        return run
+
     def barrier(self) -> None:
         if self.pg is not None:
             import torch.distributed as dist

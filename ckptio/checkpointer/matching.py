@@ -15,7 +15,8 @@ An optimizer saved by name (``get_optimizer_state_dict``) is matched with the op
   unexpected.
 
 :func:`restore` then restores what matches: the state of the parameters the checkpoint holds, as it holds it
-(one it holds without state ends without state), and every group's hyperparameters as above; the other
+(one it holds without state ends without state), and every group's hyperparameters as above (its parameter
+names, ``param_names``, stay its own); the other
 parameters' state stays as it was before the load (:func:`held`; none for a fresh optimizer), although torch's
 function initializes a fresh optimizer's state first. An optimizer saved by index (before its first step, or
 as ``optim.state_dict()``) is restored by position, so its groups must hold as many parameters as the
@@ -29,15 +30,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..errors import FormatError
 
-__all__ = ["NO_OWNER", "Diff", "Match", "held", "index_keyed", "int_keys", "match", "names", "restore"]
+__all__ = ["NO_OWNER", "Diff", "Match", "held", "index_keyed", "int_keys", "match", "names", "own_loads", "restore"]
 
 NO_OWNER = (
     "the checkpoint holds optimizer state by parameter name, but no module in the state given to load() holds "
     "all of this optimizer's parameters; pass the model in the same state"
 )
+
+
+_OWN = ("params", "param_names")  # a group's own, whatever the checkpoint's group held (torch puts its names back)
 
 
 def _params(osd: Mapping[str, Any]) -> list[list[Any] | None]:
@@ -135,7 +140,7 @@ def restore(
     groups = []
     for g, ns, j in zip(optim.param_groups, mine, found.groups, strict=True):
         hyper = g if j is None else theirs[j]
-        groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": ns})
+        groups.append({**{k: v for k, v in hyper.items() if k not in _OWN}, "params": ns})
     restored = {n: state[n] for ns in mine for n in ns if n in state}
     set_optimizer_state_dict(module, optim, {"state": restored, "param_groups": groups}, options=options)
     for g, ns in zip(optim.param_groups, mine, strict=True):
@@ -146,6 +151,23 @@ def restore(
                     optim.state[p] = before[id(p)]
 
 
+def own_loads(module: torch.nn.Module) -> set[str]:
+    """The state dict names (as ``state_dict()`` and torch's state_dict functions give them) of what the modules
+    in ``module`` that load their own way hold: a ``_load_from_state_dict`` of their own outside ``torch.nn``
+    (torch's quantization observers resize their buffers to the checkpoint's), which decides what fits."""
+    from .. import torch_internals as _ti
+
+    out: set[str] = set()
+    for prefix, m in module.named_modules():
+        load = type(m)._load_from_state_dict
+        if load is not torch.nn.Module._load_from_state_dict and not str(getattr(load, "__module__", "")).startswith(
+            "torch.nn."
+        ):
+            for name in m.state_dict(prefix=f"{prefix}." if prefix else ""):
+                out |= {name, *_ti.get_fqns(module, name)}
+    return out
+
+
 class Diff:
     """What :meth:`Parts.verify` found: keys missing and unexpected, and ``problems``, what cannot be restored."""
 
@@ -154,10 +176,16 @@ class Diff:
         self.unexpected: list[str] = []
         self.problems: list[str] = []
 
-    def shapes(self, prefix: str, have: Mapping[str, Any], source: Mapping[str, Any]) -> None:
+    def shapes(self, prefix: str, module: torch.nn.Module, have: Mapping[str, Any], source: Mapping[str, Any]) -> None:
+        """The tensors of ``module`` (``have``, its state dict) of other shapes in ``source`` that torch's
+        ``load_state_dict`` refuses (not those a module loading its own way takes, :func:`own_loads`)."""
+        theirs = {x: getattr(source.get(x), "shape", None) for x in have}
+        skip = own_loads(module) if any(isinstance(s, tuple) for s in theirs.values()) else set()
         for x, t in have.items():
-            shape = getattr(source.get(x), "shape", None)
-            if isinstance(t, torch.Tensor) and isinstance(shape, tuple) and tuple(shape) != tuple(t.shape):
+            shape = theirs[x]
+            if not isinstance(t, torch.Tensor) or not isinstance(shape, tuple) or x in skip or is_lazy(t):
+                continue
+            if tuple(shape) != tuple(t.shape) and not (t.dim() == 0 and tuple(shape) == (1,)):  # torch takes [0]
                 self.problems.append(f"{prefix}{x} has shape {tuple(shape)} in the checkpoint, {tuple(t.shape)} here")
 
     def optimizer(self, target: torch.optim.Optimizer, source: Any, prefix: str, owner: Any) -> None:

@@ -256,7 +256,7 @@ class Parts:
             return self._template(v.state_dict(), stored)
         if isinstance(v, Mapping):
             return {k: self._template(x, _child(stored, k)) for k, x in v.items()}
-        if isinstance(v, list):
+        if isinstance(v, (list, tuple)):
             return [self._template(x, _child(stored, i)) for i, x in enumerate(v)]
         return v
 
@@ -335,7 +335,7 @@ class Parts:
             have = _live(target, source)
             d.missing += [prefix + x for x in have if x not in source]
             d.unexpected += [prefix + str(x) for x in source if x not in have]
-            d.shapes(prefix, have, source)
+            d.shapes(prefix, target, have, source)
         elif isinstance(target, torch.optim.Optimizer):
             self._held[id(target)] = matching.held(target)
             d.optimizer(target, source, prefix, self.owner(target))
@@ -352,6 +352,6 @@ class Parts:
                 else:
                     self._diff(target[x], source[x], f"{prefix}{x}.", d)
             d.unexpected += [f"{prefix}{x}" for x in source if x not in target]
-        elif isinstance(target, list) and isinstance(source, (list, tuple)) and len(target) == len(source):
+        elif isinstance(target, (list, tuple)) and isinstance(source, (list, tuple)) and len(target) == len(source):
             for i, (x, y) in enumerate(zip(target, source, strict=True)):
                 self._diff(x, y, f"{prefix}{i}.", d)
