@@ -30,7 +30,13 @@ def build(shape: list, seed: int) -> tuple[dict, torch.nn.Module, list]:
         if isinstance(node, list):
             kind, children = node
             items = [make(c) for c in children]
-            return {f"k{i}": x for i, x in enumerate(items)} if kind == "dict" else tuple(items) if kind == "tuple" else items
+            return (
+                {f"k{i}": x for i, x in enumerate(items)}
+                if kind == "dict"
+                else tuple(items)
+                if kind == "tuple"
+                else items
+            )
         if node == "optim":
             layer = model[f"l{len(model)}"] = torch.nn.Linear(2, 2)
             made.append(torch.optim.AdamW(layer.parameters(), lr=0.1))
