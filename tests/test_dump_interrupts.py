@@ -157,7 +157,7 @@ def test_interrupted_dumps_fuzz(request, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_interrupted_dumps_fuzz_long(request, tmp_path, seed):
     _fuzz(request, tmp_path, seed=1000 + seed, cases=40)
 
@@ -271,6 +271,6 @@ def test_failing_dump_errors_fuzz(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_failing_dump_errors_fuzz_long(tmp_path, seed):
     _errors_fuzz(tmp_path, seed=100 + seed, cases=300)
