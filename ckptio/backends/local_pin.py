@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..errors import replaced
 from ..osio import bytes_of, fresh_bytes, preadinto, preadv_into, reading
-from ..wrappers.forwarding import ForwardingBackend
-from .base import Backend, Buffer, ObjectInfo, WriteMode, Writer
+from ..wrappers.forwarding import PinnedView
+from .base import Backend, Buffer, ObjectInfo
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ def version_of(st: os.stat_result) -> str:
     return f"{st.st_mtime_ns}:{st.st_size}"
 
 
-class PinnedFile(ForwardingBackend):
+class PinnedFile(PinnedView):
     """``inner`` (a LocalBackend) with every read and ``stat`` of ``uri`` (at ``path``) from one file: the
     one the first of them found, of ``version`` when given. Other objects and every other operation are
     ``inner``'s."""
@@ -81,6 +81,10 @@ class PinnedFile(ForwardingBackend):
                 raise replaced(uri, str(self._version), info.version)
         return info
 
+    @property
+    def pinned(self) -> str | None:
+        return self._version
+
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
         if uri != self.uri:
             return self.inner.pin_version(uri, version)
@@ -89,19 +93,3 @@ class PinnedFile(ForwardingBackend):
             if version != self._version:
                 raise replaced(uri, version, self._version)
         return self
-
-    def with_options(self, **options: Any) -> Backend:
-        derived = self.inner.with_options(**options)
-        return self if derived is self.inner else derived.pin_version(self.uri, self._version)
-
-    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
-        return self.inner.open_writer(uri, mode=mode, durable=durable)
-
-    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
-        self.inner.write(uri, data, mode=mode, durable=durable)
-
-    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
-        self.inner.copy(src, dst, mode=mode)
-
-    def rmtree(self, uri: str) -> None:
-        self.inner.rmtree(uri)

@@ -9,8 +9,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..backends.base import Backend, Buffer, ObjectInfo, WriteMode, Writer
-from ..wrappers.forwarding import ForwardingBackend
+from ..backends.base import Backend, Buffer, ObjectInfo
+from ..wrappers.forwarding import PinnedView
 from .ranged import VersionPin
 
 
@@ -31,7 +31,7 @@ def range_of(backend: Backend, uri: str, start: int, end: int) -> bytes:
     return bytes(buf) if n == len(buf) else bytes(buf[:n])
 
 
-class PinnedReads(ForwardingBackend):
+class PinnedReads(PinnedView):
     """``inner`` with every read of ``uri`` pinned to one version of it (:meth:`Backend.pin_version`); a
     ``stat`` of ``uri`` through it pins or checks the version too. Other objects and every other
     operation are ``inner``'s."""
@@ -71,25 +71,13 @@ class PinnedReads(ForwardingBackend):
     def read_range(self, uri: str, start: int = 0, end: int | None = None) -> bytes:
         return range_of(self, uri, start, self.stat(uri).size if end is None else end)
 
+    @property
+    def pinned(self) -> str | None:
+        return self._pin.version
+
     def pin_version(self, uri: str, version: str | None = None) -> Backend:
         if uri != self.uri:
             return self.inner.pin_version(uri, version)
         if version is not None:
             self._pin.check(uri, version, reply=False)
         return self
-
-    def with_options(self, **options: Any) -> Backend:
-        derived = self.inner.with_options(**options)
-        return self if derived is self.inner else derived.pin_version(self.uri, self._pin.version)
-
-    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
-        return self.inner.open_writer(uri, mode=mode, durable=durable)
-
-    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
-        self.inner.write(uri, data, mode=mode, durable=durable)
-
-    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
-        self.inner.copy(src, dst, mode=mode)
-
-    def rmtree(self, uri: str) -> None:
-        self.inner.rmtree(uri)

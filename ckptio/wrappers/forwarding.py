@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..backends.base import Backend, ObjectInfo, PendingWrite
+from ..backends.base import Backend, Buffer, ObjectInfo, PendingWrite, WriteMode, Writer
 
 
 class ForwardingBackend(Backend):
@@ -45,3 +45,32 @@ class ForwardingBackend(Backend):
 
     def abort_pending_write(self, write: PendingWrite) -> None:
         self.inner.abort_pending_write(write)
+
+
+class PinnedView(ForwardingBackend):
+    """The base of a view of ``inner`` whose reads of ``uri`` come from one version of it
+    (:meth:`Backend.pin_version`): writes, copies and removals are ``inner``'s, and the view taken with other
+    options pins the same version. A subclass pins the reads and keeps the version in ``pinned``."""
+
+    uri: str
+
+    @property
+    def pinned(self) -> str | None:
+        """The version the reads of ``uri`` are pinned to (None until the first read or stat finds it)."""
+        raise NotImplementedError
+
+    def with_options(self, **options: object) -> Backend:
+        derived = self.inner.with_options(**options)
+        return self if derived is self.inner else derived.pin_version(self.uri, self.pinned)
+
+    def open_writer(self, uri: str, *, mode: WriteMode = "overwrite", durable: bool = True) -> Writer:
+        return self.inner.open_writer(uri, mode=mode, durable=durable)
+
+    def write(self, uri: str, data: Buffer, *, mode: WriteMode = "overwrite", durable: bool = True) -> None:
+        self.inner.write(uri, data, mode=mode, durable=durable)
+
+    def copy(self, src: str, dst: str, *, mode: WriteMode = "overwrite") -> None:
+        self.inner.copy(src, dst, mode=mode)
+
+    def rmtree(self, uri: str) -> None:
+        self.inner.rmtree(uri)
