@@ -4,12 +4,9 @@ local file named ``s3:``. Local paths with a ':' deeper in them, or before a nam
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,6 +14,7 @@ import pytest
 import ckptio
 from ckptio import cli
 from ckptio.errors import InvalidURIError, UnknownFormatError, UnknownOptionError
+from fuzzing import fuzz_in_child
 
 MISTYPED = [
     ("s3:/team-bucket/x.pt", "s3://team-bucket/x.pt"),
@@ -161,19 +159,7 @@ def test_fuzz_mistyped_uris_never_show_credentials(tmp_path):
     string or both, through resolve/exists/put/list, load/dump with a misspelt keyword and ``ckptio ls`` in a
     child: each is refused (a mistyped URI, the keyword, or a query read as the extension) and the secret
     appears in no error's str, repr, pickle or notes, nor in the CLI's output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "5"))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", CREDENTIALS_FUZZ, str(seed), "150", SECRET],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout)
+    cases = fuzz_in_child(CREDENTIALS_FUZZ, 5, 150, SECRET, cwd=tmp_path)
     assert len(cases) == 150
     for c in cases:
         for kind, text in c["shown"]:
@@ -257,18 +243,7 @@ def test_fuzz_mistyped_uris(tmp_path):
     fix; nothing named like a URI is ever created locally."""
     work = tmp_path / "cwd"
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "7"))
-    proc = subprocess.run(
-        [sys.executable, "-c", FUZZ, str(seed), "300", str(tmp_path)],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout)
+    cases = fuzz_in_child(FUZZ, 7, 300, str(tmp_path), cwd=work, keep_ckptio_env=True)
     assert len(cases) == 300
     assert _bad_names(str(tmp_path)) == []
     kinds = {"refused": 0, "ok": 0}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch
 import ckptio
 from ckptio import cli, config
 from ckptio.errors import SettingsError, UnknownOptionError
+from fuzzing import fuzz_in_child
 
 SECRET = "hunter2-S3CR3T"
 
@@ -245,18 +244,7 @@ def test_fuzz_plugin_format_options(tmp_path):
     or without ``**kwargs``; subclasses of the json, pickle and torch formats adding options), in a child:
     every option a format's own methods take reaches them through ``ckptio.load``/``dump``; a misspelt one is
     refused by a format whose methods take no ``**kwargs`` (and passed on by the others, as before)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "3"))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", PLUGIN_FUZZ, str(seed), "60", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout)
+    cases = fuzz_in_child(PLUGIN_FUZZ, 3, 60, str(tmp_path))
     assert len(cases) == 60 and {c["base"] for c in cases} == {"Format", "JsonFormat", "PickleFormat", "TorchFormat"}
     i = 0
     for i, c in enumerate(cases):
@@ -362,18 +350,7 @@ def test_fuzz_misspelt_options(tmp_path):
     """Misspelt keywords (dropped, doubled, swapped letters, case) of every format's load/dump/load_into and
     misspelt or mistyped ``CKPTIO_*`` variables, in a child: each works (a real option) or is refused naming
     the public call or the variable, never an internal name and never a secret value."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTIO_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    seed = int(os.environ.get("CKPTIO_FUZZ_SEED", "11"))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", FUZZ, str(seed), "200", str(tmp_path), "S3CR3T-" + "x" * 8],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout)
+    cases = fuzz_in_child(FUZZ, 11, 200, str(tmp_path), "S3CR3T-" + "x" * 8)
     refused = 0
     for c in cases:
         assert c["outcome"] in ("ok", "refused"), c
