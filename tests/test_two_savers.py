@@ -74,17 +74,18 @@ def test_a_saver_leaves_another_savers_step_in_progress_alone(where, tmp_path, r
     assert check_every_committed_step(root) == [1, 2]
 
 
-def test_a_killed_saves_debris_goes_once_stale_and_a_saves_own_at_once(tmp_path, monkeypatch):
-    root = str(tmp_path / "root")
-    ck = Checkpointer(root, format="fpk", incremental=True, stale_after=3600)
+def _debris_rule(ck, where: str, name: str, monkeypatch) -> str:
+    """Saves through ``ck`` beside two killed saves' debris in ``where`` (recent, maybe still running
+    elsewhere, and hours old): the old one goes, the recent one stays; then a save of ck's own that fails at
+    its commit, followed by another save. Returns the recent debris' directory."""
     ck.save(1, state(1))
-    fresh, old = os.path.join(root, "000000000002"), os.path.join(root, "000000000003")
-    for d in (fresh, old):  # killed saves: recent (maybe still running elsewhere) and hours ago
+    fresh, old = os.path.join(where, "000000000002"), os.path.join(where, "000000000003")
+    for d in (fresh, old):
         os.makedirs(d)
-        with open(os.path.join(d, "state.fpk"), "wb") as f:
+        with open(os.path.join(d, name), "wb") as f:
             f.write(b"torn")
     long_ago = time.time() - 7200
-    for p in (os.path.join(old, "state.fpk"), old):
+    for p in (os.path.join(old, name), old):
         os.utime(p, (long_ago, long_ago))
     ck.save(5, state(5))
     assert os.path.exists(fresh) and not os.path.exists(old)
@@ -95,8 +96,15 @@ def test_a_killed_saves_debris_goes_once_stale_and_a_saves_own_at_once(tmp_path,
     with monkeypatch.context() as m:
         m.setattr(ck._layout, "commit", fail)
         with pytest.raises(OSError, match="disk gone"):
-            ck.save(6, state(6))  # its own debris, fresh: deleted by its next commit
+            ck.save(6, state(6))  # its own debris, fresh: deleted after its next commit
     ck.save(7, state(7))
+    return fresh
+
+
+def test_a_killed_saves_debris_goes_once_stale_and_a_saves_own_at_once(tmp_path, monkeypatch):
+    root = str(tmp_path / "root")
+    ck = Checkpointer(root, format="fpk", incremental=True, stale_after=3600)
+    fresh = _debris_rule(ck, root, "state.fpk", monkeypatch)
     assert not os.path.exists(os.path.join(root, "000000000006"))
     assert os.path.exists(fresh) and check_every_committed_step(root) == [1, 5, 7]
 
@@ -254,26 +262,7 @@ def test_the_local_tier_evicts_a_killed_saves_debris_once_stale_and_a_saves_own_
     """The local tier's eviction deletes uncommitted step directories by the rule retention follows."""
     root, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
     ck = Checkpointer(root, format="pt", local_tier=tier, stale_after=3600)
-    ck.save(1, state(1))
-    fresh, old = os.path.join(tier, "000000000002"), os.path.join(tier, "000000000003")
-    for d in (fresh, old):  # killed saves: recent (maybe still running elsewhere) and hours ago
-        os.makedirs(d)
-        with open(os.path.join(d, "state.pt"), "wb") as f:
-            f.write(b"torn")
-    long_ago = time.time() - 7200
-    for p in (os.path.join(old, "state.pt"), old):
-        os.utime(p, (long_ago, long_ago))
-    ck.save(5, state(5))
-    assert os.path.exists(fresh) and not os.path.exists(old)
-
-    def fail(*args):
-        raise OSError("disk gone")
-
-    with monkeypatch.context() as m:
-        m.setattr(ck._layout, "commit", fail)
-        with pytest.raises(OSError, match="disk gone"):
-            ck.save(6, state(6))  # its own debris, fresh: evicted after its next commit
-    ck.save(7, state(7))
+    fresh = _debris_rule(ck, tier, "state.pt", monkeypatch)
     ck.wait()
     assert not os.path.exists(os.path.join(tier, "000000000006")) and os.path.exists(fresh)
     ck.close()
